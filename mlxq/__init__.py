@@ -1,0 +1,1 @@
+"""mlxq: Redis/RQ-queued batch inference on MLX. CLI, demo and benchmark glue live here."""

@@ -1,0 +1,28 @@
+"""Wire schemas and key names shared by producers and workers. Imports no MLX."""
+
+from schemas import keys
+from schemas.request import (
+    ChatMessage,
+    GenerationRequest,
+    ImagePart,
+    InvalidRequestError,
+    RequestLimits,
+    TextPart,
+)
+from schemas.result import Choice, ErrorInfo, GenerationResult, Timings, TopLogprob, Usage
+
+__all__ = [
+    "ChatMessage",
+    "Choice",
+    "ErrorInfo",
+    "GenerationRequest",
+    "GenerationResult",
+    "ImagePart",
+    "InvalidRequestError",
+    "RequestLimits",
+    "TextPart",
+    "Timings",
+    "TopLogprob",
+    "Usage",
+    "keys",
+]

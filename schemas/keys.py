@@ -1,0 +1,42 @@
+"""Every Redis key and queue name mlxq uses, in one place.
+
+The `mlxq:result:`, `mlxq:stream:` and `mlxq:cancel:` keys are the public contract
+(CONTRACT.md); `mlxq:done:` is a pub/sub channel the worker publishes a job id on right
+after its result key is written, so waiters block instead of polling.
+"""
+
+from __future__ import annotations
+
+PREFIX = "mlxq:"
+DEFAULT_QUEUE = "mlxq"
+JOB_FUNCTION = "worker.tasks.generate"
+SERIALIZER = "rq.serializers.JSONSerializer"
+
+# Contract: a job that did not set result_ttl keeps its result key this long (RQ's default).
+DEFAULT_RESULT_TTL = 500
+
+
+def result_key(job_id: str) -> str:
+    return f"{PREFIX}result:{job_id}"
+
+
+def stream_key(job_id: str) -> str:
+    return f"{PREFIX}stream:{job_id}"
+
+
+def cancel_key(job_id: str) -> str:
+    return f"{PREFIX}cancel:{job_id}"
+
+
+def done_channel(job_id: str) -> str:
+    return f"{PREFIX}done:{job_id}"
+
+
+def queue_for_model(model: str | None) -> str:
+    """The contract's routing: `mlxq:<model>` when a model is named, else `mlxq`."""
+    return f"{PREFIX}{model}" if model else DEFAULT_QUEUE
+
+
+def model_alias(model: str) -> str:
+    """The worker's default alias for a model path or hub id: its last path component."""
+    return model.rstrip("/").rsplit("/", 1)[-1]

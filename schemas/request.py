@@ -1,0 +1,198 @@
+"""GenerationRequest: what a producer enqueues. Strict: unknown fields and out-of-range
+values are rejected, and every error names the field."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Operator-set caps, checked on top of the schema's fixed ranges.
+
+    Producers pass them to validation (`GenerationRequest.validate_payload(d, limits)`);
+    the worker re-checks them, plus the prompt's token length, which only it can count.
+    """
+
+    max_tokens: int = 4096
+    max_prompt_tokens: int = 32768
+    max_prompt_chars: int = 1_000_000
+
+
+class InvalidRequestError(ValueError):
+    """A request failed validation. `field` is the dotted path of the first bad field."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart]]
+    name: Optional[str] = None
+
+
+class GenerationRequest(BaseModel):
+    """One generation job. Exactly one of `prompt`, `messages`, `prompt_token_ids`.
+
+    `max_tokens=None` means the worker's default (`MLXQ_DEFAULT_MAX_TOKENS`).
+    Defaults follow OpenAI: temperature 1.0, top_p 1.0, n 1. `top_k=0` and `min_p=0`
+    disable those filters.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    prompt_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, min_length=1)
+
+    model: Optional[str] = Field(None, min_length=1, max_length=512)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # JSON object keys are strings: token ids arrive as "123" and are coerced here only.
+    logit_bias: Optional[
+        dict[Annotated[int, Strict(False), Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]]
+    ] = Field(None, max_length=1024)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, max_length=64)
+    n: int = Field(1, ge=1, le=MAX_N)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    return_prompt_token_ids: bool = False
+    stream: bool = False
+    ignore_eos: bool = False
+    custom_id: Optional[str] = Field(None, max_length=512)
+    metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = (
+        Field(None, max_length=16)
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
+        strings = [value] if isinstance(value, str) else (value or [])
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _check_input_and_limits(self, info: ValidationInfo) -> "GenerationRequest":
+        given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of prompt, messages, prompt_token_ids is required"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        limits = (info.context or {}).get("limits") if info.context else None
+        if isinstance(limits, RequestLimits):
+            check_limits(self, limits)
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @classmethod
+    def validate_payload(cls, payload: Any, limits: RequestLimits | None = None) -> "GenerationRequest":
+        """Validate a decoded JSON payload, raising InvalidRequestError that names the field."""
+        if isinstance(payload, GenerationRequest):
+            payload = payload.model_dump(exclude_unset=True)
+        if not isinstance(payload, dict):
+            raise InvalidRequestError(
+                f"request: expected a JSON object, got {type(payload).__name__}", field="request"
+            )
+        try:
+            return cls.model_validate(payload, context={"limits": limits} if limits else None)
+        except ValidationError as exc:
+            raise _as_invalid_request(exc) from None
+
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON object that goes on the wire: only fields the caller set."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
+    if request.max_tokens is not None and request.max_tokens > limits.max_tokens:
+        raise ValueError(f"max_tokens: {request.max_tokens} exceeds this deployment's limit of {limits.max_tokens}")
+    if request.prompt_token_ids is not None and len(request.prompt_token_ids) > limits.max_prompt_tokens:
+        raise ValueError(
+            f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceeds the limit of "
+            f"{limits.max_prompt_tokens}"
+        )
+    chars = len(request.prompt or "") + sum(
+        len(m.content) if isinstance(m.content, str) else sum(len(getattr(p, "text", "")) for p in m.content)
+        for m in request.messages or []
+    )
+    if chars > limits.max_prompt_chars:
+        field = "prompt" if request.prompt is not None else "messages"
+        raise ValueError(f"{field}: {chars} characters exceeds the limit of {limits.max_prompt_chars}")
+
+
+def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    parts = []
+    first_field = None
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if not loc:  # model-level checks name their field at the start of the message
+            named = re.match(r"(\w+): ", message)
+            first_field = first_field or (named.group(1) if named else "prompt")
+        first_field = first_field or loc
+        if err["type"] == "extra_forbidden":
+            message = "unknown field"
+        parts.append(f"{loc}: {message}" if loc else message)
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return InvalidRequestError("invalid request: " + "; ".join(parts) + more, field=first_field)
