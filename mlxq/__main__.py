@@ -1,0 +1,3 @@
+from mlxq.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""The `mlxq` command line. Each verb is a thin wrapper; the work lives in the packages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+def _url(args: argparse.Namespace) -> str:
+    return args.url or os.environ.get("MLXQ_REDIS_URL") or DEFAULT_URL
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.blas:
+        os.environ["MLXQ_BLAS"] = args.blas  # read when `worker` is first imported, before MLX
+    import redis
+
+    from worker import BatchWorker, WorkerSettings
+
+    settings = WorkerSettings.from_env(
+        model=args.model,
+        alias=args.alias,
+        max_num_seqs=args.max_num_seqs,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        blas=args.blas,
+        metal_wired_limit_mb=args.metal_wired_limit_mb,
+        metal_cache_limit_mb=args.metal_cache_limit_mb,
+    )
+    connection = redis.Redis.from_url(_url(args))
+    worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
+    worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    import worker  # noqa: F401  (BLAS preload before MLX)
+    from worker.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed)
+    print(path)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mlxq.demo import run_demo
+
+    return run_demo(
+        url=args.url or os.environ.get("MLXQ_REDIS_URL"),
+        model=args.model,
+        jobs=args.jobs,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxq", description="Redis/RQ-queued batch inference on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("worker", help="run a continuous-batching worker", description=(
+        "Run a BatchWorker. Without queues it listens on mlxq:<alias> then mlxq. "
+        "Every flag has an MLXQ_* environment variable twin (e.g. MLXQ_MAX_NUM_SEQS)."))
+    p.add_argument("queues", nargs="*", help="queues to listen on, in priority order")
+    p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL})")
+    p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
+    p.add_argument("--alias", help="name requests use for this model (default: last path component)")
+    p.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once (default 32)")
+    p.add_argument("--default-max-tokens", type=int, help="max_tokens for requests that leave it unset (256)")
+    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for (4096)")
+    p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
+    p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
+    p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
+    p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
+    p.add_argument("--name", help="worker name (default: RQ's)")
+    p.add_argument("--burst", action="store_true", help="quit when the queues are empty")
+    p.add_argument("--max-jobs", type=int, help="quit after taking this many jobs")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("make-tiny-model", help="build a small random-weight model directory (offline)")
+    p.add_argument("path")
+    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
+    p.add_argument("--url", help="use this Redis instead of starting a private one")
+    p.add_argument("--model", help="use this model instead of building the tiny one")
+    p.add_argument("--jobs", type=int, default=48)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.set_defaults(func=cmd_demo)
+
+    try:
+        from mlxq import producer_commands
+    except ImportError:  # pragma: no cover - present in every install
+        producer_commands = None  # type: ignore[assignment]
+    if producer_commands is not None:
+        producer_commands.register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`mlxq demo`: Redis, a model, a worker process and concurrent producers on one machine.
+
+Everything it starts it stops: the private redis-server, the worker, the temporary model dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Optional
+
+PROMPTS = [
+    "Explain continuous batching in one sentence.",
+    "Write a haiku about message queues.",
+    "List three uses of Redis.",
+    "What is a token?",
+    "Hello world!",
+    "Summarize: the quick brown fox jumps over the lazy dog.",
+]
+
+
+@contextlib.contextmanager
+def _redis(url: Optional[str]) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    from mlxq.redis_server import RedisServer
+
+    with RedisServer() as server:
+        print(f"started a private redis-server at {server.url} ({server.binary})")
+        yield server.url
+
+
+@contextlib.contextmanager
+def _model(model: Optional[str]) -> Iterator[str]:
+    if model:
+        yield model
+        return
+    workdir = tempfile.mkdtemp(prefix="mlxq-demo-")
+    try:
+        subprocess.run([sys.executable, "-m", "mlxq", "make-tiny-model", f"{workdir}/tiny"], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"built the tiny random-weight model in {workdir}/tiny (its text is gibberish by design)")
+        yield f"{workdir}/tiny"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _worker(url: str, model: str, max_num_seqs: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxq", "worker", "--url", url, "--model", model,
+         "--max-num-seqs", str(max_num_seqs), "--name", f"demo-{os.getpid()}", "--log-level", "WARNING"],
+    )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_demo(
+    url: Optional[str] = None,
+    model: Optional[str] = None,
+    jobs: int = 48,
+    threads: int = 4,
+    max_tokens: int = 32,
+    max_num_seqs: int = 32,
+) -> int:
+    from producer import Client
+
+    with _redis(url) as redis_url, _model(model) as model_path, _worker(redis_url, model_path, max_num_seqs):
+        client = Client(redis_url)
+        requests = [
+            {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8,
+             "seed": i, "custom_id": f"demo-{i}"}
+            for i in range(jobs)
+        ]
+        # Warm-up: the worker loads the model before it takes the first job.
+        client.wait(client.submit({"prompt": "warm up", "max_tokens": 2}), timeout=300)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            ids = list(pool.map(client.submit, requests))
+            results = list(pool.map(lambda job_id: client.wait(job_id, timeout=600), ids))
+        elapsed = time.perf_counter() - start
+
+        print(f"\n{'custom_id':<10} {'status':<9} {'finish':<7} {'prompt':>6} {'compl':>6}  text")
+        for result in results:
+            choice = result.choices[0] if result.choices else None
+            text = (choice.text if choice else "").replace("\n", " ")[:48]
+            print(f"{result.custom_id or '':<10} {result.status:<9} {(choice.finish_reason if choice else '') or '':<7} "
+                  f"{result.usage.prompt_tokens:>6} {result.usage.completion_tokens:>6}  {text!r}")
+        completion = sum(r.usage.completion_tokens for r in results)
+        failed = sum(r.status != "finished" for r in results)
+        ttfts = sorted(r.timings.ttft_s for r in results if r.timings.ttft_s is not None)
+        print(
+            f"\n{jobs} jobs from {threads} threads in {elapsed:.2f} s: {jobs / elapsed:.1f} jobs/s, "
+            f"{completion / elapsed:.1f} generated tokens/s, {failed} failed"
+            + (f", median TTFT {ttfts[len(ttfts) // 2] * 1000:.0f} ms" if ttfts else "")
+        )
+        print(f"first token ids of {results[0].id}: {results[0].choices[0].token_ids[:8]}")
+        client.close()
+        return 1 if failed else 0

@@ -1,0 +1,55 @@
+"""Load the served model once and build the engine + scheduler around it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from worker.platform import apply_metal_limits, device_description, preload_blas
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("mlxq.worker")
+
+
+def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
+    if not settings.model:
+        raise RuntimeError("no model configured: set MLXQ_MODEL or pass --model (a local path or a hub id)")
+    blas = preload_blas(settings.blas)
+    from mlx_lm import load
+
+    model, tokenizer = load(
+        settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code}
+    )
+    limits = apply_metal_limits(settings.metal_wired_limit_mb, settings.metal_cache_limit_mb)
+    log.info(
+        "loaded %s (%s); BLAS: %s%s",
+        settings.model,
+        device_description(),
+        blas.name,
+        f"; Metal {', '.join(limits)}" if limits else "",
+    )
+    return model, tokenizer
+
+
+def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None):  # -> BatchScheduler
+    from worker.engines.text import TextEngine
+    from worker.scheduler import BatchScheduler
+
+    model, tokenizer = load_model(settings)
+    engine = TextEngine(
+        model,
+        tokenizer,
+        max_num_seqs=settings.max_num_seqs,
+        prefill_batch_size=settings.prefill_batch_size,
+        prefill_step_size=settings.prefill_step_size,
+    )
+    return BatchScheduler(
+        engine,
+        max_num_seqs=settings.max_num_seqs,
+        default_max_tokens=settings.default_max_tokens,
+        limits=settings.limits,
+        served_names=settings.served_names(),
+        model_name=settings.served_alias,
+        worker_name=worker_name or f"pid-{os.getpid()}",
+    )

@@ -1,0 +1,92 @@
+"""The only platform-specific code in the worker: a fast BLAS for Linux CPU, Metal memory limits
+for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+log = logging.getLogger("mlxq.platform")
+
+# Debian/Ubuntu (libopenblas0-pthread), Fedora, then whatever the loader finds by name.
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+@dataclass
+class BlasChoice:
+    name: str  # what the start-up log line says
+    path: Optional[str] = None
+
+
+_blas_choice: Optional[BlasChoice] = None
+
+
+def preload_blas(setting: str = "auto", platform: str = sys.platform) -> BlasChoice:
+    """Make MLX's CPU backend use an optimized BLAS on Linux (32x faster matmul than the
+    reference BLAS bundled in the mlx-cpu wheel, notes/mlx.md).
+
+    Loading the library RTLD_GLOBAL before `mlx.core` is first imported makes its BLAS symbols
+    win over the bundled ones when libmlx is bound. It must run before any `import mlx`.
+    """
+    global _blas_choice
+    if _blas_choice is not None:
+        return _blas_choice
+    if platform != "linux":
+        _blas_choice = BlasChoice("platform default (Accelerate on macOS)" if platform == "darwin" else "platform default")
+        return _blas_choice
+    if setting == "off":
+        _blas_choice = BlasChoice("bundled reference BLAS (MLXQ_BLAS=off)")
+        return _blas_choice
+    if "mlx.core" in sys.modules:
+        _blas_choice = BlasChoice("bundled reference BLAS (mlx was imported before mlxq could preload one)")
+        log.warning("mlx.core was imported before worker: cannot switch MLX to an optimized BLAS")
+        return _blas_choice
+    candidates = [setting] if setting != "auto" else [p for p in OPENBLAS_CANDIDATES if os.path.exists(p)]
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            if setting != "auto":
+                raise RuntimeError(f"MLXQ_BLAS={setting}: cannot load it: {exc}") from exc
+            continue
+        _blas_choice = BlasChoice(f"OpenBLAS ({path})" if "blas" in path.lower() else path, path)
+        return _blas_choice
+    _blas_choice = BlasChoice(
+        "bundled reference BLAS: slow; install OpenBLAS (apt-get install libopenblas0-pthread) "
+        "or set MLXQ_BLAS to a BLAS library path"
+    )
+    return _blas_choice
+
+
+def apply_metal_limits(wired_limit_mb: Optional[int], cache_limit_mb: Optional[int]) -> list[str]:
+    """Apply Metal memory limits when running on a Mac GPU; a no-op elsewhere. Returns what it set."""
+    import mlx.core as mx
+
+    if sys.platform != "darwin" or not mx.metal.is_available():
+        return []
+    applied = []
+    if wired_limit_mb is not None:
+        mx.set_wired_limit(wired_limit_mb * 1024 * 1024)
+        applied.append(f"wired limit {wired_limit_mb} MB")
+    if cache_limit_mb is not None:
+        mx.set_cache_limit(cache_limit_mb * 1024 * 1024)
+        applied.append(f"cache limit {cache_limit_mb} MB")
+    return applied
+
+
+def device_description() -> str:
+    import mlx.core as mx
+
+    device = mx.default_device()
+    return f"mlx {mx.__version__} on {device}"

@@ -1,0 +1,86 @@
+"""WorkerSettings: every knob of a worker, read from `MLXQ_*` environment variables
+(the `mlxq worker` flags set the same fields)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from schemas import RequestLimits, keys
+
+
+@dataclass
+class WorkerSettings:
+    model: Optional[str] = None  # path or hub id; MLXQ_MODEL
+    alias: Optional[str] = None  # name requests use in `model`; default: model's last path component
+    max_num_seqs: int = 32  # most sequences decoding at once
+    default_max_tokens: int = 256  # for requests that leave max_tokens unset
+    max_tokens_limit: int = 4096
+    max_prompt_tokens: int = 32768
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    heartbeat_interval_s: float = 5.0
+    blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
+    metal_wired_limit_mb: Optional[int] = None  # macOS Metal only
+    metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
+    trust_remote_code: bool = False
+    callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict[str, str]] = None, **overrides: Any) -> "WorkerSettings":
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"MLXQ_{f.name.upper()}")
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, raw, f.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
+                     "prefill_batch_size", "prefill_step_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
+
+    @property
+    def served_alias(self) -> Optional[str]:
+        if self.alias:
+            return self.alias
+        return keys.model_alias(self.model) if self.model else None
+
+    def served_names(self) -> set[str]:
+        """Names a request's `model` field may use to address this worker."""
+        names = {n for n in (self.model, self.served_alias) if n}
+        if self.model:
+            names.add(keys.model_alias(self.model))
+        return names
+
+    def default_queues(self) -> list[str]:
+        alias = self.served_alias
+        return [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_tokens=self.max_tokens_limit, max_prompt_tokens=self.max_prompt_tokens)
+
+
+def _parse(name: str, raw: str, type_name: Any) -> Any:
+    type_name = str(type_name)
+    try:
+        if "bool" in type_name:
+            return raw.strip().lower() in {"1", "true", "yes", "on"}
+        if "tuple" in type_name:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if "float" in type_name:
+            return float(raw)
+        if "int" in type_name:
+            return int(raw)
+    except ValueError:
+        raise ValueError(f"MLXQ_{name.upper()}: cannot parse {raw!r} as {type_name}") from None
+    return raw

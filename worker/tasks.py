@@ -1,0 +1,52 @@
+"""The allowlisted job function.
+
+Under `BatchWorker` this function is never called: the worker recognises its path and feeds the
+request to the batch scheduler. Under a stock `rq worker -w rq.SimpleWorker -S
+rq.serializers.JSONSerializer` it runs one request at a time, on a model loaded once per process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from rq import get_current_job
+
+from worker.publish import publish_results, result_ttl
+from worker.settings import WorkerSettings
+
+_scheduler: Optional[Any] = None
+
+
+class GenerationFailed(Exception):
+    pass
+
+
+def _process_scheduler() -> Any:
+    global _scheduler
+    if _scheduler is None:
+        from worker.loading import build_scheduler
+
+        _scheduler = build_scheduler(WorkerSettings.from_env(max_num_seqs=1))
+    return _scheduler
+
+
+def generate(request: Any) -> dict[str, Any]:
+    job = get_current_job()
+    job_id = job.id if job is not None else f"local-{time.time_ns()}"
+    enqueued_at = job.enqueued_at.timestamp() if job is not None and job.enqueued_at else None
+    scheduler = _process_scheduler()
+    result = scheduler.admit(job_id, request, enqueued_at=enqueued_at)
+    try:
+        while result is None:
+            finished = scheduler.step()
+            result = finished[0] if finished else None
+    finally:
+        if result is None:  # interrupted (RQ's timeout, a signal): free the engine for the next job
+            scheduler.cancel(job_id)
+    if job is not None:
+        publish_results(job.connection, [(result, result_ttl(job.result_ttl))])
+    if result.status != "finished":
+        error = result.error
+        raise GenerationFailed(f"{error.type}: {error.message}" if error else result.status)
+    return result.model_dump(mode="json")
