@@ -29,3 +29,11 @@ def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
     conn = redis.Redis.from_url(redis_url)
     yield conn
     conn.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import worker  # noqa: F401  (points MLX at OpenBLAS before it loads)
+    from worker.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))

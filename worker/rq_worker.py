@@ -181,8 +181,23 @@ class BatchWorker(SimpleWorker):
 
     # --- job start ------------------------------------------------------------------------
     def _start(self, job: Job, queue: Queue) -> None:
+        self._begin_rq_execution(job, queue)
+        enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
+        try:
+            failed = self._admit(job, enqueued_at)
+        except Exception as exc:  # one bad job must never take the worker down
+            self.log.exception("Worker %s: could not start job %s", self.name, job.id)
+            failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
+                                                   enqueued_at=enqueued_at)
+        if failed is not None:
+            self._end(failed)
+
+    def _begin_rq_execution(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        try:
+            self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        except DeserializationError:
+            pass  # raised by its last line (a log of job.func_name), after the bookkeeping is written
         self.connection.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
         job.started_at = now()
         timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
@@ -190,19 +205,17 @@ class BatchWorker(SimpleWorker):
         self._inflight[job.id] = InFlight(job, queue, execution, deadline)
         self.execution = None
 
-        enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
+    def _admit(self, job: Job, enqueued_at: Optional[float]) -> Optional[GenerationResult]:
+        """Hand the job to the scheduler; a result if it ended at once (refused, invalid, cancelled)."""
         refusal = self._refusal(job)
         if refusal is not None:
             error_type, message = refusal
-            self._end(self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at))
-            return
+            return self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at,
+                                                 started_at=time.time())
         payload = job.kwargs["request"]
         if self.connection.exists(keys.cancel_key(job.id)):
-            self._end(self._cancelled_before_start(job.id, payload, enqueued_at))
-            return
-        failed = self.scheduler_.admit(job.id, payload, enqueued_at=enqueued_at)
-        if failed is not None:
-            self._end(failed)
+            return self._cancelled_before_start(job.id, payload, enqueued_at)
+        return self.scheduler_.admit(job.id, payload, enqueued_at=enqueued_at)
 
     def _refusal(self, job: Job) -> Optional[tuple[str, str]]:
         """Why this job may not run here, or None. Nothing is ever unpickled."""
@@ -249,10 +262,14 @@ class BatchWorker(SimpleWorker):
         self._end_many([result])
 
     def _publish(self, results: list[GenerationResult]) -> None:
-        publish_results(
-            self.connection,
-            [(r, result_ttl(self._inflight[r.id].job.result_ttl if r.id in self._inflight else None)) for r in results],
-        )
+        final = []
+        for result in results:
+            job = self._inflight[result.id].job
+            # A failed attempt that RQ will retry has not ended: its result key would mislead waiters.
+            if result.status == "failed" and job.should_retry:
+                continue
+            final.append((result, result_ttl(job.result_ttl)))
+        publish_results(self.connection, final)
 
     def _finish_rq_job(self, result: GenerationResult) -> None:
         """End the RQ job the way `perform_job` would, after its result key is written."""

@@ -1,0 +1,604 @@
+"""Client: enqueue generation jobs, read their status and results, wait, cancel.
+
+Jobs are plain RQ jobs (JSON serializer, function `worker.tasks.generate`, one kwarg
+`request`); results are read from the contract's `mlxq:result:<id>` key. Everything that
+does no I/O (validation, job data, key names, parsing) lives in module-level functions so
+an asyncio twin can share it; the Client methods only talk to Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Optional, Union
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from pydantic import ValidationError
+from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, validate_job_id
+from rq.queue import EnqueueData
+from rq.registry import ScheduledJobRegistry
+from rq.serializers import JSONSerializer
+
+from producer.errors import BrokerError, InvalidRequest, JobNotFound, MlxqError, WaitTimeout, broker_errors
+from schemas import ErrorInfo, GenerationRequest, GenerationResult, InvalidRequestError, RequestLimits, Timings, keys
+
+__all__ = [
+    "CANCEL_TTL",
+    "DEFAULT_URL",
+    "JOB_STATUSES",
+    "SAFETY_POLL_S",
+    "URL_ENV",
+    "Client",
+    "JobOptions",
+    "JobState",
+    "PlannedJob",
+    "RequestLike",
+    "cancelled_result",
+    "describe",
+    "done_channels",
+    "job_options",
+    "job_state",
+    "orphan_result",
+    "parse_result",
+    "plan_jobs",
+    "public_status",
+    "redact_url",
+    "request_echo",
+    "resolve_url",
+    "result_expiry",
+    "validate_request",
+]
+
+URL_ENV = "MLXQ_REDIS_URL"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+CANCEL_TTL = 24 * 3600  # seconds a cancel flag outlives its job, at most
+# Waiters re-read the result key this often, in case a done message was missed (reconnects).
+SAFETY_POLL_S = 2.0
+
+JOB_STATUSES = ("queued", "started", "finished", "failed", "cancelled", "deferred", "scheduled", "stopped")
+_RQ_ENDED = frozenset({"finished", "failed", "stopped", "canceled"})
+
+RequestLike = Union[GenerationRequest, Mapping[str, Any]]
+
+
+# ---------------------------------------------------------------- I/O-free helpers
+
+
+def resolve_url(url: str | None) -> str:
+    """`url`, else $MLXQ_REDIS_URL, else the local default."""
+    return url or os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for messages and reprs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """RQ job options shared by every job of one submit call."""
+
+    timeout: Optional[int] = None  # RQ job_timeout seconds; -1 = none; None = RQ's default (180)
+    ttl: Optional[int] = None  # seconds the job may wait in its queue; None = forever
+    result_ttl: int = keys.DEFAULT_RESULT_TTL  # -1 = keep forever
+    retry: Optional[Retry] = None
+
+
+def job_options(
+    timeout: int | None = None,
+    ttl: int | None = None,
+    result_ttl: int | None = None,
+    retry: Retry | int | None = None,
+) -> JobOptions:
+    """Check the options up front so a bad one never half-enqueues a batch."""
+    for name, value, allow_forever in (("timeout", timeout, True), ("ttl", ttl, False), ("result_ttl", result_ttl, True)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"{name}: expected an integer number of seconds, got {value!r}", name)
+        # result_ttl=0 would delete the result the moment it is written: nothing could read it.
+        if value <= 0 and not (allow_forever and value == -1):
+            hint = " (or -1 for no limit)" if allow_forever else ""
+            raise InvalidRequest(f"{name}: must be a positive number of seconds{hint}, got {value}", name)
+    if isinstance(retry, bool) or not (retry is None or isinstance(retry, (int, Retry))):
+        raise InvalidRequest(f"retry: expected an rq.Retry or a number of retries, got {retry!r}", "retry")
+    if isinstance(retry, int):
+        if retry < 0:
+            raise InvalidRequest(f"retry: must be >= 0, got {retry}", "retry")
+        retry = Retry(max=retry) if retry else None
+    return JobOptions(
+        timeout=timeout,
+        ttl=ttl,
+        result_ttl=keys.DEFAULT_RESULT_TTL if result_ttl is None else result_ttl,
+        retry=retry,
+    )
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    """One validated request, ready for `Queue.enqueue_many`."""
+
+    job_id: str
+    queue: str
+    request: GenerationRequest
+    data: EnqueueData
+
+
+def validate_request(
+    request: RequestLike, limits: RequestLimits | None = None, *, index: int | None = None
+) -> GenerationRequest:
+    """Validate one request; with `index`, errors name its position (`requests[3].max_tokens`)."""
+    payload = dict(request) if isinstance(request, Mapping) else request
+    try:
+        return GenerationRequest.validate_payload(payload, limits)
+    except InvalidRequestError as exc:
+        raise InvalidRequest.from_schema_error(exc, index=index) from None
+
+
+def describe(request: GenerationRequest) -> str:
+    """A short RQ job description; RQ's default would repeat the whole prompt in the job hash."""
+    parts = [keys.JOB_FUNCTION]
+    if request.model:
+        parts.append(f"model={request.model}")
+    if request.custom_id:
+        parts.append(f"custom_id={request.custom_id}")
+    return " ".join(parts)
+
+
+def plan_jobs(
+    requests: Sequence[RequestLike],
+    limits: RequestLimits | None,
+    options: JobOptions,
+    *,
+    queue: str | None = None,
+    job_ids: Sequence[str | None] | None = None,
+    indexed: bool = True,
+) -> list[PlannedJob]:
+    """Validate every request and build its job data; raises before anything is enqueued."""
+    if job_ids is not None and len(job_ids) != len(requests):
+        raise InvalidRequest(f"job_ids: {len(job_ids)} ids for {len(requests)} requests", "job_ids")
+    planned: list[PlannedJob] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(requests):
+        request = validate_request(raw, limits, index=i if indexed else None)
+        job_id = job_ids[i] if job_ids is not None else None
+        if job_id is not None:
+            field = f"job_ids[{i}]" if indexed else "job_id"
+            try:
+                validate_job_id(job_id)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequest(f"{field}: {exc}", field) from None
+        else:
+            job_id = str(uuid.uuid4())
+        if job_id in seen:
+            raise InvalidRequest(f"job_ids[{i}]: duplicate job id {job_id!r}", f"job_ids[{i}]")
+        seen.add(job_id)
+        data = Queue.prepare_data(
+            keys.JOB_FUNCTION,
+            kwargs={"request": request.to_payload()},
+            timeout=options.timeout,
+            result_ttl=options.result_ttl,
+            ttl=options.ttl,
+            description=describe(request),
+            job_id=job_id,
+            retry=options.retry,
+        )
+        planned.append(PlannedJob(job_id, queue or keys.queue_for_model(request.model), request, data))
+    return planned
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What Redis says about a job in one snapshot: its result key and its RQ status."""
+
+    job_id: str
+    result: Optional[GenerationResult]
+    rq_status: Optional[str]  # None: the RQ job hash is gone (expired or never existed)
+
+    @property
+    def ended_without_result(self) -> bool:
+        # The worker writes the result key before RQ marks the job ended (contract), so an
+        # ended job without one was ended by something else: RQ's abandoned-job cleanup,
+        # `rq` tooling, or a worker that does not speak mlxq.
+        return self.result is None and self.rq_status in _RQ_ENDED
+
+
+def parse_result(job_id: str, raw: bytes | str) -> GenerationResult:
+    try:
+        return GenerationResult.model_validate_json(raw)
+    except ValidationError as exc:
+        raise MlxqError(f"malformed result for job {job_id}: {exc}") from exc
+
+
+def job_state(job_id: str, raw_result: bytes | None, raw_rq_status: bytes | None) -> JobState:
+    """Build a JobState from `GET mlxq:result:<id>` and `HGET rq:job:<id> status`."""
+    if raw_result is None and raw_rq_status is None:
+        raise JobNotFound(job_id)
+    result = parse_result(job_id, raw_result) if raw_result is not None else None
+    rq_status = raw_rq_status.decode() if isinstance(raw_rq_status, bytes) else raw_rq_status
+    return JobState(job_id, result, rq_status)
+
+
+def public_status(state: JobState) -> str:
+    """One of JOB_STATUSES. The result key's status wins over RQ's."""
+    if state.result is not None:
+        return state.result.status
+    status = state.rq_status or "queued"
+    return {"canceled": "cancelled", "created": "queued"}.get(status, status)
+
+
+def result_expiry(result_ttl: int | None) -> int | None:
+    """Seconds to keep a result key: RQ's default when unset, None (no expiry) for -1.
+
+    RQ's result_ttl=0 ("keep nothing", only from jobs enqueued by other tools) becomes 1 s,
+    long enough for a woken waiter to read it.
+    """
+    if result_ttl is None:
+        return keys.DEFAULT_RESULT_TTL
+    return None if result_ttl < 0 else max(result_ttl, 1)
+
+
+def request_echo(payload: Any) -> dict[str, Any]:
+    """The request fields a result repeats (custom_id, model, metadata); best effort."""
+    if not isinstance(payload, Mapping):
+        return {}
+    echo: dict[str, Any] = {}
+    for name in ("custom_id", "model"):
+        if isinstance(payload.get(name), str):
+            echo[name] = payload[name]
+    metadata = payload.get("metadata")
+    if isinstance(metadata, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        echo["metadata"] = dict(metadata)
+    return echo
+
+
+def cancelled_result(job_id: str, payload: Any, enqueued_at: float | None, now: float) -> GenerationResult:
+    """The result written for a job cancelled before any worker took it."""
+    return GenerationResult(
+        id=job_id,
+        status="cancelled",
+        choices=[],
+        timings=Timings(enqueued_at=enqueued_at, finished_at=now),
+        **request_echo(payload),
+    )
+
+
+def orphan_result(
+    job_id: str, rq_status: str, payload: Any, enqueued_at: float | None, detail: str | None
+) -> GenerationResult:
+    """Stand-in for a job RQ ended without an mlxq result (see JobState.ended_without_result)."""
+    cancelled = rq_status in ("canceled", "stopped")
+    message = f"RQ marked the job {rq_status} without writing {keys.result_key(job_id)}"
+    return GenerationResult(
+        id=job_id,
+        status="cancelled" if cancelled else "failed",
+        timings=Timings(enqueued_at=enqueued_at),
+        error=None if cancelled else ErrorInfo(type="NoResult", message=f"{message}: {detail}" if detail else message),
+        **request_echo(payload),
+    )
+
+
+def done_channels(job_ids: Iterable[str]) -> dict[bytes, str]:
+    """Pub/sub channel (as redis-py returns it) -> job id."""
+    return {keys.done_channel(job_id).encode(): job_id for job_id in job_ids}
+
+
+def _rq_status(job: Job) -> str | None:
+    status = job.get_status(refresh=False)
+    return None if status is None else str(getattr(status, "value", status))
+
+
+def _job_payload(job: Job) -> Any:
+    try:
+        return job.kwargs.get("request")
+    except Exception:  # a foreign job (pickled, corrupt): the echo fields are optional
+        return None
+
+
+def _enqueued_at(job: Job) -> float | None:
+    return job.enqueued_at.timestamp() if job.enqueued_at else None
+
+
+# ---------------------------------------------------------------- the client
+
+
+class Client:
+    """A synchronous mlxq producer.
+
+    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0; redis://, rediss:// and
+    unix:// URLs may carry a password or ACL user. Pass `connection` to share an existing
+    redis.Redis instead (it must not use decode_responses=True: RQ stores bytes); the client
+    closes only a connection it opened. `limits` are operator caps checked before enqueueing.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        connection: redis.Redis | None = None,
+        limits: RequestLimits | None = None,
+    ) -> None:
+        if connection is not None and url is not None:
+            raise ValueError("pass url or connection, not both")
+        if connection is None:
+            self.url = resolve_url(url)
+            try:
+                connection = redis.Redis.from_url(self.url)
+            except ValueError as exc:
+                raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
+            self._owns_connection = True
+        else:
+            self.url = ""
+            self._owns_connection = False
+        if connection.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("the Redis connection must not use decode_responses=True (RQ stores bytes)")
+        self.connection: redis.Redis = connection
+        self.limits = limits
+        self._queues: dict[str, Queue] = {}
+
+    def __repr__(self) -> str:
+        return f"Client({redact_url(self.url) if self.url else self.connection!r})"
+
+    # -- submitting
+
+    def submit(
+        self,
+        request: RequestLike,
+        *,
+        queue: str | None = None,
+        job_id: str | None = None,
+        timeout: int | None = None,
+        ttl: int | None = None,
+        result_ttl: int | None = None,
+        retry: Retry | int | None = None,
+    ) -> str:
+        """Validate `request` and enqueue it; returns the job id.
+
+        `queue` defaults to `mlxq:<model>` (or `mlxq` without a model). `timeout` is the RQ
+        job timeout, `ttl` how long the job may wait in its queue, `result_ttl` how long its
+        result is kept (default 500 s, -1 forever), `retry` an rq.Retry or a retry count.
+        Raises InvalidRequest (nothing enqueued) or BrokerError.
+        """
+        options = job_options(timeout, ttl, result_ttl, retry)
+        planned = plan_jobs([request], self.limits, options, queue=queue, job_ids=[job_id], indexed=False)
+        self._enqueue(planned)
+        return planned[0].job_id
+
+    def submit_many(
+        self,
+        requests: Iterable[RequestLike],
+        *,
+        queue: str | None = None,
+        job_ids: Sequence[str] | None = None,
+        timeout: int | None = None,
+        ttl: int | None = None,
+        result_ttl: int | None = None,
+        retry: Retry | int | None = None,
+    ) -> list[str]:
+        """Validate every request, then enqueue them all in one Redis transaction.
+
+        All or nothing: if any request is invalid, InvalidRequest names it
+        (`requests[3].max_tokens: ...`) and nothing is enqueued. Returns the job ids in order.
+        """
+        options = job_options(timeout, ttl, result_ttl, retry)
+        planned = plan_jobs(list(requests), self.limits, options, queue=queue, job_ids=job_ids)
+        self._enqueue(planned)
+        return [job.job_id for job in planned]
+
+    def _queue(self, name: str) -> Queue:
+        if name not in self._queues:
+            self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
+        return self._queues[name]
+
+    def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
+        if not planned:
+            return
+        by_queue: dict[str, list[EnqueueData]] = {}
+        for job in planned:
+            by_queue.setdefault(job.queue, []).append(job.data)
+        # One MULTI/EXEC pipeline for every queue: one round trip, and all or nothing.
+        # (RQ reads the server version once per connection before the first enqueue.)
+        with broker_errors(), self.connection.pipeline() as pipe:
+            for name, datas in by_queue.items():
+                self._queue(name).enqueue_many(datas, pipeline=pipe)
+            pipe.execute()
+
+    # -- reading
+
+    def _read_states(self, job_ids: Sequence[str]) -> list[JobState]:
+        """One atomic snapshot of result keys and RQ statuses; JobNotFound for an unknown id."""
+        with broker_errors(), self.connection.pipeline() as pipe:
+            for job_id in job_ids:
+                pipe.get(keys.result_key(job_id))
+                pipe.hget(Job.key_for(job_id), "status")
+            raw = pipe.execute()
+        return [job_state(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)]
+
+    def _settled(self, state: JobState) -> GenerationResult | None:
+        if state.result is not None:
+            return state.result
+        if state.ended_without_result:
+            return self._orphan(state)
+        return None
+
+    def _orphan(self, state: JobState) -> GenerationResult:
+        assert state.rq_status is not None
+        payload, enqueued_at, detail = None, None, None
+        with broker_errors():
+            try:
+                job = Job.fetch(state.job_id, connection=self.connection, serializer=JSONSerializer)
+            except NoSuchJobError:
+                job = None
+            if job is not None:
+                payload, enqueued_at = _job_payload(job), _enqueued_at(job)
+                try:
+                    latest = job.latest_result()
+                    if latest is not None and latest.exc_string:
+                        detail = latest.exc_string.strip().splitlines()[-1]
+                except Exception:  # the detail is a courtesy; never fail the read over it
+                    detail = None
+        return orphan_result(state.job_id, state.rq_status, payload, enqueued_at, detail)
+
+    def status(self, job_id: str) -> str:
+        """One of "queued", "started", "finished", "failed", "cancelled", "deferred",
+        "scheduled", "stopped". The result key's status wins over RQ's; JobNotFound if neither exists."""
+        return public_status(self._read_states([job_id])[0])
+
+    def result(self, job_id: str) -> GenerationResult | None:
+        """The job's result, or None while it has none yet; JobNotFound for an unknown job.
+
+        A job that RQ ended without an mlxq result (e.g. its worker was killed and RQ
+        cleaned it up) gets a stand-in result with status failed (error type NoResult) or cancelled.
+        """
+        return self._settled(self._read_states([job_id])[0])
+
+    def wait(self, job_id: str, timeout: float | None = None) -> GenerationResult:
+        """Block until the job has a result (finished, failed or cancelled) and return it.
+
+        Subscribes to the job's done channel, so it returns as soon as the worker publishes,
+        without polling; re-reads the result key every ~2 s in case a message was missed.
+        Raises WaitTimeout after `timeout` seconds (None: no limit), JobNotFound for an unknown job.
+        """
+        return self.wait_many([job_id], timeout)[job_id]
+
+    def wait_many(self, job_ids: Iterable[str], timeout: float | None = None) -> dict[str, GenerationResult]:
+        """Like `wait` for several jobs over one subscription; returns {job_id: result}.
+
+        WaitTimeout carries the ids still pending in `.pending`.
+        """
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return {}
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        results: dict[str, GenerationResult] = {}
+        pending = set(ids)
+
+        def settle(candidates: Iterable[str]) -> None:
+            wanted = [job_id for job_id in candidates if job_id in pending]
+            for state in self._read_states(wanted) if wanted else []:
+                found = self._settled(state)
+                if found is not None:
+                    results[state.job_id] = found
+                    pending.discard(state.job_id)
+
+        settle(ids)  # fast path: already done, no subscription needed
+        if not pending:
+            return {job_id: results[job_id] for job_id in ids}
+        with broker_errors():
+            pubsub = self.connection.pubsub()
+            try:
+                channels = done_channels(pending)
+                pubsub.subscribe(*channels)
+                # Wait for the subscribe confirmations before reading again: only then can no
+                # publish slip between that read and the subscription.
+                confirmed = 0
+                while confirmed < len(channels):
+                    message = pubsub.get_message(timeout=_time_left(deadline, SAFETY_POLL_S))
+                    if message is not None and message["type"] == "subscribe":
+                        confirmed += 1
+                    elif message is None and deadline is not None and time.monotonic() >= deadline:
+                        break
+                settle(list(pending))
+                next_poll = time.monotonic() + SAFETY_POLL_S
+                while pending:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        late = [job_id for job_id in ids if job_id in pending]
+                        shown = ", ".join(late[:5]) + (", ..." if len(late) > 5 else "")
+                        raise WaitTimeout(f"no result after {timeout} s for {len(late)} job(s): {shown}", late)
+                    message = pubsub.get_message(timeout=_time_left(deadline, max(next_poll - now, 0.0)))
+                    woken: set[str] = set()
+                    while message is not None:
+                        if message["type"] == "message" and message["channel"] in channels:
+                            woken.add(channels[message["channel"]])
+                        message = pubsub.get_message(timeout=0.0)
+                    if time.monotonic() >= next_poll:
+                        settle(list(pending))
+                        next_poll = time.monotonic() + SAFETY_POLL_S
+                    elif woken:
+                        settle(woken)
+            finally:
+                pubsub.close()
+        return {job_id: results[job_id] for job_id in ids}
+
+    # -- cancelling
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask for the job to stop; returns False if it had already ended.
+
+        Sets `mlxq:cancel:<id>` (a running job's worker ends the sequence within one step
+        and writes a cancelled result). A job still waiting in its queue (or scheduled for
+        a retry) is removed from it right here, marked canceled in RQ, and gets a cancelled
+        result. Raises JobNotFound for an unknown job.
+        """
+        with broker_errors():
+            try:
+                job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+            except NoSuchJobError:
+                if self.connection.exists(keys.result_key(job_id)):
+                    return False
+                raise JobNotFound(job_id) from None
+            status = _rq_status(job)
+            if status in _RQ_ENDED or self.connection.exists(keys.result_key(job_id)):
+                return False
+            self.connection.set(keys.cancel_key(job_id), "1", ex=CANCEL_TTL)
+            # LREM / ZREM are atomic: only the caller that actually removed the job finishes it,
+            # so a worker that popped it meanwhile (and sees the flag) never races this write.
+            if status == "queued":
+                removed = self._queue(job.origin).remove(job)
+            elif status == "scheduled":
+                removed = ScheduledJobRegistry(queue=self._queue(job.origin)).remove(job)
+            else:
+                removed = 0
+            if removed:
+                self._finish_cancelled(job)
+        return True
+
+    def _finish_cancelled(self, job: Job) -> None:
+        result = cancelled_result(job.id, _job_payload(job), _enqueued_at(job), time.time())
+        expiry = result_expiry(job.result_ttl)
+        with self.connection.pipeline() as pipe:
+            # Result first, as the contract orders it (the MULTI makes it atomic anyway).
+            # It also keeps `pipe` non-empty: Job.cancel tests `pipeline or ...`, and an empty
+            # Pipeline is falsy, which would make it run on its own pipeline and never execute it.
+            pipe.set(keys.result_key(job.id), result.model_dump_json(), ex=expiry)
+            job.cancel(pipeline=pipe)
+            job.cleanup(ttl=expiry if expiry is not None else -1, pipeline=pipe)
+            pipe.publish(keys.done_channel(job.id), job.id)
+            pipe.execute()
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        """Close the connection if this client opened it."""
+        if self._owns_connection:
+            self.connection.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _time_left(deadline: float | None, cap: float) -> float:
+    """Seconds to block: at most `cap`, never past `deadline`."""
+    if deadline is None:
+        return cap
+    return max(0.0, min(cap, deadline - time.monotonic()))

@@ -1,0 +1,100 @@
+"""The text engine on a real (tiny, random-weight) model: batched greedy output equals the same
+request run alone through mlx-lm, including requests that join mid-decode."""
+
+from __future__ import annotations
+
+import pytest
+
+import worker  # noqa: F401  (OpenBLAS before MLX)
+from mlx_lm import load
+
+from tests.reference import greedy_alone
+from worker.engines.text import TextEngine
+from worker.scheduler import BatchScheduler
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    return load(tiny_model_dir)
+
+
+def test_batched_greedy_equals_alone_with_mid_decode_arrivals(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    scheduler = BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=8), max_num_seqs=8)
+    lengths = [3, 9, 17, 1, 30, 5, 12, 2, 40, 7]
+    max_tokens = [12, 5, 20, 9, 3, 16, 7, 25, 4, 11]
+    requests = {
+        f"j{i}": {
+            "prompt_token_ids": [(i * 37 + k * 11) % 500 + 3 for k in range(length)],
+            "max_tokens": max_tokens[i],
+            "temperature": 0,
+            "logprobs": True,
+            "ignore_eos": i % 3 == 0,
+        }
+        for i, length in enumerate(lengths)
+    }
+    pending = list(requests)
+    for job_id in pending[:3]:
+        assert scheduler.admit(job_id, requests[job_id]) is None
+    pending = pending[3:]
+    results = {}
+    steps = joined_mid_decode = 0
+    while pending or len(scheduler):
+        if pending and steps % 2 == 1 and scheduler.free_slots:
+            joined_mid_decode += bool(results) or steps > 2
+            job_id = pending.pop(0)
+            assert scheduler.admit(job_id, requests[job_id]) is None
+        for result in scheduler.step():
+            results[result.id] = result
+        steps += 1
+    assert joined_mid_decode >= 5
+    eos = set(tokenizer.eos_token_ids)
+    for job_id, request in requests.items():
+        choice = results[job_id].choices[0]
+        stops = set() if request["ignore_eos"] else eos
+        ref_tokens, ref_logprobs = greedy_alone(model, request["prompt_token_ids"], request["max_tokens"], stops)
+        assert choice.token_ids == ref_tokens, job_id
+        assert choice.logprobs == pytest.approx(ref_logprobs, abs=1e-3), job_id
+        assert results[job_id].usage.completion_tokens == len(ref_tokens)
+        assert results[job_id].usage.prompt_tokens == len(request["prompt_token_ids"])
+
+
+def test_prompt_is_raw_and_messages_use_the_chat_template(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = TextEngine(model, tokenizer)
+    scheduler = BatchScheduler(engine)
+    from schemas import GenerationRequest
+
+    raw = GenerationRequest.validate_payload({"prompt": "Hello there"})
+    chat = GenerationRequest.validate_payload({"messages": [{"role": "user", "content": "Hello there"}]})
+    assert engine.prompt_token_ids(raw) == list(tokenizer.encode("Hello there"))
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False
+    )
+    assert "<|im_start|>assistant" in templated
+    assert engine.prompt_token_ids(chat) == list(tokenizer.encode(templated, add_special_tokens=False))
+    parts = GenerationRequest.validate_payload(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]}
+    )
+    assert engine.prompt_token_ids(parts) == engine.prompt_token_ids(chat)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    failed = scheduler.admit("img", {"messages": [{"role": "user", "content": [image]}]})
+    assert failed is not None and "messages[0].content" in failed.error.message
+
+
+def test_messages_without_a_chat_template_fail_clearly(model_and_tokenizer, tmp_path):
+    from worker.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "no-template")
+    config = path / "tokenizer_config.json"
+    import json
+
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    model, tokenizer = load(str(path))
+    scheduler = BatchScheduler(TextEngine(model, tokenizer))
+    failed = scheduler.admit("m", {"messages": [{"role": "user", "content": "hi"}]})
+    assert failed is not None and failed.error.message.startswith("messages: this model has no chat template")
+    assert scheduler.admit("p", {"prompt": "hi", "max_tokens": 2}) is None

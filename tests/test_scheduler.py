@@ -1,0 +1,121 @@
+"""BatchScheduler on the deterministic fake engine: admission, results, cancellation."""
+
+from __future__ import annotations
+
+from schemas import GenerationResult, RequestLimits
+from worker.engines.fake import EOS, FakeEngine, fake_token
+from worker.scheduler import BatchScheduler
+
+
+def run_to_end(scheduler: BatchScheduler, max_steps: int = 1000) -> dict[str, GenerationResult]:
+    results: dict[str, GenerationResult] = {}
+    for _ in range(max_steps):
+        if not len(scheduler):
+            break
+        for result in scheduler.step():
+            results[result.id] = result
+    return results
+
+
+def make(**kwargs) -> BatchScheduler:
+    return BatchScheduler(FakeEngine(), worker_name="w1", model_name="fake", **kwargs)
+
+
+def test_tokens_usage_and_timings_follow_the_engine():
+    scheduler = make()
+    assert scheduler.admit("a", {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0}, enqueued_at=1.0) is None
+    result = run_to_end(scheduler)["a"]
+    expected = [fake_token([5, 6, 7], i) for i in range(4)]
+    assert result.status == "finished"
+    assert result.choices[0].token_ids == expected
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == 4 and result.usage.total_tokens == 7
+    assert result.worker == "w1" and result.model == "fake"
+    t = result.timings
+    assert t.enqueued_at == 1.0 and t.started_at <= t.finished_at and t.queue_s > 0 and t.ttft_s >= 0
+
+
+def test_eos_is_in_token_ids_but_not_in_text():
+    scheduler = make()
+    scheduler.admit("e", {"prompt_token_ids": [255, 1], "max_tokens": 10})
+    choice = run_to_end(scheduler)["e"].choices[0]
+    assert choice.token_ids[-1] == EOS and len(choice.token_ids) == 3
+    assert choice.finish_reason == "stop"
+    assert choice.text == FakeEngine().decode(choice.token_ids[:-1])
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    scheduler = make()
+    scheduler.admit("e", {"prompt_token_ids": [255, 1], "max_tokens": 6, "ignore_eos": True})
+    choice = run_to_end(scheduler)["e"].choices[0]
+    assert len(choice.token_ids) == 6 and choice.finish_reason == "length"
+
+
+def test_invalid_requests_fail_at_admission_and_name_the_field():
+    scheduler = make(limits=RequestLimits(max_tokens=100, max_prompt_tokens=8), served_names={"fake", "org/fake"})
+    cases = {
+        "schema": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        "unknown": ({"prompt": "x", "bogus": 1}, "bogus"),
+        "not-object": (["prompt"], "request"),
+        "limit": ({"prompt": "x", "max_tokens": 101}, "max_tokens"),
+        "long-prompt": ({"prompt": "abcdefghijk"}, "prompt"),
+        "vocab": ({"prompt_token_ids": [1, 999]}, "prompt_token_ids"),
+        "model": ({"prompt": "x", "model": "other"}, "model"),
+    }
+    for job_id, (payload, field) in cases.items():
+        result = scheduler.admit(job_id, payload)
+        assert result is not None, job_id
+        assert result.status == "failed" and result.error is not None
+        assert field in result.error.message, (job_id, result.error.message)
+    assert len(scheduler) == 0
+    assert scheduler.admit("ok", {"prompt": "x", "model": "org/fake", "max_tokens": 2}) is None
+
+
+def test_bad_job_does_not_disturb_running_neighbours():
+    scheduler = make()
+    scheduler.admit("good", {"prompt_token_ids": [1, 2], "max_tokens": 5, "temperature": 0})
+    scheduler.step()
+    assert scheduler.admit("bad", {"prompt_token_ids": [1, 9999]}) is not None
+    result = run_to_end(scheduler)["good"]
+    assert result.choices[0].token_ids == [fake_token([1, 2], i) for i in range(5)]
+
+
+def test_n_choices_and_capacity():
+    scheduler = make(max_num_seqs=8)
+    scheduler.admit("n", {"prompt_token_ids": [3], "max_tokens": 2, "n": 3})
+    assert scheduler.num_sequences == 3 and scheduler.free_slots == 5
+    result = run_to_end(scheduler)["n"]
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert result.usage.prompt_tokens == 1 and result.usage.completion_tokens == 6
+
+
+def test_cancel_keeps_partial_output_and_frees_slots():
+    scheduler = make(max_num_seqs=4)
+    scheduler.admit("c", {"prompt_token_ids": [4], "max_tokens": 100})
+    for _ in range(4):
+        scheduler.step()
+    result = scheduler.cancel("c")
+    assert result is not None and result.status == "cancelled"
+    assert result.choices[0].finish_reason == "cancelled" and len(result.choices[0].token_ids) == 3
+    assert scheduler.free_slots == 4 and scheduler.engine.num_active == 0
+
+
+def test_timeout_fails_with_partial_output():
+    scheduler = make()
+    scheduler.admit("t", {"prompt_token_ids": [4], "max_tokens": 100})
+    scheduler.step()
+    scheduler.step()
+    result = scheduler.cancel("t", "timeout")
+    assert result.status == "failed" and result.error.type == "JobTimeoutException"
+    assert result.choices[0].finish_reason == "timeout" and result.choices[0].token_ids
+
+
+def test_abort_all_fails_every_running_job():
+    scheduler = make()
+    for i in range(3):
+        scheduler.admit(f"j{i}", {"prompt_token_ids": [i + 1], "max_tokens": 50})
+    scheduler.step()
+    results = scheduler.abort_all("EngineError", "boom")
+    assert sorted(r.id for r in results) == ["j0", "j1", "j2"]
+    assert all(r.status == "failed" and r.error.message == "boom" for r in results)
+    assert len(scheduler) == 0

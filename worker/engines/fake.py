@@ -1,0 +1,98 @@
+"""A deterministic engine with no model: for scheduler and worker-loop tests and for measuring
+the queue's own overhead. Token i of a sequence is a pure function of its prompt and i."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from schemas import GenerationRequest
+from worker.engines.base import SequenceSpec, TokenEvent
+
+VOCAB = 256
+EOS = 0
+
+
+def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed: int | None = None) -> int:
+    base = (sum(prompt) * 31 + len(prompt) * 7 + position * 13) % (VOCAB - 1) + 1
+    if temperature and seed is not None:
+        base = (base + seed * 17) % (VOCAB - 1) + 1
+    return base
+
+
+@dataclass
+class _Seq:
+    spec: SequenceSpec
+    produced: int = 0
+    prefilled: bool = False
+
+
+class FakeEngine:
+    """Prefill takes one step; each later step emits one token per sequence. A prompt whose
+    first token is 255 samples EOS as its third token (to exercise EOS handling)."""
+
+    def __init__(self, step_hook=None) -> None:
+        self._seqs: dict[str, _Seq] = {}
+        self.prefill_tokens = 0
+        self.steps = 0
+        self._step_hook = step_hook
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({EOS})
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.prompt is not None:
+            return [min(ord(ch), VOCAB - 1) for ch in request.prompt]
+        raise ValueError("messages: the fake engine has no chat template")
+
+    def add(self, specs: list[SequenceSpec]) -> None:
+        for spec in specs:
+            self._seqs[spec.uid] = _Seq(spec)
+
+    def step(self) -> list[TokenEvent]:
+        self.steps += 1
+        if self._step_hook is not None:
+            self._step_hook(self)
+        events = []
+        for uid, seq in list(self._seqs.items()):
+            if not seq.prefilled:
+                seq.prefilled = True
+                self.prefill_tokens += len(seq.spec.prompt_token_ids)
+                continue
+            spec = seq.spec
+            token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed)
+            if spec.prompt_token_ids[0] == VOCAB - 1 and seq.produced == 2:
+                token = EOS
+            seq.produced += 1
+            finish = None
+            if token in spec.stop_token_ids:
+                finish = "stop"
+            elif seq.produced >= spec.max_tokens:
+                finish = "length"
+            logprob = -math.log(2.0) if spec.logprobs else None
+            top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
+            events.append(TokenEvent(uid, token, logprob, top, finish))
+            if finish:
+                del self._seqs[uid]
+        return events
+
+    def remove(self, uids: list[str]) -> None:
+        for uid in uids:
+            self._seqs.pop(uid, None)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(32 + t % 95) for t in token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
