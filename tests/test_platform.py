@@ -1,0 +1,110 @@
+"""Platform branches: the Linux BLAS preload and the macOS Metal limits, each unit-tested here
+(no Mac is available; the Metal branch runs against a stand-in for mx's Metal calls)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from worker import platform as plat
+from worker.settings import WorkerSettings
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    monkeypatch.setattr(plat, "_blas_choice", None)
+
+
+def test_macos_never_preloads_a_linux_blas(fresh_choice, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(plat.ctypes, "CDLL", lambda *a, **k: loaded.append(a))
+    choice = plat.preload_blas("auto", platform="darwin")
+    assert loaded == [] and "Accelerate" in choice.name and choice.path is None
+
+
+def test_off_keeps_the_bundled_blas(fresh_choice, monkeypatch):
+    monkeypatch.setattr(plat.ctypes, "CDLL", lambda *a, **k: pytest.fail("must not load"))
+    assert "MLXQ_BLAS=off" in plat.preload_blas("off", platform="linux").name
+
+
+def test_too_late_once_mlx_is_imported(fresh_choice, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlx.core", types.ModuleType("mlx.core"))
+    assert "imported before" in plat.preload_blas("auto", platform="linux").name
+
+
+def test_explicit_path_that_cannot_load_is_an_error(fresh_choice, monkeypatch):
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    with pytest.raises(RuntimeError, match="MLXQ_BLAS=/nope/libblas.so"):
+        plat.preload_blas("/nope/libblas.so", platform="linux")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is a Linux-only branch")
+def test_preload_makes_mlx_use_openblas_in_a_fresh_process():
+    """In a fresh process `import worker` picks OpenBLAS and MLX's matmul really runs through it:
+    the process maps libopenblas, and matmul beats the bundled BLAS by a wide margin."""
+    if not any(__import__("os").path.exists(p) for p in plat.OPENBLAS_CANDIDATES):
+        pytest.fail("OpenBLAS is not installed: `make test` installs libopenblas0-pthread")
+    code = textwrap.dedent(
+        """
+        import worker, sys
+        from worker.platform import preload_blas
+        import mlx.core as mx
+        a = mx.ones((64, 64)); mx.eval(a @ a)
+        maps = open('/proc/self/maps').read()
+        print(preload_blas().name, 'openblas' in maps)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("OpenBLAS") and out.strip().endswith("True"), out
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "MLXQ_BLAS": "off"}).stdout
+    assert "MLXQ_BLAS=off" in off and off.strip().endswith("False"), off
+
+
+class FakeMx:
+    def __init__(self, metal: bool) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.metal = types.SimpleNamespace(is_available=lambda: metal)
+
+    def set_wired_limit(self, n: int) -> None:
+        self.calls.append(("wired", n))
+
+    def set_cache_limit(self, n: int) -> None:
+        self.calls.append(("cache", n))
+
+
+@pytest.mark.parametrize("platform_name, metal, expected", [
+    ("darwin", True, [("wired", 1024 * 1024 * 1024), ("cache", 256 * 1024 * 1024)]),
+    ("darwin", False, []),
+    ("linux", True, []),
+])
+def test_metal_limits_apply_only_on_a_mac_gpu(monkeypatch, platform_name, metal, expected):
+    fake = FakeMx(metal)
+    monkeypatch.setitem(sys.modules, "mlx.core", fake)
+    monkeypatch.setitem(sys.modules, "mlx", types.SimpleNamespace(core=fake))
+    monkeypatch.setattr(plat.sys, "platform", platform_name)
+    applied = plat.apply_metal_limits(1024, 256)
+    assert fake.calls == expected
+    assert len(applied) == len(expected)
+
+
+def test_settings_from_env_and_flags():
+    env = {"MLXQ_MODEL": "org/Some-Model-4bit", "MLXQ_MAX_NUM_SEQS": "64", "MLXQ_METAL_WIRED_LIMIT_MB": "8192",
+           "MLXQ_CALLBACK_ALLOWLIST": "app.hooks., other.", "MLXQ_TRUST_REMOTE_CODE": "true"}
+    settings = WorkerSettings.from_env(env, max_num_seqs=16)
+    assert settings.max_num_seqs == 16  # a flag beats the environment
+    assert settings.metal_wired_limit_mb == 8192
+    assert settings.callback_allowlist == ("app.hooks.", "other.")
+    assert settings.trust_remote_code is True
+    assert settings.served_alias == "Some-Model-4bit"
+    assert settings.default_queues() == ["mlxq:Some-Model-4bit", "mlxq"]
+    assert settings.served_names() == {"org/Some-Model-4bit", "Some-Model-4bit"}
+    assert WorkerSettings.from_env({"MLXQ_MODEL": "m", "MLXQ_ALIAS": "fast"}).default_queues() == ["mlxq:fast", "mlxq"]
+    with pytest.raises(ValueError, match="MLXQ_MAX_NUM_SEQS"):
+        WorkerSettings.from_env({"MLXQ_MAX_NUM_SEQS": "lots"})
+    with pytest.raises(ValueError, match="MLXQ_MAX_NUM_SEQS must be >= 1"):
+        WorkerSettings.from_env({"MLXQ_MAX_NUM_SEQS": "0"})
