@@ -17,3 +17,39 @@ def greedy_alone(model, prompt_ids: list[int], max_tokens: int, stop_ids: set[in
         if token in stop_ids:
             break
     return tokens, logprobs
+
+
+def teacher_forced_logits(model, prompt_ids: list[int], generated: list[int]):
+    """The model's raw logits at each generated position, from one full forward pass:
+    row j is what `generated[j]` was drawn from, before any processing."""
+    import numpy as np
+
+    tokens = mx.array(prompt_ids + generated[:-1])[None]
+    return np.array(model(tokens)[0, len(prompt_ids) - 1 :].astype(mx.float32))
+
+
+def log_softmax(logits):
+    import numpy as np
+
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def teacher_forced_logprobs(model, prompt_ids: list[int], generated: list[int]):
+    return log_softmax(teacher_forced_logits(model, prompt_ids, generated))
+
+
+def run_all(scheduler, requests: dict[str, dict], max_steps: int = 10_000) -> dict:
+    """Admit every request, step until all end, return {job_id: GenerationResult}."""
+    results = {}
+    for job_id, request in requests.items():
+        failed = scheduler.admit(job_id, request)
+        if failed is not None:
+            results[job_id] = failed
+    for _ in range(max_steps):
+        if not len(scheduler):
+            break
+        for result in scheduler.step():
+            results[result.id] = result
+    assert not len(scheduler), "jobs did not end"
+    return results

@@ -128,6 +128,8 @@ class BatchScheduler:
                     stop_token_ids=stop_ids,
                     logprobs=request.wants_logprobs,
                     top_logprobs=request.top_logprobs,
+                    logprobs_mode=request.logprobs_mode,
+                    choice_index=index,
                 )
             )
             self._uid_to_job[uid] = job_id
@@ -185,9 +187,8 @@ class BatchScheduler:
                 [TopLogprob(token_id=t, token=self.engine.token_text(t), logprob=lp) for t, lp in event.top_logprobs]
             )
         is_stop_token = event.finish_reason == "stop" and event.token in choice.stop_ids
-        if not is_stop_token:
-            choice.detokenizer.add(event.token)
-        stop_at = _find_stop(choice.detokenizer.text, job.request.stop_strings)
+        new_text = "" if is_stop_token else choice.detokenizer.add(event.token)
+        stop_at = _find_stop(choice.detokenizer.text, len(new_text), job.request.stop_strings)
         if stop_at is not None:
             choice.text_end = stop_at
             choice.finish_reason = "stop"
@@ -291,8 +292,13 @@ class BatchScheduler:
         )
 
 
-def _find_stop(text: str, stops: list[str]) -> Optional[int]:
-    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, new_chars: int, stops: list[str]) -> Optional[int]:
+    """Where the first stop string starts, looking only where the newest `new_chars` could have
+    completed one (a stop string may straddle any number of tokens)."""
+    if not stops or not new_chars:
+        return None
+    start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+    positions = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(positions) if positions else None
 
 

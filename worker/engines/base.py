@@ -50,6 +50,8 @@ class SequenceSpec:
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) plus stop_token_ids
     logprobs: bool = False
     top_logprobs: int = 0
+    logprobs_mode: str = "raw"  # "raw" | "processed" (see worker/sampling.py)
+    choice_index: int = 0
 
 
 @dataclass

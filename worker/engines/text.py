@@ -1,27 +1,27 @@
 """Text engine: mlx-lm's BatchGenerator (continuous batching) behind the Engine protocol.
 
 Uses only mlx-lm's public API: `BatchGenerator.insert/next/remove`, `StopSequences`,
-`sample_utils.make_sampler/make_logits_processors`.
+`models.cache.make_prompt_cache`, and (through worker/sampling.py) `sample_utils`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
-from worker.engines.base import SamplingParams, SequenceSpec, TokenEvent
+from worker.engines.base import SequenceSpec, TokenEvent
+from worker.sampling import SamplerPool, greedy, logits_processors, processed_logprobs
 
 
 class RequestRejected(ValueError):
     """The request cannot run on this model; the message names the field."""
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 class TextEngine:
@@ -40,15 +40,15 @@ class TextEngine:
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self._generator = BatchGenerator(
             model,
-            sampler=_greedy,
+            sampler=greedy,
             completion_batch_size=max_num_seqs,
             prefill_batch_size=min(prefill_batch_size, max_num_seqs),
             prefill_step_size=prefill_step_size,
         )
-        self._by_engine_uid: dict[int, SequenceSpec] = {}
+        self._prefill_step_size = prefill_step_size
+        self._live: dict[int, _Live] = {}
         self._engine_uid: dict[str, int] = {}
-        # Rows with equal settings share one sampler object so mlx-lm samples them in one call.
-        self._samplers: dict[SamplingParams, Callable[[mx.array], mx.array]] = {}
+        self._samplers = SamplerPool()
 
     @property
     def vocab_size(self) -> int:
@@ -60,7 +60,7 @@ class TextEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._by_engine_uid)
+        return len(self._live)
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -83,33 +83,68 @@ class TextEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add(self, specs: list[SequenceSpec]) -> None:
-        if not specs:
-            return
+        """Queue sequences. Sequences with the same prompt (a request's n choices) share one
+        prefill: the prompt is run once and each sequence starts from a copy of its KV cache."""
+        by_prompt: dict[tuple[int, ...], list[SequenceSpec]] = {}
+        for spec in specs:
+            by_prompt.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
+        for prompt, group in by_prompt.items():
+            if len(group) > 1 and len(prompt) > 1:
+                prefix = list(prompt[:-1])
+                cache = self._prefill(prefix)
+                self._insert(group, [[prompt[-1]] for _ in group], [copy.deepcopy(cache) for _ in group],
+                             [list(prefix) for _ in group])
+            else:
+                self._insert(group, [list(spec.prompt_token_ids) for spec in group])
+
+    def _prefill(self, tokens: list[int]) -> list[Any]:
+        cache = make_prompt_cache(self.model)
+        with mx.stream(self._generator.stream):
+            for start in range(0, len(tokens), self._prefill_step_size):
+                self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+        return cache
+
+    def _insert(
+        self,
+        specs: list[SequenceSpec],
+        prompts: list[list[int]],
+        caches: Optional[list[list[Any]]] = None,
+        all_tokens: Optional[list[list[int]]] = None,
+    ) -> None:
+        captures = [_RawLogits() if _needs_raw_capture(spec) else None for spec in specs]
         uids = self._generator.insert(
-            [spec.prompt_token_ids for spec in specs],
+            prompts,
             max_tokens=[spec.max_tokens for spec in specs],
-            samplers=[self._sampler(spec.sampling) for spec in specs],
-            logits_processors=[_logits_processors(spec.sampling) for spec in specs],
+            caches=caches,
+            all_tokens=all_tokens,
+            samplers=[self._samplers.get(spec.sampling, spec.choice_index) for spec in specs],
+            logits_processors=[
+                logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)
+                for spec, capture in zip(specs, captures)
+            ],
             stop_sequences=[StopSequences([[t] for t in sorted(spec.stop_token_ids)]) for spec in specs],
         )
-        for engine_uid, spec in zip(uids, specs):
-            self._by_engine_uid[engine_uid] = spec
+        for engine_uid, spec, capture in zip(uids, specs, captures):
+            self._live[engine_uid] = _Live(spec, capture)
             self._engine_uid[spec.uid] = engine_uid
 
     def step(self) -> list[TokenEvent]:
-        if not self._by_engine_uid:
+        if not self._live:
             return []
         _, responses = self._generator.next()
         events: list[TokenEvent] = []
         wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]] = []
         for response in responses:
-            spec = self._by_engine_uid.get(response.uid)
-            if spec is None:  # removed while its step was in flight
+            live = self._live.get(response.uid)
+            if live is None:  # removed while its step was in flight
                 continue
+            spec = live.spec
             event = TokenEvent(uid=spec.uid, token=int(response.token), finish_reason=response.finish_reason)
             events.append(event)
+            raw_logits = live.capture.pending.popleft() if live.capture is not None else None
             if spec.logprobs or spec.top_logprobs:
-                wanted.append((event, spec, response.logprobs))
+                wanted.append((event, spec, _distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
                 self._forget(spec.uid)
         if wanted:
@@ -132,31 +167,41 @@ class TextEngine:
     def _forget(self, uid: str) -> None:
         engine_uid = self._engine_uid.pop(uid, None)
         if engine_uid is not None:
-            self._by_engine_uid.pop(engine_uid, None)
+            self._live.pop(engine_uid, None)
 
-    def _sampler(self, params: SamplingParams) -> Callable[[mx.array], mx.array]:
-        key = SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
-        )
-        if key.is_greedy:
-            return _greedy
-        if key not in self._samplers:
-            self._samplers[key] = make_sampler(
-                temp=key.temperature,
-                top_p=key.top_p if key.top_p < 1.0 else 0.0,
-                min_p=key.min_p,
-                top_k=key.top_k,
-            )
-        return self._samplers[key]
+@dataclass
+class _Live:
+    spec: SequenceSpec
+    capture: Optional["_RawLogits"]
 
 
-def _logits_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    return make_logits_processors(
-        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-        presence_penalty=params.presence_penalty or None,
-        frequency_penalty=params.frequency_penalty or None,
-    )
+class _RawLogits:
+    """First logits processor of a row whose raw logprobs were asked for while other processors
+    (bias, penalties) change the logits: it keeps the logits as the model produced them.
+    mlx-lm calls a row's processors once per sampled token, in order, and returns each token one
+    step after sampling it, so the oldest kept logits belong to the token being returned."""
+
+    def __init__(self) -> None:
+        self.pending: deque[mx.array] = deque()
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.pending.append(logits)
+        return logits
+
+
+def _needs_raw_capture(spec: SequenceSpec) -> bool:
+    wants = spec.logprobs or spec.top_logprobs > 0
+    return wants and spec.logprobs_mode == "raw" and bool(logits_processors(spec.sampling, 0))
+
+
+def _distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
+    """The row's log-distribution the request asked to see (logprobs are after processors)."""
+    if spec.logprobs_mode == "processed":
+        return processed_logprobs(logprobs, spec.sampling)
+    if raw_logits is not None:
+        raw = raw_logits.reshape(-1).astype(mx.float32)
+        return raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    return logprobs
 
 
 def _attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) -> None:

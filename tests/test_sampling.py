@@ -1,0 +1,262 @@
+"""Per-request sampling inside one batch, on the tiny real model, checked against references
+computed from the model's own distribution (teacher forcing), not against copied numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import worker  # noqa: F401  (OpenBLAS before MLX)
+from mlx_lm import load
+
+from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
+from worker.engines.text import TextEngine
+from worker.scheduler import BatchScheduler
+
+PROMPT = [17, 93, 201, 44, 5, 388, 120]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    return load(tiny_model_dir)
+
+
+@pytest.fixture
+def scheduler(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    return BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=48), max_num_seqs=48)
+
+
+def ids(result, i=0):
+    return result.choices[i].token_ids
+
+
+def test_greedy_rows_stay_exact_beside_hot_rows(scheduler, model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    requests = {}
+    for i in range(12):
+        prompt = [(i * 53 + k * 19) % 500 + 3 for k in range(4 + i)]
+        if i % 3 == 0:
+            requests[f"greedy{i}"] = {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0,
+                                      "ignore_eos": True, "logprobs": True}
+        else:
+            requests[f"hot{i}"] = {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 2.0,
+                                   "top_p": 0.9, "presence_penalty": 1.5, "ignore_eos": True,
+                                   **({"seed": i} if i % 2 else {})}
+    results = run_all(scheduler, requests)
+    for job_id, request in requests.items():
+        if job_id.startswith("greedy"):
+            tokens, logprobs = greedy_alone(model, request["prompt_token_ids"], 16, set())
+            assert ids(results[job_id]) == tokens
+            assert results[job_id].choices[0].logprobs == pytest.approx(logprobs, abs=1e-3)
+
+
+def allowed_top_k(row: np.ndarray, k: int) -> set[int]:
+    return set(np.argsort(-row)[:k].tolist())
+
+
+def allowed_top_p(row: np.ndarray, p: float) -> set[int]:
+    order = np.argsort(-row)
+    cumulative = np.cumsum(np.exp(row[order]))
+    cut = int(np.searchsorted(cumulative, p - 1e-6)) + 1
+    return set(order[: cut + 1].tolist())  # one extra for float ties at the boundary
+
+
+def allowed_min_p(row: np.ndarray, min_p: float) -> set[int]:
+    return set(np.nonzero(row >= row.max() + np.log(min_p) - 1e-5)[0].tolist())
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("top_k", 3, allowed_top_k),
+    ("top_p", 0.05, allowed_top_p),
+    ("min_p", 0.9, allowed_min_p),
+])
+def test_each_row_samples_only_from_its_own_allowed_set(scheduler, model_and_tokenizer, field, value, allowed):
+    model, _ = model_and_tokenizer
+    restricted = {f"r{i}": {"prompt_token_ids": PROMPT[i:] + [i + 3], "max_tokens": 24, "temperature": 2.0,
+                            field: value, "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+                  for i in range(4)}
+    free = {f"f{i}": {"prompt_token_ids": PROMPT[i:] + [i + 3], "max_tokens": 24, "temperature": 2.0,
+                      "ignore_eos": True} for i in range(4)}
+    results = run_all(scheduler, {**restricted, **free})
+    outside_free = 0
+    for i in range(4):
+        prompt = PROMPT[i:] + [i + 3]
+        choice = results[f"r{i}"].choices[0]
+        reference = teacher_forced_logprobs(model, prompt, choice.token_ids)
+        for j, token in enumerate(choice.token_ids):
+            assert token in allowed(reference[j], value), (field, j, token)
+        # raw logprobs and top_logprobs are the reference log-softmax
+        assert choice.logprobs == pytest.approx([reference[j][t] for j, t in enumerate(choice.token_ids)], abs=1e-3)
+        for j, top in enumerate(choice.top_logprobs):
+            assert [t.token_id for t in top] == np.argsort(-reference[j])[:5].tolist()
+            assert [t.logprob for t in top] == pytest.approx(np.sort(reference[j])[::-1][:5].tolist(), abs=1e-3)
+        free_tokens = results[f"f{i}"].choices[0].token_ids
+        free_reference = teacher_forced_logprobs(model, prompt, free_tokens)
+        outside_free += sum(t not in allowed(free_reference[j], value) for j, t in enumerate(free_tokens))
+    assert outside_free > 0, "the unrestricted neighbours should stray outside the set: the filter was per row"
+
+
+def test_logit_bias_forces_and_bans(scheduler, model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    plain, _ = greedy_alone(model, PROMPT, 12, set())
+    favourite = max(set(plain), key=plain.count)
+    results = run_all(scheduler, {
+        "force": {"prompt_token_ids": PROMPT, "max_tokens": 12, "temperature": 1.0, "logit_bias": {"77": 100},
+                  "ignore_eos": True},
+        "ban": {"prompt_token_ids": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": {str(favourite): -100},
+                "ignore_eos": True},
+        "plain": {"prompt_token_ids": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    })
+    assert ids(results["force"]) == [77] * 12
+    assert favourite not in ids(results["ban"])
+    assert ids(results["plain"]) == plain
+
+
+def reference_penalized_greedy(model, prompt, generated, presence=0.0, frequency=0.0, repetition=1.0):
+    """What each greedy token must be under the penalty definitions (see worker/sampling.py)."""
+    raw = teacher_forced_logits(model, prompt, generated)
+    expected, processed = [], []
+    for j in range(len(generated)):
+        logits = raw[j].copy()
+        counts = np.bincount(generated[:j], minlength=logits.shape[0]).astype(np.float32)
+        seen = np.bincount(prompt + generated[:j], minlength=logits.shape[0]) > 0
+        logits = np.where(seen, np.where(logits < 0, logits * repetition, logits / repetition), logits)
+        logits = logits - counts * frequency - (counts > 0) * presence
+        expected.append(int(np.argmax(logits)))
+        processed.append(log_softmax(logits))
+    return expected, processed
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                                     {"repetition_penalty": 1.8}])
+def test_penalties_change_what_the_reference_says(scheduler, model_and_tokenizer, penalty):
+    model, _ = model_and_tokenizer
+    requests = {
+        "raw": {"prompt_token_ids": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                "logprobs": True, **penalty},
+        "processed": {"prompt_token_ids": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                      "logprobs": True, "logprobs_mode": "processed", **penalty},
+    }
+    results = run_all(scheduler, requests)
+    plain, _ = greedy_alone(model, PROMPT, 20, set())
+    tokens = ids(results["raw"])
+    assert tokens == ids(results["processed"])
+    assert tokens != plain, "the penalty should change this repetitive model's output"
+    expected, processed = reference_penalized_greedy(
+        model, PROMPT, tokens, penalty.get("presence_penalty", 0.0), penalty.get("frequency_penalty", 0.0),
+        penalty.get("repetition_penalty", 1.0))
+    assert tokens == expected
+    raw = teacher_forced_logprobs(model, PROMPT, tokens)
+    assert results["raw"].choices[0].logprobs == pytest.approx([raw[j][t] for j, t in enumerate(tokens)], abs=1e-3)
+    assert results["processed"].choices[0].logprobs == pytest.approx(
+        [processed[j][t] for j, t in enumerate(tokens)], abs=1e-3)
+
+
+def test_processed_logprobs_include_temperature_and_truncation(scheduler, model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    request = {"prompt_token_ids": PROMPT, "max_tokens": 10, "temperature": 0.7, "top_k": 4, "seed": 5,
+               "ignore_eos": True, "logprobs": True, "logprobs_mode": "processed"}
+    choice = run_all(scheduler, {"p": request})["p"].choices[0]
+    raw = teacher_forced_logprobs(model, PROMPT, choice.token_ids)
+    for j, token in enumerate(choice.token_ids):
+        keep = np.argsort(-raw[j])[:4]
+        scaled = raw[j][keep] / 0.7
+        expected = log_softmax(scaled)
+        assert choice.logprobs[j] == pytest.approx(float(expected[list(keep).index(token)]), abs=1e-3)
+
+
+SEEDED = {"prompt_token_ids": PROMPT, "max_tokens": 24, "temperature": 1.3, "top_p": 0.95, "seed": 1234,
+          "ignore_eos": True}
+
+
+def test_seeded_request_gives_the_same_ids_alone_and_in_a_crowd(scheduler, model_and_tokenizer):
+    alone = ids(run_all(scheduler, {"alone": SEEDED})["alone"])
+    crowd = {f"s{i}": {"prompt_token_ids": [(i * 7 + k) % 500 + 3 for k in range(3 + i % 9)], "max_tokens": 30,
+                       "temperature": [0, 0.8, 1.5][i % 3], "top_k": i % 5, **({"seed": i} if i % 2 else {}),
+                       "repetition_penalty": 1.0 + (i % 4) / 10}
+             for i in range(31)}
+    results = run_all(scheduler, {**crowd, "target": SEEDED})
+    assert ids(results["target"]) == alone
+    model, tokenizer = model_and_tokenizer
+    fresh = BatchScheduler(TextEngine(model, tokenizer))  # a new engine: nothing carried over
+    assert ids(run_all(fresh, {"again": SEEDED})["again"]) == alone
+    other_seed = ids(run_all(fresh, {"other": {**SEEDED, "seed": 4321}})["other"])
+    assert other_seed != alone
+
+
+def test_unseeded_requests_are_random(scheduler):
+    request = {k: v for k, v in SEEDED.items() if k != "seed"}
+    results = run_all(scheduler, {"a": request, "b": request, "c": request})
+    assert len({tuple(ids(r)) for r in results.values()}) > 1
+
+
+def test_stop_strings_that_straddle_tokens(scheduler, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    base = {"prompt_token_ids": PROMPT, "max_tokens": 30, "temperature": 1.0, "seed": 99, "ignore_eos": True}
+    full = run_all(scheduler, {"full": base})["full"].choices[0]
+    pieces = [tokenizer.decode([t]) for t in full.token_ids]
+    # a boundary between two tokens whose texts are clean and not empty
+    j = next(j for j in range(3, len(pieces) - 1)
+             if pieces[j] and pieces[j + 1] and "\ufffd" not in pieces[j] + pieces[j + 1]
+             and tokenizer.decode(full.token_ids[: j + 2]) == "".join(pieces[: j + 2]))
+    stop = pieces[j][-1] + pieces[j + 1][:1]
+    cut = full.text.find(stop)
+    assert 0 <= cut
+    result = run_all(scheduler, {"stopped": {**base, "stop": ["never-appears", stop]}})["stopped"]
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == full.text[:cut] and stop not in choice.text
+    # token_ids are every sampled token, through the one that completed the stop string
+    assert choice.token_ids == full.token_ids[: len(choice.token_ids)]
+    assert tokenizer.decode(choice.token_ids).find(stop) == cut
+    assert stop not in tokenizer.decode(choice.token_ids[:-1])
+    assert result.usage.completion_tokens == len(choice.token_ids)
+
+
+class CountingModel:
+    """Counts the prompt tokens the model is run on (calls with more than one position)."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.prefill_tokens = 0
+
+    def __call__(self, inputs, *args, **kwargs):
+        if inputs.shape[1] > 1:
+            self.prefill_tokens += inputs.shape[1] * inputs.shape[0]
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_n_choices_share_one_prefill(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = [(k * 29) % 500 + 3 for k in range(40)]
+    counting = CountingModel(model)
+    scheduler = BatchScheduler(TextEngine(counting, tokenizer))
+    greedy = run_all(scheduler, {"g": {"prompt_token_ids": prompt, "max_tokens": 8, "n": 4, "temperature": 0,
+                                       "ignore_eos": True, "logprobs": True}})["g"]
+    assert counting.prefill_tokens == len(prompt) - 1  # once, not 4 times
+    reference, reference_logprobs = greedy_alone(model, prompt, 8, set())
+    assert [c.token_ids for c in greedy.choices] == [reference] * 4
+    for choice in greedy.choices:
+        assert choice.logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+    assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == 32
+
+    counting.prefill_tokens = 0
+    sampled = run_all(scheduler, {"s": {"prompt_token_ids": prompt, "max_tokens": 8, "n": 4, "temperature": 1.5,
+                                        "seed": 3, "ignore_eos": True}})["s"]
+    assert counting.prefill_tokens == len(prompt) - 1
+    assert len({tuple(c.token_ids) for c in sampled.choices}) == 4
+    separately = run_all(scheduler, {f"x{i}": {"prompt_token_ids": prompt, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True} for i in range(4)})
+    assert len(separately) == 4
+
+
+def test_return_prompt_token_ids(scheduler, model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    result = run_all(scheduler, {"p": {"prompt": "hello world", "max_tokens": 2, "return_prompt_token_ids": True}})["p"]
+    assert result.prompt_token_ids == list(tokenizer.encode("hello world"))
+    assert result.usage.prompt_tokens == len(result.prompt_token_ids)
+    assert run_all(scheduler, {"q": {"prompt": "hello world", "max_tokens": 2}})["q"].prompt_token_ids is None
