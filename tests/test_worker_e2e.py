@@ -193,3 +193,23 @@ def test_generate_runs_one_at_a_time_under_a_stock_simple_worker(redis_url, tiny
     assert failed.status == "failed" and "max_tokens" in failed.error.message
     assert Job.fetch(bad_job.id, connection=conn, serializer=JSONSerializer).get_status() == JobStatus.FAILED
     assert isinstance(first, GenerationResult)
+
+
+def test_seeded_request_is_identical_across_workers_and_restarts(redis_url, tiny_model_dir):
+    """The same seeded request, on two worker processes one after the other, alone and in a crowd."""
+    client = Client(redis_url)
+    seeded = {"prompt": "The queue said", "max_tokens": 20, "temperature": 1.2, "top_k": 40, "seed": 77,
+              "ignore_eos": True, "n": 2}
+    outputs = []
+    for run, crowd in enumerate([0, 12]):
+        strangers = [{"prompt_token_ids": [i + 3, i + 9], "max_tokens": 15, "temperature": 0.9, "ignore_eos": True}
+                     for i in range(crowd)]
+        ids = client.submit_many(strangers[: crowd // 2] + [seeded] + strangers[crowd // 2 :])
+        proc = start_worker(redis_url, tiny_model_dir, "--burst", name=f"seeded-{run}")
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        result = client.result(ids[crowd // 2])
+        assert result.status == "finished"
+        outputs.append([c.token_ids for c in result.choices])
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0] != outputs[0][1]  # the n choices are distinct samples

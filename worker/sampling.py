@@ -92,6 +92,12 @@ def _seeded_sampler(params: SamplingParams, choice: int) -> Sampler:
     return sample
 
 
+def has_processors(params: SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.repetition_penalty != 1.0 or bool(
+        params.presence_penalty or params.frequency_penalty
+    )
+
+
 def logits_processors(
     params: SamplingParams, prompt_len: int, capture: Optional[Processor] = None
 ) -> list[Processor]:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import SequenceSpec, TokenEvent
-from worker.sampling import SamplerPool, greedy, logits_processors, processed_logprobs
+from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
 
 
 class RequestRejected(ValueError):
@@ -191,7 +191,7 @@ class _RawLogits:
 
 def _needs_raw_capture(spec: SequenceSpec) -> bool:
     wants = spec.logprobs or spec.top_logprobs > 0
-    return wants and spec.logprobs_mode == "raw" and bool(logits_processors(spec.sampling, 0))
+    return wants and spec.logprobs_mode == "raw" and has_processors(spec.sampling)
 
 
 def _distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
