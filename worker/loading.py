@@ -32,18 +32,30 @@ def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None):  # -> BatchScheduler
+def build_engine(settings: WorkerSettings) -> Any:
+    if settings.engine == "fake":
+        from worker.engines.fake import FakeEngine
+
+        log.info("engine: fake (deterministic, no model): for tests and queue benchmarks only")
+        return FakeEngine(step_delay_s=settings.fake_step_delay_s)
+    if settings.engine != "mlx":
+        raise ValueError(f"MLXQ_ENGINE: unknown engine {settings.engine!r} (mlx | fake)")
     from worker.engines.text import TextEngine
-    from worker.scheduler import BatchScheduler
 
     model, tokenizer = load_model(settings)
-    engine = TextEngine(
+    return TextEngine(
         model,
         tokenizer,
         max_num_seqs=settings.max_num_seqs,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
     )
+
+
+def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None):  # -> BatchScheduler
+    from worker.scheduler import BatchScheduler
+
+    engine = build_engine(settings)
     return BatchScheduler(
         engine,
         max_num_seqs=settings.max_num_seqs,
@@ -52,4 +64,5 @@ def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None)
         served_names=settings.served_names(),
         model_name=settings.served_alias,
         worker_name=worker_name or f"pid-{os.getpid()}",
+        kv_budget_bytes=settings.kv_budget_bytes,
     )

@@ -2,10 +2,12 @@
 
 An RQ `SimpleWorker` (no fork: the model stays loaded, and fork after MLX starts is unsafe on
 macOS) whose loop keeps many jobs running at once. It takes every waiting job while it has
-room, starts each the RQ way, steps the scheduler, and ends each job the RQ way as its result
-lands. It knows nothing of MLX; the scheduler knows nothing of Redis.
+room, starts each the RQ way, steps the scheduler, and ends each job the RQ way after its result
+key is written. It knows nothing of MLX; the scheduler knows nothing of Redis.
 
 RQ's per-job helpers read the single `self.execution`; `_as_current` sets it around each call.
+If Redis goes away mid-batch, decoding goes on: results wait in `_unpublished` and are written
+once Redis answers again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import datetime
 from typing import Any, Callable, Iterator, Optional
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue, Retry, SimpleWorker
 from rq.command import parse_payload
 from rq.exceptions import DeserializationError, StopRequested
 from rq.executions import Execution
@@ -30,12 +32,17 @@ from rq.utils import now
 from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
-from worker.publish import cancel_requested, publish_results, result_ttl
+from worker.liveness import Liveness
+from worker.publish import Publication, cancel_requested, publish_results, publish_stream_deltas, result_ttl
+from worker.recovery import sweep_abandoned
+from worker.redis_health import RedisHealth
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
 
 CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
+SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class JobFailed(Exception):
@@ -48,6 +55,12 @@ class InFlight:
     queue: Queue
     execution: Execution
     deadline: Optional[float]  # monotonic; None = no timeout
+    payload: Any = None
+    solo: bool = False
+
+    @property
+    def streams(self) -> bool:
+        return isinstance(self.payload, dict) and self.payload.get("stream") is True
 
 
 class BatchWorker(SimpleWorker):
@@ -65,19 +78,26 @@ class BatchWorker(SimpleWorker):
         self.settings = settings or WorkerSettings.from_env()
         if queues is None:
             queues = self.settings.default_queues()
+        kwargs.setdefault("maintenance_interval", int(self.settings.sweep_interval_s))
         super().__init__(queues, *args, **kwargs)
         self._scheduler_factory = scheduler_factory
         self.scheduler_: Any = None  # rq's BaseWorker already uses `self.scheduler`
         self._inflight: dict[str, InFlight] = {}
+        self._unpublished: list[GenerationResult] = []
         self._stop_job_ids: set[str] = set()
         self._stop_job_lock = threading.Lock()
-        self._last_heartbeat = 0.0
+        self._health = RedisHealth(self.connection)
+        self._last_sweep = time.monotonic()
+        self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
 
     # --- RQ hooks -------------------------------------------------------------------------
+    @property
+    def dequeue_timeout(self) -> int:
+        # An idle worker wakes this often for maintenance, which sweeps dead workers' jobs.
+        return max(1, int(self.settings.sweep_interval_s))
+
     def get_heartbeat_ttl(self, job: Job) -> int:
-        # Short, and refreshed every heartbeat_interval_s while the batch makes progress, so a
-        # killed worker's jobs are noticed within about a minute.
-        return int(self.settings.heartbeat_interval_s) + 60
+        return self.settings.heartbeat_ttl_s
 
     def handle_payload(self, message: Any) -> None:
         """RQ's stop-job command only knows one current job: flag any of ours for the loop."""
@@ -87,6 +107,10 @@ class BatchWorker(SimpleWorker):
                 self._stop_job_ids.add(payload["job_id"])
             return
         super().handle_payload(message)
+
+    def clean_registries(self) -> None:
+        self._sweep()
+        super().clean_registries()
 
     # --- the loop -------------------------------------------------------------------------
     def work(  # type: ignore[override]
@@ -108,8 +132,9 @@ class BatchWorker(SimpleWorker):
         taken = 0
         try:
             self.scheduler_ = self._build_scheduler()
+            self._liveness.start()
             while True:
-                if not self._inflight:
+                if not self._inflight and not self._unpublished:
                     self.check_for_suspension(burst)
                     if self.should_run_maintenance_tasks:
                         self.run_maintenance_tasks()
@@ -124,12 +149,7 @@ class BatchWorker(SimpleWorker):
                             break
                         self._start(*dequeued)
                     taken += 1
-                if not self._stop_requested:
-                    room = self.scheduler_.free_slots
-                    if max_jobs is not None:
-                        room = min(room, max_jobs - taken)
-                    taken += self._top_up(room)
-                self._step()
+                taken += self._cycle(None if max_jobs is None else max_jobs - taken)
         except StopRequested:
             pass
         except SystemExit:
@@ -140,8 +160,33 @@ class BatchWorker(SimpleWorker):
             self._abandon_inflight("worker loop crashed")
             raise
         finally:
+            self._liveness.stop()
             self.teardown()
         return taken > 0
+
+    def _cycle(self, jobs_left: Optional[int]) -> int:
+        """One turn of the busy loop: Redis upkeep, top-up, one engine step. Returns jobs taken."""
+        taken = 0
+        if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler_)):
+            self._liveness.beat_now()  # before any sweep can take our jobs for abandoned
+        if self._health.up:
+            self._flush()
+            if not self._stop_requested:
+                room = self.scheduler_.free_slots if jobs_left is None else min(self.scheduler_.free_slots, jobs_left)
+                taken = self._redis_call(self._top_up, room) or 0
+        self._step()
+        if self._health.up:
+            self._redis_call(self._enforce_cancellations_and_deadlines)
+            if time.monotonic() - self._last_sweep > self.settings.sweep_interval_s:
+                self._redis_call(self._sweep)
+        return taken
+
+    def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except REDIS_ERRORS as exc:
+            self._health.lost(exc)
+            return None
 
     def _build_scheduler(self) -> Any:
         if self._scheduler_factory is not None:
@@ -169,15 +214,22 @@ class BatchWorker(SimpleWorker):
         return taken
 
     def _step(self) -> None:
-        if len(self.scheduler_):
-            try:
+        if not len(self.scheduler_):
+            return
+        try:
+            with self._liveness.step():
                 results = self.scheduler_.step()
-            except Exception as exc:  # a broken step must not take the worker down
-                self.log.exception("Worker %s: engine step failed", self.name)
-                results = self.scheduler_.abort_all("EngineError", f"engine step failed: {exc!r}")
-            self._end_many(results)
-        self._enforce_cancellations_and_deadlines()
-        self._maintain_heartbeats()
+        except Exception as exc:
+            self.log.exception("Worker %s: engine step failed", self.name)
+            self._recover_from_engine_failure(exc)
+            return
+        self._end_many(results, self.scheduler_.take_stream_deltas())
+
+    def _sweep(self) -> None:
+        self._last_sweep = time.monotonic()
+        swept = sweep_abandoned(self.connection, self.queues, skip=frozenset(self._inflight))
+        if swept:
+            self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
 
     # --- job start ------------------------------------------------------------------------
     def _start(self, job: Job, queue: Queue) -> None:
@@ -185,12 +237,14 @@ class BatchWorker(SimpleWorker):
         enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
         try:
             failed = self._admit(job, enqueued_at)
+        except REDIS_ERRORS:
+            raise
         except Exception as exc:  # one bad job must never take the worker down
             self.log.exception("Worker %s: could not start job %s", self.name, job.id)
             failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
                                                    enqueued_at=enqueued_at)
         if failed is not None:
-            self._end(failed)
+            self._end_many([failed])
 
     def _begin_rq_execution(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
@@ -212,10 +266,13 @@ class BatchWorker(SimpleWorker):
             error_type, message = refusal
             return self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at,
                                                  started_at=time.time())
-        payload = job.kwargs["request"]
+        inflight = self._inflight[job.id]
+        inflight.payload = job.kwargs["request"]
+        inflight.solo = bool(job.meta.get(SOLO_META))
         if self.connection.exists(keys.cancel_key(job.id)):
-            return self._cancelled_before_start(job.id, payload, enqueued_at)
-        return self.scheduler_.admit(job.id, payload, enqueued_at=enqueued_at)
+            return self.scheduler_.failed_result(job.id, inflight.payload, "Cancelled", "", enqueued_at=enqueued_at,
+                                                 status="cancelled")
+        return self.scheduler_.admit(job.id, inflight.payload, enqueued_at=enqueued_at, solo=inflight.solo)
 
     def _refusal(self, job: Job) -> Optional[tuple[str, str]]:
         """Why this job may not run here, or None. Nothing is ever unpickled."""
@@ -234,9 +291,7 @@ class BatchWorker(SimpleWorker):
             )
         if args or set(kwargs) != {"request"}:
             return ("InvalidRequest", f"{keys.JOB_FUNCTION} takes exactly one keyword argument, `request`")
-        callbacks = [
-            name.decode() for name in self.connection.hmget(job.key, list(CALLBACK_FIELDS)) if name
-        ]
+        callbacks = [name.decode() for name in self.connection.hmget(job.key, list(CALLBACK_FIELDS)) if name]
         refused = [c for c in callbacks if not c.startswith(tuple(self.settings.callback_allowlist) or ("\0",))]
         if refused:
             return (
@@ -245,35 +300,38 @@ class BatchWorker(SimpleWorker):
             )
         return None
 
-    def _cancelled_before_start(self, job_id: str, payload: Any, enqueued_at: Optional[float]) -> GenerationResult:
-        result = self.scheduler_.failed_result(job_id, payload, "Cancelled", "cancelled before it started",
-                                               enqueued_at=enqueued_at)
-        return result.model_copy(update={"status": "cancelled", "error": None})
-
     # --- job end --------------------------------------------------------------------------
-    def _end_many(self, results: list[GenerationResult]) -> None:
-        if not results:
+    def _end_many(self, results: list[GenerationResult], deltas: Optional[list[Any]] = None) -> None:
+        """Publish stream deltas and results, then end the RQ jobs; if Redis is away, keep them."""
+        if deltas:
+            streaming = [d for d in deltas if d.job_id in self._inflight]
+            self._redis_call(publish_stream_deltas, self.connection, streaming,
+                             {d.job_id: result_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming})
+        self._unpublished.extend(results)
+        if self._health.up:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._unpublished:
             return
-        self._publish(results)
-        for result in results:
-            self._finish_rq_job(result)
+        try:
+            publish_results(self.connection, [self._publication(r) for r in self._unpublished])
+            while self._unpublished:
+                self._finish_rq_job(self._unpublished[0])
+                self._unpublished.pop(0)
+        except REDIS_ERRORS as exc:
+            self._health.lost(exc)
 
-    def _end(self, result: GenerationResult) -> None:
-        self._end_many([result])
-
-    def _publish(self, results: list[GenerationResult]) -> None:
-        final = []
-        for result in results:
-            job = self._inflight[result.id].job
-            # A failed attempt that RQ will retry has not ended: its result key would mislead waiters.
-            if result.status == "failed" and job.should_retry:
-                continue
-            final.append((result, result_ttl(job.result_ttl)))
-        publish_results(self.connection, final)
+    def _publication(self, result: GenerationResult) -> Publication:
+        inflight = self._inflight[result.id]
+        job = inflight.job
+        retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        return Publication(result, result_ttl(job.result_ttl), write_key=not retried,
+                           ends_stream=inflight.streams and not retried)
 
     def _finish_rq_job(self, result: GenerationResult) -> None:
         """End the RQ job the way `perform_job` would, after its result key is written."""
-        inflight = self._inflight.pop(result.id)
+        inflight = self._inflight[result.id]
         job, queue = inflight.job, inflight.queue
         job.ended_at = now()
         with self._as_current(inflight):
@@ -286,25 +344,24 @@ class BatchWorker(SimpleWorker):
                 except Exception:
                     self.log.exception("Job %s: success callback failed", job.id)
                 self.handle_job_success(job=job, queue=queue, started_job_registry=queue.started_job_registry)
-                return
-            if result.status == "cancelled":
+            elif result.status == "cancelled":
                 self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
                 with contextlib.suppress(Exception):
                     job.execute_stopped_callback(self.death_penalty_class)
                 self.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
                                         started_job_registry=queue.started_job_registry)
-                return
-            job._status = JobStatus.FAILED
-            error = result.error
-            exc: Exception = (
-                JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
-                else JobFailed(f"{error.type}: {error.message}" if error else "failed")
-            )
-            exc_string = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(Exception):
-                job.execute_failure_callback(self.death_penalty_class, type(exc), exc, None)
-            self.handle_job_failure(job=job, queue=queue, exc_string=exc_string,
-                                    started_job_registry=queue.started_job_registry)
+            else:
+                job._status = JobStatus.FAILED
+                error = result.error
+                exc: Exception = (
+                    JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
+                    else JobFailed(f"{error.type}: {error.message}" if error else "failed")
+                )
+                with contextlib.suppress(Exception):
+                    job.execute_failure_callback(self.death_penalty_class, type(exc), exc, None)
+                self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
+                                        started_job_registry=queue.started_job_registry)
+        del self._inflight[result.id]
 
     @contextlib.contextmanager
     def _as_current(self, inflight: InFlight) -> Iterator[None]:
@@ -314,16 +371,42 @@ class BatchWorker(SimpleWorker):
         finally:
             self.execution = None
 
+    def _recover_from_engine_failure(self, exc: BaseException) -> None:
+        """A step failed and no single sequence can be blamed. Start the engine afresh; re-queue
+        every job it held to run alone, and fail any job that already failed alone: that one is
+        the poison, and the others finish normally."""
+        job_ids = self.scheduler_.reset()
+        poisoned = []
+        for job_id in job_ids:
+            inflight = self._inflight[job_id]
+            if inflight.solo:
+                poisoned.append(self.scheduler_.failed_result(
+                    job_id, inflight.payload, "EngineError",
+                    f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
+                continue
+            self._redis_call(self._requeue_solo, inflight)
+        self._end_many(poisoned)
+
+    def _requeue_solo(self, inflight: InFlight) -> None:
+        job = inflight.job
+        job.meta[SOLO_META] = True
+        job.save_meta()
+        job.ended_at = now()
+        with self._as_current(inflight):
+            self.handle_job_retry(job=job, queue=inflight.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
+                                  started_job_registry=inflight.queue.started_job_registry,
+                                  execution=inflight.execution)
+        del self._inflight[job.id]
+
     def _abandon_inflight(self, reason: str) -> None:
-        """Cold shutdown or a crash: fail (or, with Retry, requeue) every running job now."""
+        """Cold shutdown or a crash: fail (or, with Retry, re-queue) every running job now."""
         if not self._inflight or self.scheduler_ is None:
             return
         with contextlib.suppress(Exception):
-            results = self.scheduler_.abort_all("WorkerShutdown", reason)
-            self._end_many(results)
-        for job_id in list(self._inflight):  # jobs the scheduler never admitted
+            self._end_many(self.scheduler_.abort_all("WorkerShutdown", reason))
+        for job_id in list(self._inflight):  # jobs the scheduler never held
             with contextlib.suppress(Exception):
-                self._end(self.scheduler_.failed_result(job_id, None, "WorkerShutdown", reason))
+                self._end_many([self.scheduler_.failed_result(job_id, None, "WorkerShutdown", reason)])
 
     # --- per-step housekeeping ------------------------------------------------------------
     def _enforce_cancellations_and_deadlines(self) -> None:
@@ -331,31 +414,27 @@ class BatchWorker(SimpleWorker):
             return
         with self._stop_job_lock:
             stop_ids, self._stop_job_ids = self._stop_job_ids, set()
-        try:
-            cancelled = cancel_requested(self.connection, list(self._inflight)) | (stop_ids & set(self._inflight))
-        except redis.ConnectionError:
-            cancelled = stop_ids & set(self._inflight)
-        ending = []
-        for job_id in cancelled:
-            result = self.scheduler_.cancel(job_id, "cancelled")
-            if result is not None:
-                ending.append(result)
+        running = [job_id for job_id in self._inflight if job_id in self.scheduler_.job_ids]
+        cancelled = cancel_requested(self.connection, running) | (stop_ids & set(running))
+        ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
         clock = time.monotonic()
-        for job_id, inflight in list(self._inflight.items()):
-            if job_id not in cancelled and inflight.deadline is not None and clock > inflight.deadline:
+        for job_id in running:
+            deadline = self._inflight[job_id].deadline
+            if job_id not in cancelled and deadline is not None and clock > deadline:
                 result = self.scheduler_.cancel(job_id, "timeout")
                 if result is not None:
                     ending.append(result)
-        self._end_many(ending)
+        self._end_many(ending, self.scheduler_.take_stream_deltas())
 
-    def _maintain_heartbeats(self) -> None:
-        if not self._inflight or time.monotonic() - self._last_heartbeat < self.settings.heartbeat_interval_s:
+    def _beat(self) -> None:
+        """Runs on the liveness thread: refresh the worker's and every running job's heartbeat."""
+        running = list(self._inflight.values())
+        if not running:
             return
-        self._last_heartbeat = time.monotonic()
+        ttl = self.settings.heartbeat_ttl_s
         with self.connection.pipeline() as pipe:
-            self.heartbeat(int(self.settings.heartbeat_interval_s) + 60, pipeline=pipe)
-            for inflight in self._inflight.values():
-                ttl = self.get_heartbeat_ttl(inflight.job)
+            self.heartbeat(ttl, pipeline=pipe)
+            for inflight in running:
                 inflight.execution.heartbeat(inflight.job.started_job_registry, ttl, pipeline=pipe)
                 inflight.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
             pipe.execute()

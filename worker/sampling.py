@@ -72,9 +72,11 @@ class SamplerPool:
         key = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                              min_p=params.min_p)
         if key not in self._shared:
-            self._shared[key] = make_sampler(
+            sampler = make_sampler(
                 temp=key.temperature, top_p=key.top_p if key.top_p < 1.0 else 0.0, min_p=key.min_p, top_k=key.top_k
             )
+            sampler.shared = True  # type: ignore[attr-defined]
+            self._shared[key] = sampler
         return self._shared[key]
 
 

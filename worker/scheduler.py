@@ -1,20 +1,25 @@
 """BatchScheduler: the seam between the RQ worker (jobs) and an engine (sequences).
 
-It admits requests (validation that needs the model: served name, prompt length, vocabulary),
-turns each choice into a sequence, feeds engine steps back into per-choice state (text, stop
-strings, logprobs), and hands back finished GenerationResults. It knows nothing of Redis.
+It admits requests (validation that needs the model: served name, prompt length, vocabulary,
+KV-cache budget), turns each choice into a sequence, feeds engine steps back into per-choice
+state (text, stop strings, logprobs, stream deltas), and hands back finished GenerationResults.
+Jobs that fit the limits but not the memory free right now wait here, in order. It knows
+nothing of Redis.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, Timings, TopLogprob, Usage
 from schemas.request import InvalidRequestError, RequestLimits
 from worker.detokenize import IncrementalDetokenizer
 from worker.engines.base import Engine, SamplingParams, SequenceSpec, TokenEvent
+
+MIB = 1024 * 1024
 
 
 @dataclass
@@ -27,12 +32,19 @@ class ChoiceState:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
     finish_reason: Optional[str] = None
-    # Characters of detokenizer.text that are final (a stop string may still start after them).
+    # Where `text` ends when a stop string cut it; None = the whole decoded text.
     text_end: Optional[int] = None
+    # Stream bookkeeping: tokens and characters already handed out as deltas.
+    streamed_tokens: int = 0
+    streamed_chars: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.text_end is None else self.detokenizer.text[: self.text_end]
 
 
 @dataclass
@@ -41,13 +53,28 @@ class ActiveJob:
     request: GenerationRequest
     prompt_token_ids: list[int]
     choices: list[ChoiceState]
+    specs: list[SequenceSpec]
     enqueued_at: Optional[float]
     started_at: float
+    kv_tokens: int  # tokens of KV cache one choice may need: prompt + max_tokens
+    solo: bool = False
     first_token_at: Optional[float] = None
+    in_engine: bool = False
 
     @property
     def done(self) -> bool:
         return all(c.done for c in self.choices)
+
+
+@dataclass
+class StreamDelta:
+    """What one choice of a streaming job produced since the last delta."""
+
+    job_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str] = None
 
 
 class BatchScheduler:
@@ -61,6 +88,7 @@ class BatchScheduler:
         served_names: Optional[set[str]] = None,
         model_name: Optional[str] = None,
         worker_name: Optional[str] = None,
+        kv_budget_bytes: Optional[int] = None,
     ) -> None:
         self.engine = engine
         self.max_num_seqs = max_num_seqs
@@ -69,8 +97,11 @@ class BatchScheduler:
         self.served_names = served_names or set()
         self.model_name = model_name
         self.worker_name = worker_name
+        self.kv_budget_bytes = kv_budget_bytes
         self._jobs: dict[str, ActiveJob] = {}
+        self._waiting: deque[str] = deque()  # admitted, not yet in the engine (memory, solo)
         self._uid_to_job: dict[str, str] = {}
+        self._streams: list[StreamDelta] = []
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -79,6 +110,8 @@ class BatchScheduler:
 
     @property
     def free_slots(self) -> int:
+        if any(job.solo for job in self._jobs.values()):
+            return 0  # a job under suspicion runs alone
         return max(0, self.max_num_seqs - self.num_sequences)
 
     @property
@@ -89,19 +122,39 @@ class BatchScheduler:
         return len(self._jobs)
 
     # --- admission ------------------------------------------------------------------------
-    def admit(self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None) -> Optional[GenerationResult]:
-        """Start a job. Returns a failed result at once if the request is invalid."""
+    def admit(
+        self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False
+    ) -> Optional[GenerationResult]:
+        """Take a job. Returns a failed result at once if it can never run here; otherwise it
+        enters the engine now, or as soon as memory allows (`solo`: only into an empty batch)."""
         started_at = time.time()
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
             self._check_model(request)
             prompt_ids = self.engine.prompt_token_ids(request)
             self._check_prompt(prompt_ids)
+            max_tokens = request.max_tokens or self.default_max_tokens
+            self._check_capacity(request, len(prompt_ids) + max_tokens)
         except (InvalidRequestError, ValueError) as exc:
             return self.failed_result(
                 job_id, payload, "InvalidRequest", str(exc), enqueued_at=enqueued_at, started_at=started_at
             )
-        max_tokens = request.max_tokens or self.default_max_tokens
+        job = self._build_job(job_id, request, prompt_ids, max_tokens, enqueued_at, started_at, solo)
+        self._jobs[job_id] = job
+        self._waiting.append(job_id)
+        self._admit_waiting()
+        return None
+
+    def _build_job(
+        self,
+        job_id: str,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        max_tokens: int,
+        enqueued_at: Optional[float],
+        started_at: float,
+        solo: bool,
+    ) -> ActiveJob:
         stop_ids = frozenset(request.stop_token_ids or ()) | (
             frozenset() if request.ignore_eos else self.engine.eos_token_ids
         )
@@ -132,10 +185,37 @@ class BatchScheduler:
                     choice_index=index,
                 )
             )
-            self._uid_to_job[uid] = job_id
-        self._jobs[job_id] = ActiveJob(job_id, request, prompt_ids, choices, enqueued_at, started_at)
-        self.engine.add(specs)
-        return None
+        return ActiveJob(job_id, request, prompt_ids, choices, specs, enqueued_at, started_at,
+                         kv_tokens=len(prompt_ids) + max_tokens, solo=solo)
+
+    def _admit_waiting(self) -> None:
+        """Move waiting jobs into the engine, in arrival order, while they fit."""
+        while self._waiting:
+            job = self._jobs.get(self._waiting[0])
+            if job is None:  # cancelled while waiting
+                self._waiting.popleft()
+                continue
+            running = [j for j in self._jobs.values() if j.in_engine]
+            if (job.solo or any(j.solo for j in running)) and running:
+                return
+            if running and not self._fits(running, job):
+                return
+            self._waiting.popleft()
+            job.in_engine = True
+            for spec in job.specs:
+                self._uid_to_job[spec.uid] = job.job_id
+            self.engine.add(job.specs)
+
+    def _fits(self, running: list[ActiveJob], job: ActiveJob) -> bool:
+        live = sum(1 for j in running for c in j.choices if not c.done)
+        if live + len(job.choices) > self.max_num_seqs:
+            return False
+        if not self.kv_budget_bytes or not self.engine.kv_bytes_per_token:
+            return True
+        # The batched KV cache is padded to its longest row: rows x longest is what it may take.
+        longest = max([job.kv_tokens] + [j.kv_tokens for j in running])
+        need = (live + len(job.choices)) * longest * self.engine.kv_bytes_per_token
+        return need <= self.kv_budget_bytes
 
     def _check_model(self, request: GenerationRequest) -> None:
         if request.model and self.served_names and request.model not in self.served_names:
@@ -159,22 +239,55 @@ class BatchScheduler:
                 field="prompt_token_ids",
             )
 
+    def _check_capacity(self, request: GenerationRequest, kv_tokens: int) -> None:
+        if request.n > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"n: {request.n} choices exceed this worker's MLXQ_MAX_NUM_SEQS of {self.max_num_seqs}", field="n"
+            )
+        per_token = self.engine.kv_bytes_per_token
+        if not self.kv_budget_bytes or not per_token:
+            return
+        need = request.n * kv_tokens * per_token
+        if need > self.kv_budget_bytes:
+            raise InvalidRequestError(
+                f"max_tokens: prompt + max_tokens = {kv_tokens} tokens x n={request.n} needs "
+                f"{need / MIB:.0f} MiB of KV cache, more than this worker's budget of "
+                f"{self.kv_budget_bytes / MIB:.0f} MiB (MLXQ_KV_BUDGET_MB)",
+                field="max_tokens",
+            )
+
     # --- stepping -------------------------------------------------------------------------
     def step(self) -> list[GenerationResult]:
-        """Run one engine step; return the results of jobs that ended in it."""
+        """Run one engine step; return the results of jobs that ended in it. An exception from
+        the engine means the step as a whole failed: see `reset`."""
+        self._admit_waiting()
         events = self.engine.step()
         now = time.time()
-        touched: set[str] = set()
+        ended: list[GenerationResult] = []
+        touched: dict[str, ActiveJob] = {}
         for event in events:
             job_id = self._uid_to_job.get(event.uid)
-            if job_id is None:
+            job = self._jobs.get(job_id) if job_id else None
+            if job is None:
                 continue
-            job = self._jobs[job_id]
             if job.first_token_at is None:
                 job.first_token_at = now
-            self._apply(job, job.choices[int(event.uid.rsplit("#", 1)[1])], event)
-            touched.add(job_id)
-        return [self._finish(job_id) for job_id in touched if self._jobs[job_id].done]
+            try:
+                if event.error is not None:
+                    raise RuntimeError(event.error)
+                self._apply(job, job.choices[int(event.uid.rsplit("#", 1)[1])], event)
+                touched[job.job_id] = job
+            except Exception as exc:  # this sequence's fault: fail its job only
+                touched.pop(job.job_id, None)
+                ended.append(self._end_now(job.job_id, "error", "failed",
+                                           ErrorInfo(type="SequenceError", message=f"{type(exc).__name__}: {exc}")))
+        for job in touched.values():
+            self._collect_stream(job)
+            if job.done:
+                ended.append(self._finish(job.job_id))
+        if ended:
+            self._admit_waiting()
+        return ended
 
     def _apply(self, job: ActiveJob, choice: ChoiceState, event: TokenEvent) -> None:
         if choice.done:
@@ -197,56 +310,73 @@ class BatchScheduler:
             choice.finish_reason = event.finish_reason
         if choice.done:
             self._uid_to_job.pop(choice.uid, None)
+            if choice.text_end is None:
+                choice.detokenizer.flush()
+
+    def _collect_stream(self, job: ActiveJob) -> None:
+        if not job.request.stream:
+            return
+        holdback = max((len(s) for s in job.request.stop_strings), default=1) - 1
+        for choice in job.choices:
+            text = choice.text
+            # Hold back what could be the start of a stop string until it is decided.
+            end = len(text) if choice.done else max(choice.streamed_chars, len(text) - holdback)
+            if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars:
+                continue
+            self._streams.append(StreamDelta(job.job_id, choice.index, choice.token_ids[choice.streamed_tokens :],
+                                             text[choice.streamed_chars : end], choice.finish_reason))
+            choice.streamed_tokens, choice.streamed_chars = len(choice.token_ids), end
+
+    def take_stream_deltas(self) -> list[StreamDelta]:
+        deltas, self._streams = self._streams, []
+        return deltas
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> Optional[GenerationResult]:
         """End a running job now (reason "cancelled" or "timeout"), keeping its partial output."""
-        job = self._jobs.get(job_id)
-        if job is None:
+        if job_id not in self._jobs:
             return None
-        live = [c for c in job.choices if not c.done]
-        self.engine.remove([c.uid for c in live])
-        for choice in live:
-            choice.finish_reason = reason
-            self._uid_to_job.pop(choice.uid, None)
-        status = "cancelled" if reason == "cancelled" else "failed"
-        error = None if reason == "cancelled" else ErrorInfo(type="JobTimeoutException", message="job timed out")
-        return self._finish(job_id, status=status, error=error)
+        if reason == "cancelled":
+            return self._end_now(job_id, "cancelled", "cancelled")
+        return self._end_now(job_id, "timeout", "failed", ErrorInfo(type="JobTimeoutException", message="job timed out"))
 
     def abort_all(self, error_type: str, message: str) -> list[GenerationResult]:
-        """Fail every running job (engine failure); partial outputs are kept."""
-        results = []
-        for job_id in list(self._jobs):
-            job = self._jobs[job_id]
-            live = [c for c in job.choices if not c.done]
-            try:
-                self.engine.remove([c.uid for c in live])
-            except Exception:  # the engine is already broken; the results matter more
-                pass
-            for choice in live:
-                choice.finish_reason = "error"
-                self._uid_to_job.pop(choice.uid, None)
-            results.append(self._finish(job_id, status="failed", error=ErrorInfo(type=error_type, message=message)))
-        return results
+        """Fail every job (a shutdown); partial outputs are kept."""
+        return [self._end_now(job_id, "error", "failed", ErrorInfo(type=error_type, message=message))
+                for job_id in list(self._jobs)]
+
+    def reset(self) -> list[str]:
+        """After a failed engine step: forget every job (their state may be corrupt), give the
+        engine a fresh batch, and return the job ids so the caller can retry or fail them."""
+        job_ids = list(self._jobs)
+        self._jobs.clear()
+        self._waiting.clear()
+        self._uid_to_job.clear()
+        self._streams.clear()
+        self.engine.reset()
+        return job_ids
+
+    def _end_now(self, job_id: str, finish_reason: str, status: str, error: Optional[ErrorInfo] = None
+                 ) -> GenerationResult:
+        job = self._jobs[job_id]
+        live = [c for c in job.choices if not c.done]
+        if job.in_engine:
+            self.engine.remove([c.uid for c in live])
+        for choice in live:
+            choice.finish_reason = finish_reason
+            choice.detokenizer.flush()
+            self._uid_to_job.pop(choice.uid, None)
+        self._collect_stream(job)
+        return self._finish(job_id, status=status, error=error)
 
     # --- results --------------------------------------------------------------------------
     def _finish(self, job_id: str, status: str = "finished", error: Optional[ErrorInfo] = None) -> GenerationResult:
         job = self._jobs.pop(job_id)
         finished_at = time.time()
-        choices = []
-        for c in job.choices:
-            if c.text_end is None:
-                c.detokenizer.flush()
-            text = c.detokenizer.text if c.text_end is None else c.detokenizer.text[: c.text_end]
-            choices.append(
-                Choice(
-                    index=c.index,
-                    text=text,
-                    token_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    top_logprobs=c.top_logprobs,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                )
-            )
+        choices = [
+            Choice(index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
+                   top_logprobs=c.top_logprobs, finish_reason=c.finish_reason)  # type: ignore[arg-type]
+            for c in job.choices
+        ]
         completion = sum(len(c.token_ids) for c in job.choices)
         request = job.request
         return GenerationResult(
@@ -270,14 +400,15 @@ class BatchScheduler:
     def failed_result(
         self,
         job_id: str,
-        payload: object,
+        payload: Any,
         error_type: str,
         message: str,
         *,
         enqueued_at: Optional[float] = None,
         started_at: Optional[float] = None,
+        status: str = "failed",
     ) -> GenerationResult:
-        """A failed result for a job that never ran; echoes what it can of a raw payload."""
+        """The result of a job that never ran; echoes what it can of a raw payload."""
         raw = payload if isinstance(payload, dict) else {}
         custom_id = raw.get("custom_id") if isinstance(raw.get("custom_id"), str) else None
         model = raw.get("model") if isinstance(raw.get("model"), str) else self.model_name
@@ -285,10 +416,10 @@ class BatchScheduler:
             id=job_id,
             custom_id=custom_id,
             model=model,
-            status="failed",
+            status=status,  # type: ignore[arg-type]
             worker=self.worker_name,
             timings=_timings(enqueued_at, started_at, None, time.time()),
-            error=ErrorInfo(type=error_type, message=message),
+            error=None if status == "cancelled" else ErrorInfo(type=error_type, message=message),
         )
 
 

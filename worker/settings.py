@@ -20,7 +20,12 @@ class WorkerSettings:
     max_prompt_tokens: int = 32768
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
-    heartbeat_interval_s: float = 5.0
+    heartbeat_interval_s: float = 5.0  # job heartbeat TTL is 3x this (+5 s): a dead worker's jobs free up fast
+    step_timeout_s: float = 300.0  # watchdog: a single engine step longer than this exits the process
+    sweep_interval_s: float = 15.0  # how often a busy worker re-queues / fails jobs of dead workers
+    kv_budget_mb: Optional[int] = None  # KV-cache memory for admission; default: half the machine's RAM
+    engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
+    fake_step_delay_s: float = 0.0
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     metal_wired_limit_mb: Optional[int] = None  # macOS Metal only
     metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
@@ -64,6 +69,16 @@ class WorkerSettings:
     def default_queues(self) -> list[str]:
         alias = self.served_alias
         return [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+
+    @property
+    def heartbeat_ttl_s(self) -> int:
+        return int(self.heartbeat_interval_s * 3 + 5)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        if self.kv_budget_mb is not None:
+            return self.kv_budget_mb * 1024 * 1024
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
     @property
     def limits(self) -> RequestLimits:

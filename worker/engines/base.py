@@ -63,6 +63,7 @@ class TokenEvent:
     logprob: Optional[float] = None
     top_logprobs: Optional[list[tuple[int, float]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length"
+    error: Optional[str] = None  # this sequence failed (and was removed); `token` is meaningless
 
 
 class Engine(Protocol):
@@ -77,6 +78,11 @@ class Engine(Protocol):
     @property
     def num_active(self) -> int: ...
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token of one sequence takes (0: unknown / not memory-bound)."""
+        ...
+
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         """Tokenize the request's input (raw prompt, chat messages, or ids as given)."""
         ...
@@ -88,6 +94,10 @@ class Engine(Protocol):
         ...
 
     def remove(self, uids: list[str]) -> None: ...
+
+    def reset(self) -> None:
+        """Drop every sequence and start from an empty batch (after a failed step)."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 

@@ -4,6 +4,7 @@ the queue's own overhead. Token i of a sequence is a pure function of its prompt
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from schemas import GenerationRequest
@@ -27,15 +28,21 @@ class _Seq:
     prefilled: bool = False
 
 
-class FakeEngine:
-    """Prefill takes one step; each later step emits one token per sequence. A prompt whose
-    first token is 255 samples EOS as its third token (to exercise EOS handling)."""
+# Fault injection, by a prompt's first token (tests drive real worker processes with these).
+EOS_SOON, RAISE_IN_STEP, HANG_IN_STEP = 255, 254, 253
 
-    def __init__(self, step_hook=None) -> None:
+
+class FakeEngine:
+    """Prefill takes one step; each later step emits one token per sequence.
+    A prompt whose first token is EOS_SOON samples EOS as its third token; RAISE_IN_STEP makes
+    every step that holds it raise (an engine failure no row can be blamed for); HANG_IN_STEP
+    makes the step sleep for an hour (a hung engine)."""
+
+    def __init__(self, step_delay_s: float = 0.0) -> None:
         self._seqs: dict[str, _Seq] = {}
         self.prefill_tokens = 0
         self.steps = 0
-        self._step_hook = step_hook
+        self._step_delay_s = step_delay_s
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +55,13 @@ class FakeEngine:
     @property
     def num_active(self) -> int:
         return len(self._seqs)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        self._seqs.clear()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -62,8 +76,13 @@ class FakeEngine:
 
     def step(self) -> list[TokenEvent]:
         self.steps += 1
-        if self._step_hook is not None:
-            self._step_hook(self)
+        firsts = {seq.spec.prompt_token_ids[0] for seq in self._seqs.values()}
+        if RAISE_IN_STEP in firsts:
+            raise RuntimeError("fake engine: injected step failure")
+        if HANG_IN_STEP in firsts:
+            time.sleep(3600)
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
         events = []
         for uid, seq in list(self._seqs.items()):
             if not seq.prefilled:
@@ -72,7 +91,7 @@ class FakeEngine:
                 continue
             spec = seq.spec
             token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed)
-            if spec.prompt_token_ids[0] == VOCAB - 1 and seq.produced == 2:
+            if spec.prompt_token_ids[0] == EOS_SOON and seq.produced == 2:
                 token = EOS
             seq.produced += 1
             finish = None

@@ -38,17 +38,18 @@ class TextEngine:
         self.tokenizer = tokenizer
         self._vocab_size = _model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
-        self._generator = BatchGenerator(
-            model,
+        self._generator_options = dict(
             sampler=greedy,
             completion_batch_size=max_num_seqs,
             prefill_batch_size=min(prefill_batch_size, max_num_seqs),
             prefill_step_size=prefill_step_size,
         )
+        self._generator = BatchGenerator(model, **self._generator_options)
         self._prefill_step_size = prefill_step_size
         self._live: dict[int, _Live] = {}
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
+        self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
 
     @property
     def vocab_size(self) -> int:
@@ -61,6 +62,16 @@ class TextEngine:
     @property
     def num_active(self) -> int:
         return len(self._live)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes_per_token
+
+    def reset(self) -> None:
+        self._generator.close()
+        self._generator = BatchGenerator(self.model, **self._generator_options)
+        self._live.clear()
+        self._engine_uid.clear()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -113,20 +124,22 @@ class TextEngine:
         all_tokens: Optional[list[list[int]]] = None,
     ) -> None:
         captures = [_RawLogits() if _needs_raw_capture(spec) else None for spec in specs]
+        guards = [_RowGuard() for _ in specs]
         uids = self._generator.insert(
             prompts,
             max_tokens=[spec.max_tokens for spec in specs],
             caches=caches,
             all_tokens=all_tokens,
-            samplers=[self._samplers.get(spec.sampling, spec.choice_index) for spec in specs],
+            samplers=[guard.sampler(self._samplers.get(spec.sampling, spec.choice_index))
+                      for spec, guard in zip(specs, guards)],
             logits_processors=[
-                logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)
-                for spec, capture in zip(specs, captures)
+                [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
+                for spec, capture, guard in zip(specs, captures, guards)
             ],
             stop_sequences=[StopSequences([[t] for t in sorted(spec.stop_token_ids)]) for spec in specs],
         )
-        for engine_uid, spec, capture in zip(uids, specs, captures):
-            self._live[engine_uid] = _Live(spec, capture)
+        for engine_uid, spec, capture, guard in zip(uids, specs, captures, guards):
+            self._live[engine_uid] = _Live(spec, capture, guard)
             self._engine_uid[spec.uid] = engine_uid
 
     def step(self) -> list[TokenEvent]:
@@ -140,6 +153,10 @@ class TextEngine:
             if live is None:  # removed while its step was in flight
                 continue
             spec = live.spec
+            if live.guard.error is not None:  # this row's own code failed: end it alone
+                events.append(TokenEvent(uid=spec.uid, token=-1, error=live.guard.error))
+                self.remove([spec.uid])
+                continue
             event = TokenEvent(uid=spec.uid, token=int(response.token), finish_reason=response.finish_reason)
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
@@ -173,6 +190,41 @@ class TextEngine:
 class _Live:
     spec: SequenceSpec
     capture: Optional["_RawLogits"]
+    guard: "_RowGuard"
+
+
+class _RowGuard:
+    """Wraps one row's own callables (its processors, its seeded sampler) so an exception in them
+    ends that sequence only. Shared samplers (greedy, unseeded groups) are left unwrapped: wrapping
+    would give each row its own object and cost mlx-lm its one-call sampling of the batch."""
+
+    def __init__(self) -> None:
+        self.error: Optional[str] = None
+
+    def processor(self, fn: Any) -> Any:
+        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return fn(tokens, logits)
+                except Exception as exc:
+                    self.error = f"{type(exc).__name__} in a logits processor: {exc}"
+            return logits
+
+        return guarded
+
+    def sampler(self, fn: Any) -> Any:
+        if fn is greedy or getattr(fn, "shared", False):
+            return fn
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return fn(logprobs)
+                except Exception as exc:
+                    self.error = f"{type(exc).__name__} in the sampler: {exc}"
+            return greedy(logprobs)
+
+        return guarded
 
 
 class _RawLogits:
@@ -225,6 +277,25 @@ def _attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) ->
         event.logprob = float(chosen_list[i])
         if spec.top_logprobs:
             event.top_logprobs = list(zip(top_ids_list[i][: spec.top_logprobs], top_vals_list[i][: spec.top_logprobs]))
+
+
+def _measure_kv_bytes_per_token(model: Any) -> int:
+    """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
+    time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
+    try:
+        cache = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=cache)
+        arrays = [a for c in cache for a in _flatten(c.state) if isinstance(a, mx.array) and a.ndim == 4]
+        mx.eval(arrays)
+        return int(sum(a.nbytes // a.shape[2] for a in arrays))
+    except Exception:
+        return 0
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    return [value]
 
 
 def _model_vocab_size(model: Any, tokenizer: Any) -> int:
