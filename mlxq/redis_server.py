@@ -43,9 +43,12 @@ def free_port() -> int:
 class RedisServer:
     """A throwaway redis-server on a free loopback port, no persistence; `stop()` kills it."""
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, binary: str | None = None, durable: bool = False,
+                 extra_args: list[str] | None = None) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
+        self.durable = durable  # append-only file, fsync always: survives `restart()`
+        self.extra_args = extra_args or []
         self._dir = tempfile.mkdtemp(prefix="mlxq-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -57,7 +60,8 @@ class RedisServer:
         self._proc = subprocess.Popen(
             [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
+                "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always",
+                "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning", *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -75,6 +79,13 @@ class RedisServer:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def kill(self) -> None:
+        """Stop the server process but keep its data directory (for a later `start()`)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(10)
+        self._proc = None
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

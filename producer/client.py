@@ -8,10 +8,11 @@ an asyncio twin can share it; the Client methods only talk to Redis.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Optional, Union
@@ -579,6 +580,26 @@ class Client:
             pipe.execute()
 
     # -- lifecycle
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield a streaming job's events as the worker writes them (one XADD per choice per
+        decode step): `{"event": "token", "index", "token_ids", "text"}`, then one
+        `{"event": "end", "status", "finish_reasons"}`. The texts of a choice add up to its
+        final `text`; its token_ids to its `token_ids`. Raises WaitTimeout if no event arrives
+        within `timeout` seconds (None: wait as long as it takes)."""
+        last_id = "0-0"
+        block_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        while True:
+            with broker_errors():
+                batch = self.connection.xread({keys.stream_key(job_id): last_id}, block=block_ms, count=256)
+            if not batch:
+                raise WaitTimeout(f"no stream event for job {job_id} within {timeout} s", pending=[job_id])
+            for entry_id, fields in batch[0][1]:
+                last_id = entry_id
+                event = json.loads(fields[b"data"])
+                yield event
+                if event.get("event") == "end":
+                    return
 
     def close(self) -> None:
         """Close the connection if this client opened it."""

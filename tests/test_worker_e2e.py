@@ -11,12 +11,12 @@ import pytest
 import redis
 from rq import Callback, Queue
 from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer import Client
 from schemas import GenerationResult, keys
-from tests.workers import run_rq_worker, start_worker, stop
+from tests.workers import rq_ends_as, run_rq_worker, start_worker, started_registry_empty, stop
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +83,8 @@ def test_greedy_parity_usage_and_rq_bookkeeping_with_mid_decode_arrivals(redis_u
 
     conn = redis.Redis.from_url(redis_url)
     queue = Queue("mlxq", connection=conn, serializer=JSONSerializer)
-    finished = set(FinishedJobRegistry(queue=queue).get_job_ids())
-    assert finished == set(first + later)
-    assert StartedJobRegistry(queue=queue).get_job_ids() == []
+    assert started_registry_empty(redis_url)
+    assert set(FinishedJobRegistry(queue=queue).get_job_ids()) == set(first + later)
     for job_id in first + later:
         job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
         assert job.get_status() == JobStatus.FINISHED
@@ -137,6 +136,7 @@ def test_bad_inputs_fail_clearly_and_good_neighbours_finish(redis_url, tiny_mode
     for job_id in good:
         assert results[job_id].status == "finished" and results[job_id].choices[0].token_ids == tokens
     assert late.choices[0].token_ids == tokens
+    assert started_registry_empty(redis_url)
     failed_registry = set(FailedJobRegistry(queue=queue).get_job_ids())
     for name, (job, needle) in bad.items():
         result = results[job.id]
@@ -191,7 +191,7 @@ def test_generate_runs_one_at_a_time_under_a_stock_simple_worker(redis_url, tiny
     assert client.result(good[1]).status == "finished"
     failed = client.result(bad_job.id)
     assert failed.status == "failed" and "max_tokens" in failed.error.message
-    assert Job.fetch(bad_job.id, connection=conn, serializer=JSONSerializer).get_status() == JobStatus.FAILED
+    assert rq_ends_as(redis_url, bad_job.id, JobStatus.FAILED)
     assert isinstance(first, GenerationResult)
 
 

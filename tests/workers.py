@@ -1,12 +1,18 @@
-"""Start real worker processes for tests."""
+"""Real worker processes for tests, and waits on what they write to Redis."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+import redis
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
 
 BIN = Path(sys.executable).parent
 
@@ -45,3 +51,44 @@ def run_rq_worker(url: str, worker_class: str, queues: list[str], env: dict[str,
         timeout=timeout,
         env={**os.environ, **env},
     )
+
+
+def start_fake_worker(url: str, *args: str, name: str = "fake", env: Optional[dict[str, str]] = None,
+                      step_delay_s: float = 0.02) -> subprocess.Popen[str]:
+    """A real worker process on the deterministic model-free engine (fault injection by prompt)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlxq", "worker", "--url", url, "--name", name, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "MLXQ_ENGINE": "fake", "MLXQ_FAKE_STEP_DELAY_S": str(step_delay_s),
+             "MLXQ_HEARTBEAT_INTERVAL_S": "1", "MLXQ_SWEEP_INTERVAL_S": "2", **(env or {})},
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def rq_status(url: str, job_id: str) -> JobStatus:
+
+    return Job.fetch(job_id, connection=redis.Redis.from_url(url), serializer=JSONSerializer).get_status()
+
+
+def started_registry_empty(url: str) -> bool:
+
+    registry = StartedJobRegistry("mlxq", connection=redis.Redis.from_url(url), serializer=JSONSerializer)
+    wait_for(lambda: registry.get_job_ids() == [], timeout=15, what="an empty started registry")
+    return True
+
+
+def rq_ends_as(url: str, job_id: str, status: JobStatus) -> bool:
+    """The result key is written before RQ marks the job ended: give RQ's write a moment."""
+    wait_for(lambda: rq_status(url, job_id) == status, timeout=15, what=f"RQ status {status}")
+    return True
+
+

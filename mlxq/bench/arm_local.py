@@ -1,0 +1,163 @@
+"""Arms A and B: mlx-lm in the harness process, no queue and no network.
+
+A runs one request at a time with `mlx_lm.generate.generate_step` (what a stock one-job-at-a-time
+worker does per job, minus the queue); B feeds mlx-lm's `BatchGenerator` directly (the engine
+bound). Both sample greedily and never stop on EOS, so every request yields exactly max_tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Optional
+
+from mlxq.bench.arms import Arm
+from mlxq.bench.workloads import Arrivals, BenchRequest, RequestRecord, Workload
+
+
+class LocalModel:
+    """One loaded copy of the model, shared by A and B and dropped after them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.model: Any = None
+
+    def load(self) -> Any:
+        if self.model is None:
+            import worker  # noqa: F401  (same BLAS as the mlxq worker, before mlx loads)
+            from mlx_lm import load
+
+            self.model, _ = load(self.path)
+        return self.model
+
+    def unload(self) -> None:
+        if self.model is not None:
+            import mlx.core as mx
+
+            self.model = None
+            gc.collect()
+            mx.clear_cache()
+
+
+def _sleep_until(t0: float, when: Optional[float]) -> None:
+    if when is not None:
+        time.sleep(max(0.0, min(when - (time.perf_counter() - t0), 0.5)))
+
+
+class SequentialArm(Arm):
+    key = "A"
+    methods = {
+        "queue": "arrival to the start of its generation (requests wait their turn in FIFO order)",
+        "ttft": "arrival to the first token yielded by mlx_lm.generate.generate_step",
+        "e2e": "arrival to its last token",
+    }
+
+    def __init__(self, local: LocalModel) -> None:
+        self.local = local
+
+    def start(self) -> None:
+        self.local.load()
+
+    def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
+        if warmup is not None:
+            self._run(warmup)
+        return self._run(workload)
+
+    def _run(self, workload: Workload) -> list[RequestRecord]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        model = self.local.load()
+        arrivals = Arrivals(workload)
+        waiting: list[tuple[BenchRequest, float]] = []
+        records: list[RequestRecord] = []
+        t0 = time.perf_counter()
+        while True:
+            waiting.extend(arrivals.due(time.perf_counter() - t0))
+            if not waiting:
+                if arrivals.exhausted:
+                    break
+                _sleep_until(t0, arrivals.next_arrival())
+                continue
+            request, arrival = waiting.pop(0)
+            record = RequestRecord(request.index, arrival, started=time.perf_counter() - t0)
+            # generate_step applies no EOS check (stream_generate would): fixed lengths.
+            for _token, _logprobs in generate_step(mx.array(list(request.prompt.ids)), model,
+                                                   max_tokens=request.max_tokens):
+                if record.tokens == 0:
+                    record.first_token = time.perf_counter() - t0
+                record.tokens += 1
+            record.finished = time.perf_counter() - t0
+            records.append(record)
+            arrivals.completed(request, record.finished)
+        return records
+
+
+class EngineBoundArm(Arm):
+    key = "B"
+    methods = {
+        "queue": "arrival to the end of the BatchGenerator step that returned its first prefill progress",
+        "ttft": "arrival to the end of the BatchGenerator.next() call that returned its first token",
+        "e2e": "arrival to the end of the step that returned its last token",
+    }
+
+    def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:
+        self.local = local
+        self.max_num_seqs = max_num_seqs
+        self.prefill_batch_size = prefill_batch_size
+
+    def start(self) -> None:
+        self.local.load()
+
+    def info(self) -> dict[str, Any]:
+        return {"completion_batch_size": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size}
+
+    def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
+        if warmup is not None:
+            self._run(warmup)
+        return self._run(workload)
+
+    def _run(self, workload: Workload) -> list[RequestRecord]:
+        from mlx_lm.generate import BatchGenerator
+
+        generator = BatchGenerator(
+            self.local.load(),
+            completion_batch_size=self.max_num_seqs,
+            prefill_batch_size=min(self.prefill_batch_size, self.max_num_seqs),
+        )  # no stop_tokens: EOS does not end a sequence
+        arrivals = Arrivals(workload)
+        live: dict[int, tuple[BenchRequest, RequestRecord]] = {}
+        records: list[RequestRecord] = []
+        t0 = time.perf_counter()
+        try:
+            while True:
+                due = arrivals.due(time.perf_counter() - t0)
+                if due:
+                    uids = generator.insert([list(r.prompt.ids) for r, _ in due],
+                                            max_tokens=[r.max_tokens for r, _ in due])
+                    for uid, (request, arrival) in zip(uids, due):
+                        live[uid] = (request, RequestRecord(request.index, arrival))
+                if not live:
+                    if arrivals.exhausted:
+                        break
+                    _sleep_until(t0, arrivals.next_arrival())
+                    continue
+                prompt_responses, responses = generator.next()
+                now = time.perf_counter() - t0
+                for progress in prompt_responses:
+                    entry = live.get(progress.uid)
+                    if entry is not None and entry[1].started is None:
+                        entry[1].started = now
+                for response in responses:
+                    request, record = live[response.uid]
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.tokens += 1
+                    if response.finish_reason is not None:
+                        record.finished = now
+                        records.append(record)
+                        del live[response.uid]
+                        arrivals.completed(request, now)
+        finally:
+            generator.close()
+        return records

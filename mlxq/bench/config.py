@@ -1,0 +1,86 @@
+"""BenchConfig: every knob of one `mlxq bench` run, filled from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ARMS = ("A", "B", "C", "D", "E")
+SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "soak")
+
+ARM_LABELS = {
+    "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",
+    "B": "B: engine bound (mlx-lm BatchGenerator, requests known up front, no queue)",
+    "C": "C: mlxq end to end (producer -> Redis -> BatchWorker -> result keys)",
+    "D": "D: mlx_lm.server (HTTP, continuous batching), concurrent streaming clients",
+    "E": "E: vllm-mlx BatchedEngine, driven in process by concurrent asyncio clients",
+}
+
+
+@dataclass
+class BenchConfig:
+    out: Path
+    model: Optional[str] = None  # a model path (or hub id); else `shape` is built
+    shape: str = "smollm-135m"
+    model_cache: Optional[Path] = None
+    arms: tuple[str, ...] = ("A", "B", "C", "D")
+    scenarios: tuple[str, ...] = ("throughput",)
+    concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    rounds: int = 1  # closed loop: requests each client sends, one after the other
+    rates: tuple[float, ...] = ()  # open loop: Poisson arrival rates (requests/s)
+    open_requests: int = 32
+    prompt_tokens: int = 64
+    new_tokens: int = 64
+    max_num_seqs: int = 32
+    prefill_batch_size: int = 8
+    workers: tuple[int, ...] = (1, 2)
+    a_max_concurrency: int = 32  # A is sequential: larger N only lengthens its queue
+    warmup_tokens: int = 8
+    headline_concurrency: int = 32
+    url: Optional[str] = None  # an existing Redis; default: a private redis-server
+    vllm_mlx_venv: Optional[Path] = None
+    create_venv: bool = False
+    seed: int = 0
+    request_timeout_s: float = 1800.0
+    # scenario knobs
+    overhead_jobs: int = 2000
+    overhead_tokens: int = 1
+    overhead_publish: int = 256
+    overhead_step_ms: float = 10.0
+    late_long: int = 31
+    late_long_tokens: int = 256
+    late_short_tokens: int = 8
+    late_delay_s: float = 2.0
+    rl_prompts: int = 64
+    rl_n: int = 8
+    rl_prompt_tokens: int = 256
+    rl_new_tokens: int = 64
+    soak_jobs: int = 2000
+    soak_rate: float = 10.0
+    soak_max_tokens: int = 16
+    soak_invalid: float = 0.1
+    soak_engine: str = "model"  # "model" | "fake"
+    soak_sample_s: float = 1.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad:
+            raise ValueError(f"--arms: unknown arm(s) {bad}; choose from {','.join(ARMS)}")
+        bad = [s for s in self.scenarios if s not in SCENARIOS]
+        if bad:
+            raise ValueError(f"--scenario: unknown scenario(s) {bad}; choose from {','.join(SCENARIOS)} or all")
+        for name in ("rounds", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs", "prefill_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if any(n < 1 for n in self.concurrency) or any(w < 1 for w in self.workers):
+            raise ValueError("--concurrency and --workers take positive integers")
+        if any(r <= 0 for r in self.rates):
+            raise ValueError("--rates take positive numbers (requests per second)")
+        if self.soak_engine not in ("model", "fake"):
+            raise ValueError("--soak-engine is model or fake")
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"

@@ -1,0 +1,64 @@
+"""`python -m mlxq.bench.fake_worker --url U --max-num-seqs N QUEUE...`: a real BatchWorker whose
+engine is mlxq's zero-cost FakeEngine, optionally given a fixed cost per step (a sleep standing in
+for a decode step). It logs the start time and active count of every engine step, written as JSON
+to --step-log when the worker stops (SIGTERM: RQ's warm shutdown).
+
+What it measures is the queue's own cost: RQ bookkeeping, result publishing, admission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+
+from worker import BatchWorker, WorkerSettings
+from worker.engines.base import TokenEvent
+from worker.engines.fake import FakeEngine
+from worker.scheduler import BatchScheduler
+
+
+class TimedFakeEngine(FakeEngine):
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.log: list[tuple[float, int]] = []
+
+    def step(self) -> list[TokenEvent]:
+        self.log.append((time.perf_counter(), self.num_active))
+        if self.step_s > 0:
+            time.sleep(self.step_s)
+        return super().step()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlxq.bench.fake_worker")
+    parser.add_argument("queues", nargs="+")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--step-log")
+    args = parser.parse_args(argv)
+
+    engine = TimedFakeEngine(args.step_ms / 1000.0)
+    settings = WorkerSettings(max_num_seqs=args.max_num_seqs)
+
+    def scheduler_factory(settings: WorkerSettings, name: str) -> Any:
+        return BatchScheduler(engine, max_num_seqs=args.max_num_seqs, limits=settings.limits, worker_name=name)
+
+    worker = BatchWorker(args.queues, connection=redis.Redis.from_url(args.url), settings=settings,
+                         scheduler_factory=scheduler_factory, name=args.name)
+    try:
+        worker.work(logging_level="WARNING")
+    finally:
+        if args.step_log:
+            Path(args.step_log).write_text(json.dumps(engine.log))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The issue's extra scenarios, each through real worker processes on the harness's Redis:
+
+- overhead: a zero-cost FakeEngine worker; jobs/s end to end, and the step interval while 256
+  results are published compared with an ordinary step (with a fixed fake step cost);
+- late-joiner: a short job arriving while 31 long ones decode; decode steps until its first token;
+- rl: 64 prompts x n=8 samples as n=8 requests vs the same samples as 512 independent requests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, drive, payload
+from mlxq.bench.config import BenchConfig
+from mlxq.bench.procs import ProcessSet
+from mlxq.bench.stats import distribution, summarize
+from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
+
+ClusterFactory = Callable[[int, int], MlxqCluster]  # (workers, max_num_seqs) -> a model-backed cluster
+
+
+def fake_cluster(cfg: BenchConfig, url: str, procs: ProcessSet, max_num_seqs: int, step_ms: float,
+                 step_log: str) -> MlxqCluster:
+    def argv(i: int, queues: list[str]) -> list[str]:
+        return [sys.executable, "-m", "mlxq.bench.fake_worker", "--url", url, "--name", f"fake-{i}-{time.time_ns()}",
+                "--max-num-seqs", str(max_num_seqs), "--step-ms", str(step_ms), "--step-log", step_log, *queues]
+
+    return MlxqCluster(url, "fake", 1, max_num_seqs, cfg.prefill_batch_size, procs, worker_argv=argv)
+
+
+def _fake_jobs(count: int, max_tokens: int, offset: int = 0) -> list[BenchRequest]:
+    # FakeEngine's vocabulary is 256 ids; distinct prompts, no meaning.
+    return [BenchRequest(i, Prompt("", (1 + (i + offset) % 250, 2, 3)), max_tokens) for i in range(count)]
+
+
+def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
+    import json
+
+    # Phase 1: jobs/s with a free engine: the queue's own ceiling.
+    log1 = cfg.logs / "fake-steps-throughput.json"
+    cluster = fake_cluster(cfg, url, procs, 256, 0.0, str(log1))
+    cluster.start()
+    try:
+        cluster.warm(all_at_once(_fake_jobs(100, cfg.overhead_tokens, 7), "warmup"))
+        workload = all_at_once(_fake_jobs(cfg.overhead_jobs, cfg.overhead_tokens), "overhead-jobs")
+        records = drive(cluster, workload, cfg.request_timeout_s)
+    finally:
+        cluster.stop()
+    summary = summarize(workload, records)
+    starts = [r.started for r in records if r.started is not None]
+    ends = [r.extra["worker_finished"] for r in records if "worker_finished" in r.extra]
+    worker_wall = (max(ends) - min(starts)) if starts and ends else None
+    throughput = {
+        "jobs": cfg.overhead_jobs, "max_tokens": cfg.overhead_tokens, "max_num_seqs": 256,
+        "completed": summary["completed"], "failed": summary["failed"], "wall_s": summary["wall_s"],
+        "jobs_per_s": summary["requests_per_s"],
+        "worker_jobs_per_s": (summary["completed"] / worker_wall) if worker_wall else None,
+        "e2e_s": summary["e2e_s"],
+    }
+
+    # Phase 2: step intervals while many results are published (fixed fake step cost).
+    log2 = cfg.logs / "fake-steps-publish.json"
+    burst, background = cfg.overhead_publish, 16
+    cluster = fake_cluster(cfg, url, procs, burst + background, cfg.overhead_step_ms, str(log2))
+    cluster.start()
+    try:
+        client = cluster.client
+        assert client is not None
+        long_ids = client.submit_many([payload(r) for r in _fake_jobs(background, 100_000, 300)],
+                                      queue=cluster.queue, timeout=JOB_TIMEOUT_S)
+        time.sleep(max(0.5, 30 * cfg.overhead_step_ms / 1000))  # let the background batch settle
+        short_ids = client.submit_many([payload(r) for r in _fake_jobs(burst, 8, 600)],
+                                       queue=cluster.queue, timeout=JOB_TIMEOUT_S)
+        short = client.wait_many(short_ids, timeout=600)
+        time.sleep(max(0.3, 20 * cfg.overhead_step_ms / 1000))  # steps after the burst, for comparison
+        for job_id in long_ids:
+            client.cancel(job_id)
+        client.wait_many(long_ids, timeout=600)
+    finally:
+        cluster.stop()
+    steps = json.loads(log2.read_text()) if log2.exists() else []
+    publish = analyze_steps(steps, burst)
+    publish.update(fake_step_ms=cfg.overhead_step_ms, background_jobs=background, burst_jobs=burst,
+                   burst_finished=sum(r.status == "finished" for r in short.values()))
+    return {"throughput": throughput, "publish": publish,
+            "method": "FakeEngine worker (no model); jobs submitted at once with submit_many; jobs/s from the "
+                      "first submit to the last mlxq:done message. Step intervals from the engine's own step log."}
+
+
+def analyze_steps(steps: list[list[float]], burst: int) -> dict[str, Any]:
+    """Intervals between engine steps: ordinary ones (same batch), the one in which `burst` jobs
+    ended (results published) and the one in which `burst` jobs were admitted."""
+    plain, publish, admit = [], [], []
+    for (t, active), (t_next, active_next) in zip(steps, steps[1:]):
+        interval, change = (t_next - t) * 1000, active_next - active
+        if change == 0 and active > 0:
+            plain.append(interval)
+        elif change <= -burst * 0.9:
+            publish.append(interval)
+        elif change >= burst * 0.9:
+            admit.append(interval)
+    base = statistics.median(plain) if plain else None
+    worst_publish = max(publish) if publish else None
+    return {
+        "steps": len(steps),
+        "plain_step_ms": distribution(plain),
+        "publish_step_ms": worst_publish,
+        "admit_step_ms": max(admit) if admit else None,
+        "publish_stall_ms": (worst_publish - base) if worst_publish is not None and base is not None else None,
+    }
+
+
+def late_joiner(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
+    cluster = make_cluster(1, max(cfg.max_num_seqs, cfg.late_long + 1))
+    prompts = make_prompts(tokenizer, cfg.late_long + 9, cfg.prompt_tokens, seed=cfg.seed, salt="late")
+    cluster.start()
+    try:
+        client = cluster.client
+        assert client is not None
+        cluster.warm(all_at_once([BenchRequest(i, p, cfg.warmup_tokens) for i, p in enumerate(prompts[-8:])], "warm"))
+        longs = [BenchRequest(i, prompts[i], cfg.late_long_tokens) for i in range(cfg.late_long)]
+        long_ids = client.submit_many([payload(r) for r in longs], queue=cluster.queue, timeout=JOB_TIMEOUT_S)
+        _wait_started(client, long_ids, timeout=cfg.request_timeout_s)
+        time.sleep(cfg.late_delay_s)
+        submitted = time.time()
+        short_id = client.submit(payload(BenchRequest(0, prompts[cfg.late_long], cfg.late_short_tokens)),
+                                 queue=cluster.queue, timeout=JOB_TIMEOUT_S)
+        short = client.wait(short_id, timeout=cfg.request_timeout_s)
+        for job_id in long_ids:
+            client.cancel(job_id)
+        long_results = list(client.wait_many(long_ids, timeout=cfg.request_timeout_s).values())
+    finally:
+        cluster.stop()
+    step_times = []
+    for result in long_results:
+        t = result.timings
+        if t.started_at and t.ttft_s is not None and t.finished_at and result.usage.completion_tokens > 1:
+            step_times.append((t.finished_at - t.started_at - t.ttft_s) / (result.usage.completion_tokens - 1))
+    step = statistics.median(step_times) if step_times else None
+    t = short.timings
+    first_token = (t.started_at + t.ttft_s - submitted) if t.started_at and t.ttft_s is not None else None
+    return {
+        "long_jobs": cfg.late_long, "long_max_tokens": cfg.late_long_tokens,
+        "long_tokens_when_cancelled": statistics.mean(r.usage.completion_tokens for r in long_results),
+        "decode_step_s": step,
+        "short": {"status": short.status, "queue_s": t.queue_s, "ttft_s_worker": t.ttft_s,
+                  "first_token_after_submit_s": first_token},
+        "steps_to_first_token": (first_token / step) if first_token is not None and step else None,
+        "target_steps": 2,
+        "method": "decode step = median over the long jobs of (finished - first token) / (tokens - 1); "
+                  "steps = (short job's first token - its submit) / decode step",
+    }
+
+
+def _wait_started(client: Any, job_ids: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(job_ids)
+    while pending:
+        pending = [j for j in pending if client.status(j) in ("queued", "deferred", "scheduled")]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(pending)} long jobs never started")
+        time.sleep(0.05)
+
+
+def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
+    prompts = make_prompts(tokenizer, cfg.rl_prompts + 4, cfg.rl_prompt_tokens, seed=cfg.seed, salt="rl")
+    n = cfg.rl_n
+    grouped = all_at_once([BenchRequest(i, prompts[i], cfg.rl_new_tokens, n=n, temperature=1.0, seed=i)
+                           for i in range(cfg.rl_prompts)], f"rl-n{n}")
+    independent = all_at_once([BenchRequest(i * n + j, prompts[i], cfg.rl_new_tokens, temperature=1.0, seed=i * n + j)
+                               for i in range(cfg.rl_prompts) for j in range(n)], "rl-independent")
+    cluster = make_cluster(1, cfg.max_num_seqs)
+    cluster.start()
+    try:
+        cluster.warm(all_at_once([BenchRequest(i, prompts[cfg.rl_prompts + i], cfg.warmup_tokens, n=2,
+                                               temperature=1.0, seed=i) for i in range(4)], "warm"))
+        results: dict[str, dict[str, Any]] = {}
+        for workload in (grouped, independent):
+            results[workload.label] = summarize(workload, drive(cluster, workload, cfg.request_timeout_s))
+    finally:
+        cluster.stop()
+    a, b = results[grouped.label], results[independent.label]
+    ratio: Optional[float] = None
+    if a["tokens_per_s"] and b["tokens_per_s"]:
+        ratio = a["tokens_per_s"] / b["tokens_per_s"]
+    return {
+        "prompts": cfg.rl_prompts, "n": n, "prompt_tokens": cfg.rl_prompt_tokens, "new_tokens": cfg.rl_new_tokens,
+        "sampling": "temperature 1.0, seeded per request, ignore_eos",
+        "grouped": _brief(a), "independent": _brief(b), "speedup": ratio, "target_speedup": 2.5,
+    }
+
+
+def _brief(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = ("requests", "completed", "failed", "tokens", "wall_s", "tokens_per_s", "requests_per_s", "e2e_s")
+    return {k: summary[k] for k in keep}

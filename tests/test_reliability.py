@@ -1,0 +1,226 @@
+"""Fault injection on real processes and a real redis-server: every job ends in a result key
+with the right status, whatever happens to the worker or to Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+from rq import Queue, Retry
+from rq.command import send_stop_job_command
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+
+from mlxq.redis_server import RedisServer
+from producer import Client
+from tests.workers import rq_ends_as, start_fake_worker, started_registry_empty, stop, wait_for
+from worker.engines.fake import HANG_IN_STEP, RAISE_IN_STEP, fake_token
+
+pytestmark = pytest.mark.slow
+
+
+def long_request(first: int, max_tokens: int = 400) -> dict:
+    return {"prompt_token_ids": [first, 7, 9], "max_tokens": max_tokens, "temperature": 0}
+
+
+def test_sigkill_mid_batch_retried_jobs_finish_elsewhere_others_fail_abandoned(redis_url):
+    client = Client(redis_url)
+    retried = [client.submit(long_request(10 + i, 150), retry=Retry(max=1)) for i in range(3)]
+    doomed = [client.submit(long_request(20 + i, 150)) for i in range(2)]
+    victim = start_fake_worker(redis_url, name="victim", step_delay_s=0.05)
+    wait_for(lambda: all(client.status(j) == "started" for j in retried + doomed), what="jobs started")
+    time.sleep(0.5)
+    victim.kill()
+    victim.wait()
+    killed_at = time.monotonic()
+    rescuer = start_fake_worker(redis_url, name="rescuer", step_delay_s=0.002)
+    try:
+        results = client.wait_many(retried + doomed, timeout=120)
+        recovery_s = time.monotonic() - killed_at
+    finally:
+        out = stop(rescuer)
+    print(f"recovery after kill -9: all {len(results)} jobs ended {recovery_s:.1f} s after the kill")
+    for job_id in retried:
+        assert results[job_id].status == "finished", out
+        assert results[job_id].worker == "rescuer"
+        assert results[job_id].choices[0].token_ids == [fake_token(long_request(10 + retried.index(job_id))
+                                                                   ["prompt_token_ids"], k) for k in range(150)]
+    for job_id in doomed:
+        assert results[job_id].status == "failed"
+        assert results[job_id].error.type == "AbandonedJobError"
+        assert rq_ends_as(redis_url, job_id, JobStatus.FAILED)
+    assert started_registry_empty(redis_url)
+    assert recovery_s < 60  # heartbeat TTL 8 s + sweep every 2 s, with a wide margin for a busy machine
+
+
+def test_sigterm_drains_in_flight_jobs_and_takes_no_new_ones(redis_url):
+    client = Client(redis_url)
+    running = [client.submit(long_request(30 + i, 60)) for i in range(3)]
+    worker = start_fake_worker(redis_url, name="drainer", step_delay_s=0.05)
+    wait_for(lambda: all(client.status(j) == "started" for j in running), what="jobs started")
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = client.submit(long_request(40, 5))
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, out
+    for job_id in running:
+        result = client.result(job_id)
+        assert result.status == "finished" and len(result.choices[0].token_ids) == 60
+    assert client.status(late) == "queued"
+    assert started_registry_empty(redis_url)
+
+
+def test_second_sigterm_requeues_or_fails_in_flight_jobs_at_once(redis_url):
+    client = Client(redis_url)
+    with_retry = client.submit(long_request(50, 2000), retry=Retry(max=2))
+    without = client.submit(long_request(51, 2000))
+    worker = start_fake_worker(redis_url, name="cold", step_delay_s=0.05)
+    wait_for(lambda: client.status(with_retry) == "started" and client.status(without) == "started")
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(1.5)  # RQ ignores a second signal within one second of the first
+    worker.send_signal(signal.SIGTERM)
+    worker.communicate(timeout=60)
+    assert client.status(with_retry) == "queued"
+    assert client.result(with_retry) is None  # requeued: it has not ended
+    failed = client.result(without)
+    assert failed.status == "failed" and failed.error.type == "WorkerShutdown"
+    assert 0 < len(failed.choices[0].token_ids) < 2000  # partial output kept
+    assert started_registry_empty(redis_url)
+
+
+def test_redis_restart_mid_batch_loses_nothing():
+    server = RedisServer(durable=True).start()
+    try:
+        client = Client(server.url)
+        ids = [client.submit(long_request(60 + i, 120)) for i in range(4)]
+        worker = start_fake_worker(server.url, name="survivor", step_delay_s=0.03)
+        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
+        client.close()
+        server.kill()
+        time.sleep(3)
+        assert worker.poll() is None, "the worker must survive losing Redis"
+        server.start()
+        client = Client(server.url)
+        results = client.wait_many(ids, timeout=120)
+        assert worker.poll() is None
+        for i, job_id in enumerate(ids):
+            assert results[job_id].status == "finished"
+            assert results[job_id].choices[0].token_ids == [fake_token([60 + i, 7, 9], k) for k in range(120)]
+            assert rq_ends_as(server.url, job_id, JobStatus.FINISHED)
+        assert client.wait(client.submit(long_request(70, 3)), timeout=60).status == "finished"
+        out = stop(worker)
+        assert worker.returncode == 0, out
+        assert "lost Redis" in out and "Redis is back" in out
+    finally:
+        server.stop()
+
+
+def test_cancel_and_stop_job_end_running_sequences_and_free_their_slots(redis_url):
+    client = Client(redis_url)
+    worker = start_fake_worker(redis_url, "--max-num-seqs", "2", name="canceller", step_delay_s=0.05)
+    try:
+        first, second = client.submit(long_request(80, 4000)), client.submit(long_request(81, 4000))
+        waiting = client.submit(long_request(82, 5))
+        wait_for(lambda: client.status(first) == "started" and client.status(second) == "started")
+        assert client.status(waiting) == "queued"  # no slot
+        time.sleep(0.3)
+        assert client.cancel(first)
+        send_stop_job_command(redis.Redis.from_url(redis_url), second, serializer=JSONSerializer)
+        for job_id in (first, second):
+            result = client.wait(job_id, timeout=30)
+            assert result.status == "cancelled"
+            assert result.choices[0].finish_reason == "cancelled"
+            assert 0 < len(result.choices[0].token_ids) < 4000
+            assert rq_ends_as(redis_url, job_id, JobStatus.STOPPED)
+        assert client.wait(waiting, timeout=30).status == "finished"  # the freed slot was reused
+        queued = client.submit(long_request(83, 5))
+        client.cancel(queued)  # may race the worker: either way it ends cancelled or finished
+        assert client.wait(queued, timeout=30).status in {"cancelled", "finished"}
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+
+
+def test_timeout_fails_only_that_sequence_with_partial_output(redis_url):
+    client = Client(redis_url)
+    slow = client.submit(long_request(90, 4000), timeout=2)
+    neighbour = client.submit(long_request(91, 60))
+    worker = start_fake_worker(redis_url, name="timer", step_delay_s=0.05)
+    try:
+        timed_out = client.wait(slow, timeout=60)
+        assert timed_out.status == "failed" and timed_out.error.type == "JobTimeoutException"
+        assert timed_out.choices[0].finish_reason == "timeout" and timed_out.choices[0].token_ids
+        assert client.wait(neighbour, timeout=60).status == "finished"
+        assert rq_ends_as(redis_url, slow, JobStatus.FAILED)
+    finally:
+        stop(worker)
+
+
+def test_a_poisoned_request_fails_alone_and_its_batch_finishes(redis_url):
+    client = Client(redis_url)
+    good = [client.submit(long_request(100 + i, 30)) for i in range(3)]
+    poison = client.submit({"prompt_token_ids": [RAISE_IN_STEP, 1], "max_tokens": 30})
+    good.append(client.submit(long_request(110, 30)))
+    worker = start_fake_worker(redis_url, name="poisoned", step_delay_s=0.01)
+    try:
+        results = client.wait_many(good + [poison], timeout=60)
+        assert worker.poll() is None
+    finally:
+        out = stop(worker)
+    assert results[poison].status == "failed" and results[poison].error.type == "EngineError"
+    assert "even when run alone" in results[poison].error.message
+    for job_id in good:
+        assert results[job_id].status == "finished", out
+        assert len(results[job_id].choices[0].token_ids) == 30
+    assert started_registry_empty(redis_url)
+
+
+def test_a_hung_step_trips_the_watchdog_and_the_crash_path_recovers(redis_url):
+    client = Client(redis_url)
+    hung = client.submit({"prompt_token_ids": [HANG_IN_STEP, 1], "max_tokens": 5})
+    neighbour = client.submit(long_request(120, 5), retry=Retry(max=1))
+    worker = start_fake_worker(redis_url, name="hangs", env={"MLXQ_STEP_TIMEOUT_S": "2"})
+    worker.communicate(timeout=60)
+    assert worker.returncode == 70  # the watchdog's exit
+    rescuer = start_fake_worker(redis_url, name="after-hang")
+    try:
+        results = client.wait_many([hung, neighbour], timeout=90)
+    finally:
+        stop(rescuer)
+    assert results[hung].status == "failed" and results[hung].error.type == "AbandonedJobError"
+    assert results[neighbour].status == "finished"
+    assert started_registry_empty(redis_url)
+
+
+def test_stream_events_add_up_to_the_result(redis_url, tiny_model_dir):
+    from tests.workers import start_worker
+
+    client = Client(redis_url)
+    request = {"prompt": "hello", "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2, "stream": True,
+               "ignore_eos": True}
+    plain = client.submit({**request, "stream": False})
+    job_id = client.submit(request)
+    worker = start_worker(redis_url, tiny_model_dir, name="streamer")
+    try:
+        events = list(client.stream(job_id, timeout=60))
+        result = client.wait(job_id, timeout=30)
+        # a stop string taken from the output: the stream must never show it
+        text = client.wait(plain, timeout=30).choices[0].text
+        stop_string = text[10:12]
+        stopped = client.submit({**request, "stop": [stop_string], "n": 1})
+        stopped_events = list(client.stream(stopped, timeout=60))
+        stopped_result = client.wait(stopped, timeout=30)
+    finally:
+        stop(worker)
+    assert events[-1] == {"event": "end", "status": "finished", "finish_reasons": ["length", "length"]}
+    for choice in result.choices:
+        mine = [e for e in events[:-1] if e["index"] == choice.index]
+        assert "".join(e["text"] for e in mine) == choice.text
+        assert [t for e in mine for t in e["token_ids"]] == choice.token_ids
+        assert len(mine) > 1
+    streamed = "".join(e["text"] for e in stopped_events[:-1])
+    assert streamed == stopped_result.choices[0].text and stop_string not in streamed
+    assert stopped_result.choices[0].finish_reason == "stop"
