@@ -119,3 +119,53 @@ def test_abort_all_fails_every_running_job():
     assert sorted(r.id for r in results) == ["j0", "j1", "j2"]
     assert all(r.status == "failed" and r.error.message == "boom" for r in results)
     assert len(scheduler) == 0
+
+
+def test_kv_budget_rejects_what_can_never_fit_and_queues_what_fits_later():
+    engine = FakeEngine(kv_bytes_per_token=1000)
+    scheduler = BatchScheduler(engine, max_num_seqs=8, kv_budget_bytes=20 * 1000)
+    too_big = scheduler.admit("big", {"prompt_token_ids": [1] * 5, "max_tokens": 16})  # 21 tokens
+    assert too_big is not None and too_big.error.type == "InvalidRequest"
+    assert "max_tokens" in too_big.error.message and "MLXQ_KV_BUDGET_MB" in too_big.error.message
+    too_many = scheduler.admit("n", {"prompt_token_ids": [1] * 2, "max_tokens": 8, "n": 2})  # 2 x 10 fits
+    assert too_many is None
+    run_to_end(scheduler)
+    # 12 tokens each: one fits (12k), two padded rows (2 x 12k) do not: the second waits its turn
+    assert scheduler.admit("a", {"prompt_token_ids": [1, 2], "max_tokens": 10}) is None
+    assert scheduler.admit("b", {"prompt_token_ids": [3, 4], "max_tokens": 10}) is None
+    assert engine.num_active == 1 and scheduler.free_slots == 6
+    results = {}
+    max_active = 0
+    while len(scheduler):
+        for result in scheduler.step():
+            results[result.id] = result
+        max_active = max(max_active, engine.num_active)
+    assert max_active == 1
+    assert all(len(r.choices[0].token_ids) == 10 for r in results.values())
+
+
+def test_n_above_max_num_seqs_is_rejected():
+    scheduler = BatchScheduler(FakeEngine(), max_num_seqs=4)
+    result = scheduler.admit("n", {"prompt_token_ids": [1], "n": 5})
+    assert result is not None and "MLXQ_MAX_NUM_SEQS" in result.error.message and "n:" in result.error.message
+
+
+def test_a_solo_job_runs_alone():
+    scheduler = make(max_num_seqs=8)
+    scheduler.admit("a", {"prompt_token_ids": [1], "max_tokens": 3})
+    scheduler.admit("solo", {"prompt_token_ids": [2], "max_tokens": 3}, solo=True)
+    assert scheduler.engine.num_active == 1 and scheduler.free_slots == 0
+    seen_together = False
+    while len(scheduler):
+        scheduler.step()
+        seen_together |= scheduler.engine.num_active > 1
+    assert not seen_together
+
+
+def test_reset_forgets_every_job_and_empties_the_engine():
+    scheduler = make()
+    scheduler.admit("a", {"prompt_token_ids": [1], "max_tokens": 30})
+    scheduler.admit("b", {"prompt_token_ids": [2], "max_tokens": 30})
+    scheduler.step()
+    assert sorted(scheduler.reset()) == ["a", "b"]
+    assert len(scheduler) == 0 and scheduler.engine.num_active == 0 and scheduler.free_slots == 32

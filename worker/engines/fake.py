@@ -38,7 +38,8 @@ class FakeEngine:
     every step that holds it raise (an engine failure no row can be blamed for); HANG_IN_STEP
     makes the step sleep for an hour (a hung engine)."""
 
-    def __init__(self, step_delay_s: float = 0.0) -> None:
+    def __init__(self, step_delay_s: float = 0.0, kv_bytes_per_token: int = 0) -> None:
+        self._kv_bytes_per_token = kv_bytes_per_token
         self._seqs: dict[str, _Seq] = {}
         self.prefill_tokens = 0
         self.steps = 0
@@ -58,7 +59,7 @@ class FakeEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 0
+        return self._kv_bytes_per_token
 
     def reset(self) -> None:
         self._seqs.clear()

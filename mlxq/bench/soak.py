@@ -1,0 +1,165 @@
+"""The soak scenario: thousands of mixed jobs (some invalid) arriving over time at one worker.
+
+Samples the worker's RSS (psutil) and the completion count once a `soak_sample_s`, and at the end
+counts lost jobs (submitted without a result key), failures of valid jobs, and invalid jobs that
+did not fail. Invalid jobs are the kinds the worker must refuse without harm: token ids outside the
+vocabulary, and an RQ job naming a function outside the allowlist.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
+from mlxq.bench.config import BenchConfig
+from mlxq.bench.workloads import BenchRequest, Tokenizer, all_at_once, make_prompts
+from schemas import GenerationResult, keys
+
+OUT_OF_VOCAB = 10_000_000  # beyond any model's vocabulary
+
+
+@dataclass
+class SoakJob:
+    arrival_s: float
+    kind: str  # "valid" | "bad-token" | "bad-function"
+    body: dict[str, Any]
+
+
+def plan_jobs(cfg: BenchConfig, prompt_ids: list[tuple[int, ...]]) -> list[SoakJob]:
+    rng = random.Random(f"{cfg.seed}/soak")
+    jobs, arrival = [], 0.0
+    for i in range(cfg.soak_jobs):
+        arrival += rng.expovariate(cfg.soak_rate)
+        ids = list(prompt_ids[i % len(prompt_ids)][: rng.randint(4, max(4, cfg.prompt_tokens))])
+        body: dict[str, Any] = {"prompt_token_ids": ids, "max_tokens": rng.randint(1, cfg.soak_max_tokens)}
+        roll = rng.random()
+        kind = "valid"
+        if roll < cfg.soak_invalid / 2:
+            kind, body["prompt_token_ids"] = "bad-token", ids[:-1] + [OUT_OF_VOCAB]
+        elif roll < cfg.soak_invalid:
+            kind = "bad-function"
+        else:
+            body["temperature"] = rng.choice([0.0, 0.8])
+            if body["temperature"]:
+                body["seed"] = i
+            if rng.random() < 0.1:
+                body["n"] = 2
+            if rng.random() < 0.1:
+                body["stop"] = ["e"]
+            body["ignore_eos"] = rng.random() < 0.5
+        jobs.append(SoakJob(arrival, kind, body))
+    return jobs
+
+
+def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster) -> dict[str, Any]:
+    import psutil
+
+    if tokenizer is not None:
+        prompt_ids = [p.ids for p in make_prompts(tokenizer, 64, cfg.prompt_tokens, seed=cfg.seed, salt="soak")]
+    else:  # the fake engine: its vocabulary is 256 ids
+        prompt_ids = [tuple(1 + (i * 7 + k) % 250 for k in range(cfg.prompt_tokens)) for i in range(64)]
+    jobs = plan_jobs(cfg, prompt_ids)
+    cluster.start()
+    try:
+        conn, client = cluster.conn, cluster.client
+        assert conn is not None and client is not None
+        cluster.warm(all_at_once([BenchRequest(0, _as_prompt(prompt_ids[0]), cfg.warmup_tokens)], "warm"))
+        process = psutil.Process(cluster.pids()[0])
+        raw_queue = Queue(cluster.queue, connection=conn, serializer=JSONSerializer)
+        kinds: dict[str, str] = {}
+        statuses: dict[str, str] = {}
+        samples: list[dict[str, float]] = []
+        pubsub = conn.pubsub()
+        pubsub.psubscribe(keys.done_channel("*"))
+        done_ids: list[str] = []
+        t0 = time.perf_counter()
+        next_sample, submitted = t0, 0
+        drain_deadline: Optional[float] = None
+        while True:
+            now = time.perf_counter()
+            while submitted < len(jobs) and jobs[submitted].arrival_s <= now - t0:
+                job = jobs[submitted]
+                if job.kind == "bad-function":
+                    job_id = raw_queue.enqueue("os.getcwd", result_ttl=JOB_TIMEOUT_S).id
+                else:
+                    job_id = client.submit(job.body, queue=cluster.queue, timeout=JOB_TIMEOUT_S,
+                                           result_ttl=JOB_TIMEOUT_S)
+                kinds[job_id] = job.kind
+                submitted += 1
+            message = pubsub.get_message(timeout=0.05)
+            while message is not None:
+                if message["type"] == "pmessage":
+                    job_id = message["data"].decode()
+                    if job_id in kinds and job_id not in statuses:
+                        statuses[job_id] = "?"
+                        done_ids.append(job_id)
+                message = pubsub.get_message(timeout=0.0)
+            if now >= next_sample:
+                _read_statuses(conn, done_ids, statuses)
+                samples.append({"t": now - t0, "rss_bytes": float(process.memory_info().rss),
+                                "submitted": float(submitted), "done": float(len(statuses)),
+                                "redis_used_bytes": float(conn.info("memory").get("used_memory", 0))})
+                next_sample = now + cfg.soak_sample_s
+            if submitted == len(jobs):
+                if len(statuses) == len(kinds):
+                    break
+                if drain_deadline is None:
+                    drain_deadline = now + max(120.0, 0.5 * (now - t0))
+                elif now > drain_deadline:
+                    break
+        pubsub.close()
+        _read_statuses(conn, done_ids, statuses)
+        missing = [j for j in kinds if j not in statuses]
+        late = conn.mget([keys.result_key(j) for j in missing]) if missing else []
+        lost = sum(raw is None for raw in late)
+    finally:
+        cluster.stop()
+    return _report(cfg, kinds, statuses, samples, lost, len(jobs))
+
+
+def _as_prompt(ids: tuple[int, ...]) -> Any:
+    from mlxq.bench.workloads import Prompt
+
+    return Prompt("", ids)
+
+
+def _read_statuses(conn: Any, done_ids: list[str], statuses: dict[str, str]) -> None:
+    unread = [j for j in done_ids if statuses.get(j) == "?"]
+    for start in range(0, len(unread), 500):
+        chunk = unread[start:start + 500]
+        for job_id, raw in zip(chunk, conn.mget([keys.result_key(j) for j in chunk])):
+            if raw is not None:
+                statuses[job_id] = GenerationResult.model_validate_json(raw).status
+
+
+def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], samples: list[dict[str, float]],
+            lost: int, planned: int) -> dict[str, Any]:
+    valid = [j for j, k in kinds.items() if k == "valid"]
+    invalid = [j for j, k in kinds.items() if k != "valid"]
+    rss = [s["rss_bytes"] for s in samples]
+    half = len(rss) // 2
+    series = []
+    for before, after in zip(samples, samples[1:]):
+        span = after["t"] - before["t"]
+        series.append({"t": after["t"], "jobs_per_s": (after["done"] - before["done"]) / span if span > 0 else 0.0,
+                       "rss_mb": after["rss_bytes"] / 2**20})
+    duration = samples[-1]["t"] if samples else 0.0
+    return {
+        "engine": cfg.soak_engine, "jobs": planned, "rate": cfg.soak_rate, "invalid_fraction": cfg.soak_invalid,
+        "submitted": len(kinds), "results": len([s for s in statuses.values() if s != "?"]),
+        "lost": len(kinds) - len([s for s in statuses.values() if s != "?"]) if lost is None else lost,
+        "valid_not_finished": sum(statuses.get(j) != "finished" for j in valid),
+        "invalid_not_failed": sum(statuses.get(j) != "failed" for j in invalid),
+        "duration_s": duration,
+        "jobs_per_s": (len(statuses) / duration) if duration else None,
+        "rss_mb": {"first": rss[0] / 2**20, "max": max(rss) / 2**20, "last": rss[-1] / 2**20} if rss else None,
+        "rss_growth_mb": (rss[-1] - rss[0]) / 2**20 if rss else None,
+        "rss_growth_second_half_mb": (rss[-1] - rss[half]) / 2**20 if len(rss) > 1 else None,
+        "series": series,
+    }
