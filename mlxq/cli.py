@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from mlxq import producer_commands
+from mlxq import info, producer_commands
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)
+    info.register(sub)
     return parser
 
 

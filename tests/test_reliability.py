@@ -3,15 +3,18 @@ with the right status, whatever happens to the worker or to Redis."""
 
 from __future__ import annotations
 
-import os
+import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import redis
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 from rq.serializers import JSONSerializer
 
 from mlxq.redis_server import RedisServer
@@ -224,3 +227,32 @@ def test_stream_events_add_up_to_the_result(redis_url, tiny_model_dir):
     streamed = "".join(e["text"] for e in stopped_events[:-1])
     assert streamed == stopped_result.choices[0].text and stop_string not in streamed
     assert stopped_result.choices[0].finish_reason == "stop"
+
+
+def test_mlxq_info_recovers_dead_workers_jobs_without_touching_json_meta(redis_url):
+    client = Client(redis_url)
+    job_id = client.submit(long_request(130, 4000))
+    conn = redis.Redis.from_url(redis_url)
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    job.meta["tenant"] = "acme"
+    job.save_meta()
+    victim = start_fake_worker(redis_url, name="dies", step_delay_s=0.05)
+    wait_for(lambda: client.status(job_id) == "started")
+    victim.kill()
+    victim.wait()
+    time.sleep(9)  # the job's heartbeat TTL (3 x 1 s + 5) runs out
+
+    def info(*args: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "mlxq", "info", "--url", redis_url, "--json", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    before = info()
+    assert before["queues"]["mlxq"]["started"] == 1 and before["recovered_jobs"] == []
+    after = info("--cleanup")
+    assert after["recovered_jobs"] == [job_id]
+    assert after["queues"]["mlxq"]["started"] == 0 and after["queues"]["mlxq"]["failed"] == 1
+    result = client.result(job_id)
+    assert result.status == "failed" and result.error.type == "AbandonedJobError"
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).meta == {"tenant": "acme"}

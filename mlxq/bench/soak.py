@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
 from mlxq.bench.config import BenchConfig
-from mlxq.bench.workloads import BenchRequest, Tokenizer, all_at_once, make_prompts
+from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
 from schemas import GenerationResult, keys
 
 OUT_OF_VOCAB = 10_000_000  # beyond any model's vocabulary
@@ -69,15 +69,14 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
     try:
         conn, client = cluster.conn, cluster.client
         assert conn is not None and client is not None
-        cluster.warm(all_at_once([BenchRequest(0, _as_prompt(prompt_ids[0]), cfg.warmup_tokens)], "warm"))
+        cluster.warm(all_at_once([BenchRequest(0, Prompt("", prompt_ids[0]), cfg.warmup_tokens)], "warm"))
         process = psutil.Process(cluster.pids()[0])
         raw_queue = Queue(cluster.queue, connection=conn, serializer=JSONSerializer)
         kinds: dict[str, str] = {}
-        statuses: dict[str, str] = {}
+        done: set[str] = set()
         samples: list[dict[str, float]] = []
         pubsub = conn.pubsub()
         pubsub.psubscribe(keys.done_channel("*"))
-        done_ids: list[str] = []
         t0 = time.perf_counter()
         next_sample, submitted = t0, 0
         drain_deadline: Optional[float] = None
@@ -95,51 +94,44 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
             message = pubsub.get_message(timeout=0.05)
             while message is not None:
                 if message["type"] == "pmessage":
-                    job_id = message["data"].decode()
-                    if job_id in kinds and job_id not in statuses:
-                        statuses[job_id] = "?"
-                        done_ids.append(job_id)
+                    done.add(message["data"].decode())
                 message = pubsub.get_message(timeout=0.0)
             if now >= next_sample:
-                _read_statuses(conn, done_ids, statuses)
-                samples.append({"t": now - t0, "rss_bytes": float(process.memory_info().rss),
-                                "submitted": float(submitted), "done": float(len(statuses)),
-                                "redis_used_bytes": float(conn.info("memory").get("used_memory", 0))})
+                samples.append(_sample(now - t0, process, conn, submitted, len(done & kinds.keys())))
                 next_sample = now + cfg.soak_sample_s
             if submitted == len(jobs):
-                if len(statuses) == len(kinds):
+                if kinds.keys() <= done:
                     break
                 if drain_deadline is None:
                     drain_deadline = now + max(120.0, 0.5 * (now - t0))
                 elif now > drain_deadline:
                     break
+        samples.append(_sample(time.perf_counter() - t0, process, conn, submitted, len(done & kinds.keys())))
         pubsub.close()
-        _read_statuses(conn, done_ids, statuses)
-        missing = [j for j in kinds if j not in statuses]
-        late = conn.mget([keys.result_key(j) for j in missing]) if missing else []
-        lost = sum(raw is None for raw in late)
+        statuses = _read_statuses(conn, list(kinds))
     finally:
         cluster.stop()
-    return _report(cfg, kinds, statuses, samples, lost, len(jobs))
+    return _report(cfg, kinds, statuses, samples, len(jobs))
 
 
-def _as_prompt(ids: tuple[int, ...]) -> Any:
-    from mlxq.bench.workloads import Prompt
+def _sample(t: float, process: Any, conn: Any, submitted: int, done: int) -> dict[str, float]:
+    return {"t": t, "rss_bytes": float(process.memory_info().rss), "submitted": float(submitted), "done": float(done),
+            "redis_used_bytes": float(conn.info("memory").get("used_memory", 0))}
 
-    return Prompt("", ids)
 
-
-def _read_statuses(conn: Any, done_ids: list[str], statuses: dict[str, str]) -> None:
-    unread = [j for j in done_ids if statuses.get(j) == "?"]
-    for start in range(0, len(unread), 500):
-        chunk = unread[start:start + 500]
+def _read_statuses(conn: Any, job_ids: list[str]) -> dict[str, str]:
+    """Each job's result status; jobs without a result key are absent (lost)."""
+    statuses: dict[str, str] = {}
+    for start in range(0, len(job_ids), 500):
+        chunk = job_ids[start:start + 500]
         for job_id, raw in zip(chunk, conn.mget([keys.result_key(j) for j in chunk])):
             if raw is not None:
                 statuses[job_id] = GenerationResult.model_validate_json(raw).status
+    return statuses
 
 
 def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], samples: list[dict[str, float]],
-            lost: int, planned: int) -> dict[str, Any]:
+            planned: int) -> dict[str, Any]:
     valid = [j for j, k in kinds.items() if k == "valid"]
     invalid = [j for j, k in kinds.items() if k != "valid"]
     rss = [s["rss_bytes"] for s in samples]
@@ -152,12 +144,11 @@ def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], s
     duration = samples[-1]["t"] if samples else 0.0
     return {
         "engine": cfg.soak_engine, "jobs": planned, "rate": cfg.soak_rate, "invalid_fraction": cfg.soak_invalid,
-        "submitted": len(kinds), "results": len([s for s in statuses.values() if s != "?"]),
-        "lost": len(kinds) - len([s for s in statuses.values() if s != "?"]) if lost is None else lost,
+        "submitted": len(kinds), "results": len(statuses), "lost": len(kinds) - len(statuses),
         "valid_not_finished": sum(statuses.get(j) != "finished" for j in valid),
         "invalid_not_failed": sum(statuses.get(j) != "failed" for j in invalid),
         "duration_s": duration,
-        "jobs_per_s": (len(statuses) / duration) if duration else None,
+        "jobs_per_s": (samples[-1]["done"] / duration) if duration else None,
         "rss_mb": {"first": rss[0] / 2**20, "max": max(rss) / 2**20, "last": rss[-1] / 2**20} if rss else None,
         "rss_growth_mb": (rss[-1] - rss[0]) / 2**20 if rss else None,
         "rss_growth_second_half_mb": (rss[-1] - rss[half]) / 2**20 if len(rss) > 1 else None,

@@ -1,0 +1,235 @@
+"""Turn a finished run into report.json, table.md and plot.png (and soak.png when soak ran)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from mlxq.bench.stats import ratio
+
+TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
+ARM_ORDER = ("A", "B", "C1", "C2", "C3", "C4", "D", "E")
+
+
+def _order(arm: str) -> int:
+    return ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER)
+
+
+def find(report: dict[str, Any], arm: str, label: str) -> Optional[dict[str, Any]]:
+    for entry in report["results"]:
+        if entry["arm"] == arm and entry["workload"]["label"] == label and entry["status"] == "ok":
+            metrics: dict[str, Any] = entry["metrics"]
+            return metrics
+    return None
+
+
+def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    """The issue's ratios at one closed-loop concurrency: mlxq with one worker against each arm."""
+    label = f"closed-{concurrency}"
+    c_arms = sorted({e["arm"] for e in report["results"] if e["arm"].startswith("C")}, key=_order)
+    c_key = "C1" if "C1" in c_arms else (c_arms[0] if c_arms else "C1")
+
+    def tps(arm: str) -> Optional[float]:
+        metrics = find(report, arm, label)
+        return metrics["tokens_per_s"] if metrics else None
+
+    def ttft(arm: str) -> Optional[float]:
+        metrics = find(report, arm, label)
+        return metrics["ttft_s"]["p50"] if metrics and metrics["ttft_s"] else None
+
+    arms = sorted({e["arm"] for e in report["results"]}, key=_order)
+    ratios = {f"C/{other}": ratio(tps(c_key), tps(other)) for other in ("B", "A", "D", "E")}
+    for extra in c_arms:
+        if extra != c_key:
+            ratios[f"{extra}/B"] = ratio(tps(extra), tps("B"))
+    return {
+        "concurrency": concurrency,
+        "c_arm": c_key,
+        "tokens_per_s": {arm: tps(arm) for arm in arms},
+        "ttft_p50_s": {arm: ttft(arm) for arm in arms},
+        "failed": {arm: (find(report, arm, label) or {}).get("failed") for arm in arms},
+        "ratios": ratios,
+        "targets": TARGETS,
+        "met": {k: (v >= TARGETS[k]) if v is not None and k in TARGETS else None for k, v in ratios.items()},
+    }
+
+
+def write_all(report: dict[str, Any], out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    table = markdown(report)
+    (out / "table.md").write_text(table)
+    try:
+        plot(report, out / "plot.png")
+        if "soak" in report.get("scenarios", {}):
+            plot_soak(report["scenarios"]["soak"], out / "soak.png")
+    except ImportError:
+        table += "\n(no plot: matplotlib is not installed; pip install 'mlxq[bench]')\n"
+    return table
+
+
+def _f(value: Optional[float], digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _pcts(dist: Optional[dict[str, float]]) -> str:
+    if not dist:
+        return "—"
+    return " / ".join(f"{dist[p]:.2f}" for p in ("p50", "p95", "p99"))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    settings, model, machine = report["settings"], report["model"], report["machine"]
+    facts = model.get("facts", {})
+    lines = [
+        f"mlxq bench: {model.get('source', model['path'])}"
+        + (f" ({facts.get('num_hidden_layers')} layers, hidden {facts.get('hidden_size')}, {facts.get('torch_dtype')})"
+           if facts else ""),
+        f"on {machine.get('cpu_model') or machine.get('machine')} ({machine.get('cpu_count')} CPUs), "
+        f"{report['device']}, BLAS: {report['blas']}; mlx {report['versions'].get('mlx')}, "
+        f"mlx-lm {report['versions'].get('mlx-lm')}.",
+        f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']} new tokens, greedy, EOS ignored; "
+        f"max_num_seqs {settings['max_num_seqs']} for every batching arm. Latencies in seconds, p50 / p95 / p99.",
+        "",
+    ]
+    for kind, title in (("closed", "Closed loop (N requests in flight)"), ("open", "Open loop (Poisson arrivals)")):
+        rows = [e for e in report["results"] if e["workload"]["kind"] == kind]
+        if not rows:
+            continue
+        col = "N" if kind == "closed" else "req/s in"
+        lines += [f"### {title}", "",
+                  f"| arm | {col} | gen tok/s | req/s | TTFT | end to end | queue p50 | failed |",
+                  "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+        rows.sort(key=lambda e: (_order(e["arm"]), e["workload"].get("concurrency") or e["workload"].get("rate") or 0))
+        for e in rows:
+            w = e["workload"]
+            x = w["concurrency"] if kind == "closed" else f"{w['rate']:g}"
+            if e["status"] != "ok":
+                lines.append(f"| {e['arm']} | {x} | {e['status']}: {str(e.get('error') or '')[:70]} | | | | | |")
+                continue
+            m = e["metrics"]
+            queue = m["queue_s"]["p50"] if m["queue_s"] else None
+            lines.append(f"| {e['arm']} | {x} | {_f(m['tokens_per_s'])} | {_f(m['requests_per_s'], 2)} | "
+                         f"{_pcts(m['ttft_s'])} | {_pcts(m['e2e_s'])} | {_f(queue, 2)} | "
+                         f"{m['failed']}/{m['requests']} |")
+        lines.append("")
+    head = report.get("headline")
+    if head:
+        lines += [f"### Ratios at N = {head['concurrency']} ({head['c_arm']} = mlxq, one worker)", "",
+                  "| ratio | value | target |", "| --- | ---: | ---: |"]
+        for key, value in head["ratios"].items():
+            target = head["targets"].get(key)
+            lines.append(f"| {key} | {_f(value, 2)} | {'>= ' + format(target, 'g') if target else ''} |")
+        lines.append("")
+    lines += _scenario_lines(report.get("scenarios", {}))
+    arms = report.get("arms", {})
+    skipped = [f"- {k}: {v['status']}: {v.get('reason')}" for k, v in arms.items() if v["status"] != "ok"]
+    if skipped:
+        lines += ["Arms not measured:", *skipped, ""]
+    lines += ["Arms: " + "; ".join(f"{k} = {v['label']}" for k, v in arms.items()), ""]
+    return "\n".join(lines)
+
+
+def _scenario_lines(scenarios: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if "overhead" in scenarios:
+        o = scenarios["overhead"]
+        if "error" in o:
+            lines.append(f"- overhead: {o['error']}")
+        else:
+            t, p = o["throughput"], o["publish"]
+            plain = p["plain_step_ms"]["p50"] if p["plain_step_ms"] else None
+            lines.append(f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
+                         f"jobs (target >= 3,000); step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
+                         f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms while they "
+                         f"were admitted (fake step cost {p['fake_step_ms']:g} ms)")
+    if "late-joiner" in scenarios:
+        s = scenarios["late-joiner"]
+        lines.append(f"- late-joiner: {s['error']}" if "error" in s else
+                     f"- late joiner (1 short job while {s['long_jobs']} long ones decode): first token after "
+                     f"{_f(s['short']['first_token_after_submit_s'], 3)} s = {_f(s['steps_to_first_token'], 2)} "
+                     f"decode steps of {_f(s['decode_step_s'], 3)} s (target <= 2)")
+    if "rl" in scenarios:
+        r = scenarios["rl"]
+        lines.append(f"- rl: {r['error']}" if "error" in r else
+                     f"- RL rollouts ({r['prompts']} prompts x n={r['n']}, {r['prompt_tokens']}-token prompts, "
+                     f"{r['new_tokens']} new): n={r['n']} requests {_f(r['grouped']['tokens_per_s'])} tok/s vs "
+                     f"{r['prompts'] * r['n']} independent {_f(r['independent']['tokens_per_s'])} tok/s = "
+                     f"{_f(r['speedup'], 2)}x (target >= 2.5x)")
+    if "soak" in scenarios:
+        s = scenarios["soak"]
+        lines.append(f"- soak: {s['error']}" if "error" in s else
+                     f"- soak ({s['engine']} engine): {s['submitted']} jobs over {_f(s['duration_s'], 0)} s, "
+                     f"{s['lost']} lost, {s['valid_not_finished']} valid not finished, {s['invalid_not_failed']} "
+                     f"invalid not failed; worker RSS {_f(s['rss_mb']['first'] if s['rss_mb'] else None, 0)} -> "
+                     f"{_f(s['rss_mb']['last'] if s['rss_mb'] else None, 0)} MB "
+                     f"(second half {_f(s['rss_growth_second_half_mb'])} MB)")
+    return (["### Scenarios", "", *lines, ""] if lines else [])
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = [e for e in report["results"] if e["workload"]["kind"] == "closed" and e["status"] == "ok"]
+    arms = sorted({e["arm"] for e in closed}, key=_order)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for arm in arms:
+        rows = sorted((e for e in closed if e["arm"] == arm), key=lambda e: e["workload"]["concurrency"])
+        xs = [e["workload"]["concurrency"] for e in rows]
+        axes[0].plot(xs, [e["metrics"]["tokens_per_s"] or 0 for e in rows], marker="o", label=arm)
+        ttft = [(e["metrics"]["ttft_s"] or {}) for e in rows]
+        line, = axes[1].plot(xs, [t.get("p50", float("nan")) for t in ttft], marker="o", label=f"{arm} p50")
+        axes[1].plot(xs, [t.get("p99", float("nan")) for t in ttft], linestyle="--", color=line.get_color(),
+                     label=f"{arm} p99")
+    for ax, title, ylabel in ((axes[0], "generated tokens/s (closed loop)", "tokens/s"),
+                              (axes[1], "TTFT p50 (solid) / p99 (dashed)", "seconds")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    axes[1].set_yscale("log")
+    head = report.get("headline") or {}
+    label = f"closed-{head.get('concurrency')}"
+    bars = [(e["arm"], e["metrics"]["e2e_s"]) for e in closed if e["workload"]["label"] == label and e["metrics"]["e2e_s"]]
+    bars.sort(key=lambda b: _order(b[0]))
+    width = 0.25
+    for i, pct in enumerate(("p50", "p95", "p99")):
+        axes[2].bar([j + (i - 1) * width for j in range(len(bars))], [b[1][pct] for b in bars], width, label=pct)
+    axes[2].set_xticks(range(len(bars)), [b[0] for b in bars])
+    axes[2].set_title(f"end-to-end latency at N = {head.get('concurrency')}")
+    axes[2].set_ylabel("seconds")
+    axes[2].legend()
+    fig.suptitle(f"mlxq bench: {report['model'].get('source', report['model']['path'])}; {report['device']}; "
+                 f"BLAS {report['blas'].split(' (')[0]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_soak(soak: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = soak.get("series") or []
+    if not series:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ts = [s["t"] for s in series]
+    ax.plot(ts, [s["rss_mb"] for s in series], color="tab:red", label="worker RSS (MB)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MB)")
+    other = ax.twinx()
+    other.plot(ts, [s["jobs_per_s"] for s in series], color="tab:blue", alpha=0.6, label="jobs/s")
+    other.set_ylabel("jobs/s")
+    ax.set_title(f"soak: {soak['submitted']} jobs, {soak['lost']} lost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

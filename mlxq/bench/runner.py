@@ -1,0 +1,243 @@
+"""One `mlxq bench` run: build the workloads once, run every arm on them in turn (each arm warmed
+up, started and stopped on its own), then the chosen scenarios, and write the report. A partial
+report is written even when a run is interrupted or an arm fails."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import traceback
+from typing import Any, Iterator, Optional
+
+from mlxq.bench.arms import Arm, ArmSkipped
+from mlxq.bench.config import ARM_LABELS, BenchConfig
+from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
+                              sigterm_as_interrupt, versions)
+from mlxq.bench.report import headline, write_all
+from mlxq.bench.stats import summarize
+from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
+
+
+@contextlib.contextmanager
+def _redis(url: Optional[str]) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    from mlxq.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+def build_workloads(cfg: BenchConfig, tokenizer: Tokenizer) -> list[tuple[Workload, Workload]]:
+    """(workload, its warm-up pass) pairs; warm-ups use their own prompts, so no prompt cache of a
+    peer can serve the measured ones."""
+    plan = []
+    for n in cfg.concurrency:
+        prompts = make_prompts(tokenizer, n * cfg.rounds, cfg.prompt_tokens, seed=cfg.seed, salt=f"closed-{n}")
+        warm_n = min(n, cfg.max_num_seqs)
+        warm = make_prompts(tokenizer, warm_n, cfg.prompt_tokens, seed=cfg.seed, salt=f"warmup-{n}")
+        plan.append((closed_loop(prompts, n, cfg.rounds, cfg.new_tokens),
+                     closed_loop(warm, warm_n, 1, cfg.warmup_tokens, label=f"warmup-{n}")))
+    for rate in cfg.rates:
+        prompts = make_prompts(tokenizer, cfg.open_requests, cfg.prompt_tokens, seed=cfg.seed, salt=f"open-{rate:g}")
+        warm_n = min(8, cfg.max_num_seqs)
+        warm = make_prompts(tokenizer, warm_n, cfg.prompt_tokens, seed=cfg.seed, salt=f"warmup-open-{rate:g}")
+        plan.append((open_loop(prompts, rate, cfg.new_tokens, seed=cfg.seed),
+                     closed_loop(warm, warm_n, 1, cfg.warmup_tokens, label=f"warmup-open-{rate:g}")))
+    return plan
+
+
+class Runner:
+    def __init__(self, cfg: BenchConfig, argv: Optional[list[str]] = None) -> None:
+        self.cfg = cfg
+        self.argv = argv or sys.argv
+        self.report: dict[str, Any] = {}
+        self.records_path = cfg.out / "records.jsonl"
+
+    def run(self) -> int:
+        import worker  # noqa: F401  (the BLAS preload must come before anything imports mlx)
+        from worker.platform import preload_blas
+
+        cfg = self.cfg
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        self.records_path.unlink(missing_ok=True)
+        sigterm_as_interrupt()
+        self.blas = preload_blas(os.environ.get("MLXQ_BLAS", "auto"))
+        model, model_info = resolve_model(cfg.model, cfg.shape, cfg.model_cache)
+        model_info["facts"] = model_facts(model)
+        self.model = model
+        import mlx.core as mx
+        from mlx_lm import load
+
+        _, tokenizer = load(model, lazy=True)  # the tokenizer every arm's server would use
+        self.tokenizer = tokenizer
+        self.report = {
+            "schema": "mlxq-bench/1",
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(self.argv),
+            "machine": machine_facts(),
+            "device": str(mx.default_device()),
+            "blas": self.blas.name,
+            "blas_path": self.blas.path,
+            "versions": versions(),
+            "model": model_info,
+            "settings": {
+                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "max_num_seqs": cfg.max_num_seqs,
+                "prefill_batch_size": cfg.prefill_batch_size, "concurrency": list(cfg.concurrency),
+                "rounds": cfg.rounds, "rates": list(cfg.rates), "open_requests": cfg.open_requests,
+                "workers": list(cfg.workers), "warmup_tokens": cfg.warmup_tokens, "seed": cfg.seed,
+                "sampling": "greedy (temperature 0); EOS never ends a request (fixed lengths)",
+                "scenarios": list(cfg.scenarios), "arms": list(cfg.arms),
+            },
+            "arms": {}, "results": [], "scenarios": {},
+        }
+        print(f"mlxq bench: model {model}; {self.report['device']}; BLAS {self.blas.name}", flush=True)
+        code = 0
+        try:
+            with ProcessSet(cfg.logs) as procs, _redis(cfg.url) as url:
+                self.report["redis_server"] = redis_server_version(url)
+                if "throughput" in cfg.scenarios:
+                    self._throughput(procs, url)
+                self._scenarios(procs, url)
+        except KeyboardInterrupt:
+            print("\ninterrupted: every process it started is stopped; writing a partial report", flush=True)
+            self.report["interrupted"] = True
+            code = 130
+        finally:
+            if self.report.get("results"):
+                hc = min(cfg.concurrency, key=lambda n: abs(n - cfg.headline_concurrency))
+                self.report["headline"] = headline(self.report, hc)
+            table = write_all(self.report, cfg.out)
+            print("\n" + table)
+            print(f"report: {cfg.out / 'report.json'}, {cfg.out / 'table.md'}, {cfg.out / 'plot.png'}")
+        return code
+
+    # --- the arms -------------------------------------------------------------------------
+    def _arms(self, procs: ProcessSet, url: str) -> list[Arm]:
+        from mlxq.bench.arm_local import EngineBoundArm, LocalModel, SequentialArm
+        from mlxq.bench.arm_mlxq import MlxqArm, MlxqCluster
+        from mlxq.bench.arm_server import ServerArm
+        from mlxq.bench.arm_vllm_mlx import VllmMlxArm
+
+        cfg, blas_path = self.cfg, self.blas.path
+        self.local = LocalModel(self.model)
+        arms: list[Arm] = []
+        for key in cfg.arms:
+            if key == "A":
+                arms.append(SequentialArm(self.local))
+            elif key == "B":
+                arms.append(EngineBoundArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size))
+            elif key == "C":
+                arms += [MlxqArm(MlxqCluster(url, self.model, w, cfg.max_num_seqs, cfg.prefill_batch_size, procs,
+                                             blas_path=blas_path), cfg.request_timeout_s) for w in cfg.workers]
+            elif key == "D":
+                eos = sorted(int(t) for t in self.tokenizer.eos_token_ids)
+                arms.append(ServerArm(self.model, cfg.max_num_seqs, cfg.prefill_batch_size, eos, procs,
+                                      cfg.request_timeout_s, blas_path))
+            elif key == "E":
+                arms.append(VllmMlxArm(self.model, cfg.vllm_mlx_venv, cfg.create_venv, cfg.max_num_seqs,
+                                       cfg.prefill_batch_size, procs, cfg.request_timeout_s, blas_path))
+        return arms
+
+    def _throughput(self, procs: ProcessSet, url: str) -> None:
+        plan = build_workloads(self.cfg, self.tokenizer)
+        arms = self._arms(procs, url)
+        for position, arm in enumerate(arms):
+            label = ARM_LABELS[arm.key[0]] + (f", {arm.key[1:]} worker(s)" if arm.key.startswith("C") else "")
+            entry: dict[str, Any] = {"label": label, "status": "ok", "methods": arm.methods}
+            self.report["arms"][arm.key] = entry
+            print(f"\n== {label}", flush=True)
+            try:
+                arm.start()
+                todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
+                outcomes = arm.run_all(todo)
+                entry["info"] = arm.info()
+                for (workload, _), outcome in zip(todo, outcomes):
+                    self._record(arm.key, workload, outcome)
+            except ArmSkipped as exc:
+                entry.update(status="skipped", reason=str(exc))
+                print(f"   skipped: {exc}", flush=True)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:
+                entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}"[:2000])
+                print(f"   failed: {exc}", flush=True)
+                traceback.print_exc()
+            finally:
+                arm.stop()
+                if not any(a.key in ("A", "B") for a in arms[position + 1:]):
+                    self.local.unload()
+
+    def _wanted(self, arm: Arm, workload: Workload, entry: dict[str, Any]) -> bool:
+        cap = self.cfg.a_max_concurrency
+        if arm.key == "A" and workload.kind == "closed" and (workload.concurrency or 0) > cap:
+            entry.setdefault("not_run", []).append(
+                f"{workload.label}: one job at a time, so N > {cap} only lengthens its queue (--a-max-concurrency)")
+            return False
+        return True
+
+    def _record(self, arm: str, workload: Workload, outcome: Any) -> None:
+        result: dict[str, Any] = {"arm": arm, "workload": workload.describe()}
+        if isinstance(outcome, BaseException):
+            result.update(status="failed", error=f"{type(outcome).__name__}: {outcome}"[:2000])
+            print(f"   {workload.label:<14} failed: {outcome}", flush=True)
+        else:
+            metrics = summarize(workload, outcome)
+            result.update(status="ok", metrics=metrics)
+            ttft = metrics["ttft_s"]["p50"] if metrics["ttft_s"] else None
+            print(f"   {workload.label:<14} {metrics['tokens_per_s'] or 0:9.1f} tok/s  "
+                  f"TTFT p50 {ttft if ttft is not None else float('nan'):.3f} s  "
+                  f"failed {metrics['failed']}/{metrics['requests']}", flush=True)
+            with open(self.records_path, "a") as f:
+                f.write(json.dumps({"arm": arm, "workload": workload.label,
+                                    "records": [r.to_json() for r in outcome]}) + "\n")
+        self.report["results"].append(result)
+
+    # --- scenarios ------------------------------------------------------------------------
+    def _scenarios(self, procs: ProcessSet, url: str) -> None:
+        from mlxq.bench import scenarios, soak
+        from mlxq.bench.arm_mlxq import MlxqCluster
+
+        cfg = self.cfg
+
+        def make_cluster(workers: int, max_num_seqs: int) -> MlxqCluster:
+            return MlxqCluster(url, self.model, workers, max_num_seqs, cfg.prefill_batch_size, procs,
+                               blas_path=self.blas.path)
+
+        def soak_run() -> dict[str, Any]:
+            if cfg.soak_engine == "fake":
+                cluster = scenarios.fake_cluster(cfg, url, procs, cfg.max_num_seqs, 0.0, str(cfg.logs / "soak-steps.json"))
+                return soak.soak(cfg, None, cluster)
+            return soak.soak(cfg, self.tokenizer, make_cluster(1, cfg.max_num_seqs))
+
+        runs = {
+            "overhead": lambda: scenarios.overhead(cfg, url, procs),
+            "late-joiner": lambda: scenarios.late_joiner(cfg, self.tokenizer, make_cluster),
+            "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
+            "soak": soak_run,
+        }
+        for name, run in runs.items():
+            if name not in cfg.scenarios:
+                continue
+            print(f"\n== scenario {name}", flush=True)
+            try:
+                self.report["scenarios"][name] = run()
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:
+                self.report["scenarios"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                traceback.print_exc()
+            finally:
+                procs.stop_all()
+
+
+def run_bench(cfg: BenchConfig, argv: Optional[list[str]] = None) -> int:
+    cfg.validate()
+    return Runner(cfg, argv).run()
+
+
+__all__ = ["BenchConfig", "Runner", "build_workloads", "run_bench"]

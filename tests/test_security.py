@@ -1,0 +1,121 @@
+"""TLS (rediss://) and least-privilege ACL users for producers and workers, as the README
+recommends them, on a real redis-server; and no pickle anywhere on the wire."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import redis
+
+from mlxq.redis_server import find_redis_server, free_port
+from producer import Client
+from tests.workers import start_fake_worker, stop
+
+pytestmark = pytest.mark.slow
+
+# Kept in step with the README's "Least-privilege ACL" section.
+PRODUCER_ACL = (
+    "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:results:* ~rq:canceled:* "
+    "~rq:scheduled:* ~rq:deferred:* ~mlxq:result:* ~mlxq:cancel:* ~mlxq:stream:* resetchannels &mlxq:done:* "
+    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info"
+)
+WORKER_ACL = (
+    "worker on >worker-secret resetkeys ~rq:* ~mlxq:* resetchannels &rq:pubsub:* &mlxq:done:* "
+    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting +@keyspace +@list +@sortedset +@hash "
+    "+@stream +@string +@set -@dangerous +info +client|setname +client|getname"
+)
+
+
+def acl_args(rule: str) -> list[str]:
+    return ["--user", *rule.split()]
+
+
+def make_certs(directory: Path) -> None:
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=mlxq-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
+            "/CN=localhost")
+    (directory / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "server.crt", "-days", "2", "-extfile", "ext")
+
+
+@pytest.fixture
+def tls_acl_redis(tmp_path):
+    make_certs(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", "server.crt", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.crt",
+         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+         *acl_args("default off"), *acl_args(PRODUCER_ACL), *acl_args(WORKER_ACL),
+         *acl_args("admin on >admin-secret ~* &* +@all")],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+    def url(user: str, password: str) -> str:
+        return (f"rediss://{user}:{password}@127.0.0.1:{port}/0"
+                f"?ssl_ca_certs={tmp_path / 'ca.crt'}&ssl_cert_reqs=required")
+
+    admin = redis.Redis.from_url(url("admin", "admin-secret"))
+    for _ in range(100):
+        try:
+            admin.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url, port
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_rediss_and_least_privilege_acl_users_run_the_whole_pipeline(tls_acl_redis):
+    url, port = tls_acl_redis
+    admin = redis.Redis.from_url(url("admin", "admin-secret"))
+    admin.set("billing:secret", "42")
+    with pytest.raises(redis.ConnectionError):  # TLS only: plain connections are not served
+        redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
+
+    producer = Client(url("producer", "producer-secret"))
+    job_ids = producer.submit_many([{"prompt_token_ids": [3, 4], "max_tokens": 5}] * 3)
+    doomed = producer.submit({"prompt_token_ids": [3, 4], "max_tokens": 5})
+    assert producer.cancel(doomed)  # still queued: removed by the producer's own ACL rights
+    worker = start_fake_worker(url("worker", "worker-secret"), name="acl-worker")
+    try:
+        results = producer.wait_many(job_ids, timeout=60)
+        cancelled = producer.wait(doomed, timeout=10)
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+    assert all(r.status == "finished" and len(r.choices[0].token_ids) == 5 for r in results.values()), out
+    assert cancelled.status == "cancelled"
+
+    raw = redis.Redis.from_url(url("producer", "producer-secret"))
+    for forbidden in (lambda: raw.get("billing:secret"), lambda: raw.flushall(), lambda: raw.keys("*"),
+                      lambda: raw.config_get("*")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    worker_conn = redis.Redis.from_url(url("worker", "worker-secret"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        worker_conn.get("billing:secret")
+
+
+def test_jobs_on_the_wire_are_json(redis_url):
+    """A job enqueued by the producer is readable by any JSON parser: no pickle on the wire."""
+    job_id = Client(redis_url).submit({"prompt": "hi", "max_tokens": 2, "metadata": {"k": "v"}})
+    data = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "data")
+    try:
+        data = zlib.decompress(data)
+    except zlib.error:
+        pass
+    func, instance, args, kwargs = json.loads(data)
+    assert func == "worker.tasks.generate" and instance is None and args == []
+    assert kwargs == {"request": {"prompt": "hi", "max_tokens": 2, "metadata": {"k": "v"}}}
