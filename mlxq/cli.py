@@ -9,6 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from mlxq import info, producer_commands
+from mlxq.bench import cli as bench_cli
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)
+    bench_cli.register(sub)
     info.register(sub)
     return parser
 

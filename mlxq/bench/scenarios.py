@@ -32,7 +32,7 @@ def fake_cluster(cfg: BenchConfig, url: str, procs: ProcessSet, max_num_seqs: in
 
 
 def _fake_jobs(count: int, max_tokens: int, offset: int = 0) -> list[BenchRequest]:
-    # FakeEngine's vocabulary is 256 ids; distinct prompts, no meaning.
+    # FakeEngine: a 256-id vocabulary, 253-255 reserved for fault injection; distinct prompts.
     return [BenchRequest(i, Prompt("", (1 + (i + offset) % 250, 2, 3)), max_tokens) for i in range(count)]
 
 

@@ -1,0 +1,127 @@
+"""The `mlxq bench` verb: `register(subparsers)` adds it to the main CLI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from mlxq.bench.config import ARMS, SCENARIOS, BenchConfig
+
+__all__ = ["register", "config_from_args"]
+
+T = TypeVar("T")
+
+DESCRIPTION = """\
+Benchmark mlxq against its alternatives on one machine, with the same model and the same requests:
+  A  one job at a time (mlx-lm generate_step per request, model loaded once)
+  B  the engine bound: mlx-lm BatchGenerator, every request known up front, no queue
+  C  mlxq end to end: producer -> Redis -> BatchWorker process(es) -> result keys (--workers)
+  D  mlx_lm.server driven by concurrent streaming HTTP clients
+  E  vllm-mlx BatchedEngine from a separate venv (--vllm-mlx-venv DIR [--create-venv])
+Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
+(--scenario): throughput (the arms), overhead, late-joiner, rl, soak, or all.
+Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
+"""
+
+
+def _list(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    def parse(text: str) -> tuple[T, ...]:
+        try:
+            return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
+    return parse
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    return SCENARIOS if text.strip() == "all" else _list(str)(text)
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = subparsers.add_parser("bench", help="benchmark mlxq against one-at-a-time, the engine bound and peers",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="a model path (or hub id); default: build a random-weight --shape model")
+    g.add_argument("--shape", default="smollm-135m", help="tiny | smollm-135m | qwen2.5-0.5b (default smollm-135m)")
+    g.add_argument("--model-cache", type=Path, help="where built models are kept (default ~/.cache/mlxq/bench-models)")
+
+    g = p.add_argument_group("what to run")
+    g.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
+    g.add_argument("--arms", type=_list(str), default=ARMS, help="comma-separated subset of A,B,C,D,E (default all)")
+    g.add_argument("--scenario", type=_scenarios, default=("throughput",),
+                   help=f"comma-separated subset of {','.join(SCENARIOS)}, or all (default throughput)")
+    g.add_argument("--concurrency", type=_list(int), default=(1, 8, 32, 128), help="closed-loop clients (1,8,32,128)")
+    g.add_argument("--rounds", type=int, default=1, help="requests per closed-loop client, sent in turn (default 1)")
+    g.add_argument("--rates", type=_list(float), default=(1.0, 2.0), help="open-loop Poisson rates, requests/s (1,2)")
+    g.add_argument("--open-requests", type=int, default=32, help="requests per open-loop rate (default 32)")
+    g.add_argument("--prompt-tokens", type=int, default=64)
+    g.add_argument("--new-tokens", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=32, help="decode batch limit for B, C, D, E (default 32)")
+    g.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
+    g.add_argument("--workers", type=_list(int), default=(1, 2), help="mlxq worker processes for arm C (1,2)")
+    g.add_argument("--a-max-concurrency", type=int, default=32,
+                   help="run arm A only up to this N: it is sequential (default 32)")
+    g.add_argument("--warmup-tokens", type=int, default=8, help="new tokens per warm-up request (default 8)")
+    g.add_argument("--headline-concurrency", type=int, default=32, help="N for the headline ratios (default 32)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=1800.0, help="seconds one workload may take per arm")
+
+    g = p.add_argument_group("infrastructure")
+    g.add_argument("--url", help="an existing Redis (default: start a private redis-server)")
+    g.add_argument("--vllm-mlx-venv", type=Path, help="venv with vllm-mlx 0.6.0 for arm E")
+    g.add_argument("--create-venv", action="store_true", help="build --vllm-mlx-venv if it does not exist")
+
+    g = p.add_argument_group("scenarios")
+    g.add_argument("--overhead-jobs", type=int, default=2000)
+    g.add_argument("--overhead-tokens", type=int, default=1)
+    g.add_argument("--overhead-publish", type=int, default=256, help="results finishing in one step")
+    g.add_argument("--overhead-step-ms", type=float, default=10.0, help="fake step cost for the publish test")
+    g.add_argument("--late-long", type=int, default=31)
+    g.add_argument("--late-long-tokens", type=int, default=256)
+    g.add_argument("--late-short-tokens", type=int, default=8)
+    g.add_argument("--late-delay", type=float, default=2.0, help="seconds between the long jobs starting and the short")
+    g.add_argument("--rl-prompts", type=int, default=64)
+    g.add_argument("--rl-n", type=int, default=8)
+    g.add_argument("--rl-prompt-tokens", type=int, default=256)
+    g.add_argument("--rl-new-tokens", type=int, default=64)
+    g.add_argument("--soak-jobs", type=int, default=2000)
+    g.add_argument("--soak-rate", type=float, default=10.0, help="jobs/s (Poisson)")
+    g.add_argument("--soak-max-tokens", type=int, default=16)
+    g.add_argument("--soak-invalid", type=float, default=0.1, help="fraction of invalid jobs")
+    g.add_argument("--soak-engine", choices=("model", "fake"), default="model")
+    g.add_argument("--soak-sample", type=float, default=1.0, help="seconds between RSS samples")
+    p.set_defaults(func=_run)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        out=args.out, model=args.model, shape=args.shape, model_cache=args.model_cache,
+        arms=tuple(a.upper() for a in args.arms), scenarios=args.scenario, concurrency=args.concurrency,
+        rounds=args.rounds, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens, max_num_seqs=args.max_num_seqs, prefill_batch_size=args.prefill_batch_size,
+        workers=args.workers, a_max_concurrency=args.a_max_concurrency, warmup_tokens=args.warmup_tokens,
+        headline_concurrency=args.headline_concurrency, url=args.url, vllm_mlx_venv=args.vllm_mlx_venv,
+        create_venv=args.create_venv, seed=args.seed, request_timeout_s=args.timeout,
+        overhead_jobs=args.overhead_jobs, overhead_tokens=args.overhead_tokens,
+        overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
+        late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
+        late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
+        rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens, soak_jobs=args.soak_jobs,
+        soak_rate=args.soak_rate, soak_max_tokens=args.soak_max_tokens, soak_invalid=args.soak_invalid,
+        soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mlxq.bench.runner import run_bench
+
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        print(f"mlxq bench: {exc}", file=sys.stderr)
+        return 2
+    return run_bench(config, sys.argv)
