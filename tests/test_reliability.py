@@ -4,6 +4,7 @@ with the right status, whatever happens to the worker or to Redis."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -256,3 +257,29 @@ def test_mlxq_info_recovers_dead_workers_jobs_without_touching_json_meta(redis_u
     result = client.result(job_id)
     assert result.status == "failed" and result.error.type == "AbandonedJobError"
     assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).meta == {"tenant": "acme"}
+
+
+def test_a_silent_network_stalls_nothing_for_long_and_loses_nothing():
+    """SIGSTOP on redis-server: connections hang instead of failing, as on a cut network."""
+    server = RedisServer().start()
+    try:
+        client = Client(server.url)
+        ids = [client.submit(long_request(140 + i, 300)) for i in range(3)]
+        worker = start_fake_worker(server.url, name="blackholed", step_delay_s=0.03)
+        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
+        client.close()
+        os.kill(server._proc.pid, signal.SIGSTOP)
+        time.sleep(16)  # longer than the worker's socket timeout (sweep interval 2 s + 10 s)
+        assert worker.poll() is None
+        os.kill(server._proc.pid, signal.SIGCONT)
+        client = Client(server.url)
+        results = client.wait_many(ids, timeout=120)
+        for i, job_id in enumerate(ids):
+            assert results[job_id].status == "finished"
+            assert results[job_id].choices[0].token_ids == [fake_token([140 + i, 7, 9], k) for k in range(300)]
+        out = stop(worker)
+        assert "lost Redis" in out and "Redis is back" in out
+    finally:
+        if server._proc is not None:
+            os.kill(server._proc.pid, signal.SIGCONT)
+        server.stop()

@@ -12,8 +12,14 @@ log = logging.getLogger("mlxq.worker")
 
 
 class RedisHealth:
-    def __init__(self, connection: redis.Redis, first_backoff_s: float = 0.5, max_backoff_s: float = 15.0) -> None:
-        self._connection = connection
+    def __init__(self, connection: redis.Redis, first_backoff_s: float = 0.5, max_backoff_s: float = 15.0,
+                 probe_timeout_s: float = 2.0) -> None:
+        # Probes use their own short-timeout client: on a silent network a probe must not block
+        # decoding for the worker connection's long (blocking-dequeue-sized) socket timeout.
+        kwargs = dict(connection.connection_pool.connection_kwargs)
+        kwargs.update(socket_timeout=probe_timeout_s, socket_connect_timeout=probe_timeout_s)
+        self._probe = redis.Redis(connection_pool=connection.connection_pool.__class__(
+            connection_class=connection.connection_pool.connection_class, **kwargs))
         self._first = first_backoff_s
         self._max = max_backoff_s
         self._backoff = first_backoff_s
@@ -41,7 +47,7 @@ class RedisHealth:
                 return False
             time.sleep(delay)
         try:
-            self._connection.ping()
+            self._probe.ping()
         except (redis.ConnectionError, redis.TimeoutError):
             self._backoff = min(self._backoff * 2, self._max)
             self._next_try = time.monotonic() + self._backoff

@@ -117,7 +117,7 @@ def library_loaded(pid: int, library_path: Optional[str]) -> Optional[bool]:
 def resolve_model(model: Optional[str], shape: str, cache: Optional[Path]) -> tuple[str, dict[str, Any]]:
     """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir."""
     if model:
-        return model, {"path": model, "source": "given"}
+        return model, {"path": model, "source": model}
     root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq" / "bench-models"
     path = root / shape
     if not (path / "config.json").exists():

@@ -61,7 +61,8 @@ def write_all(report: dict[str, Any], out: Path) -> str:
     table = markdown(report)
     (out / "table.md").write_text(table)
     try:
-        plot(report, out / "plot.png")
+        if any(e["status"] == "ok" and e["workload"]["kind"] == "closed" for e in report["results"]):
+            plot(report, out / "plot.png")
         if "soak" in report.get("scenarios", {}):
             plot_soak(report["scenarios"]["soak"], out / "soak.png")
     except ImportError:
@@ -86,9 +87,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"mlxq bench: {model.get('source', model['path'])}"
         + (f" ({facts.get('num_hidden_layers')} layers, hidden {facts.get('hidden_size')}, {facts.get('torch_dtype')})"
            if facts else ""),
-        f"on {machine.get('cpu_model') or machine.get('machine')} ({machine.get('cpu_count')} CPUs), "
-        f"{report['device']}, BLAS: {report['blas']}; mlx {report['versions'].get('mlx')}, "
-        f"mlx-lm {report['versions'].get('mlx-lm')}.",
+        f"on {machine.get('cpu_model') or machine.get('machine')} ({machine.get('cpu_count')} CPUs); "
+        f"{report['device']}; mlx-lm {report['versions'].get('mlx-lm')}; BLAS: {report['blas']}.",
         f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']} new tokens, greedy, EOS ignored; "
         f"max_num_seqs {settings['max_num_seqs']} for every batching arm. Latencies in seconds, p50 / p95 / p99.",
         "",
@@ -122,16 +122,19 @@ def markdown(report: dict[str, Any]) -> str:
             target = head["targets"].get(key)
             lines.append(f"| {key} | {_f(value, 2)} | {'>= ' + format(target, 'g') if target else ''} |")
         lines.append("")
-    lines += _scenario_lines(report.get("scenarios", {}))
+    found = scenario_lines(report.get("scenarios", {}))
+    if found:
+        lines += ["### Scenarios", "", *found, ""]
     arms = report.get("arms", {})
     skipped = [f"- {k}: {v['status']}: {v.get('reason')}" for k, v in arms.items() if v["status"] != "ok"]
     if skipped:
         lines += ["Arms not measured:", *skipped, ""]
-    lines += ["Arms: " + "; ".join(f"{k} = {v['label']}" for k, v in arms.items()), ""]
+    if arms:
+        lines += ["Arms: " + "; ".join(f"{k} = {v['label']}" for k, v in arms.items()), ""]
     return "\n".join(lines)
 
 
-def _scenario_lines(scenarios: dict[str, Any]) -> list[str]:
+def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "overhead" in scenarios:
         o = scenarios["overhead"]
@@ -165,7 +168,7 @@ def _scenario_lines(scenarios: dict[str, Any]) -> list[str]:
                      f"invalid not failed; worker RSS {_f(s['rss_mb']['first'] if s['rss_mb'] else None, 0)} -> "
                      f"{_f(s['rss_mb']['last'] if s['rss_mb'] else None, 0)} MB "
                      f"(second half {_f(s['rss_growth_second_half_mb'])} MB)")
-    return (["### Scenarios", "", *lines, ""] if lines else [])
+    return lines
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -185,9 +188,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
         line, = axes[1].plot(xs, [t.get("p50", float("nan")) for t in ttft], marker="o", label=f"{arm} p50")
         axes[1].plot(xs, [t.get("p99", float("nan")) for t in ttft], linestyle="--", color=line.get_color(),
                      label=f"{arm} p99")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    concurrency = sorted({e["workload"]["concurrency"] for e in closed})
     for ax, title, ylabel in ((axes[0], "generated tokens/s (closed loop)", "tokens/s"),
                               (axes[1], "TTFT p50 (solid) / p99 (dashed)", "seconds")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrency)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("concurrent requests")
         ax.set_title(title)
         ax.set_ylabel(ylabel)
@@ -205,7 +214,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[2].set_title(f"end-to-end latency at N = {head.get('concurrency')}")
     axes[2].set_ylabel("seconds")
     axes[2].legend()
-    fig.suptitle(f"mlxq bench: {report['model'].get('source', report['model']['path'])}; {report['device']}; "
+    fig.suptitle(f"mlxq bench: {Path(report['model']['path']).name}; {report['device']}; "
                  f"BLAS {report['blas'].split(' (')[0]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
 from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
                               sigterm_as_interrupt, versions)
-from mlxq.bench.report import headline, write_all
+from mlxq.bench.report import headline, scenario_lines, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
 
@@ -64,7 +64,8 @@ class Runner:
 
         cfg = self.cfg
         cfg.out.mkdir(parents=True, exist_ok=True)
-        self.records_path.unlink(missing_ok=True)
+        for stale in ("records.jsonl", "plot.png", "soak.png"):
+            (cfg.out / stale).unlink(missing_ok=True)
         sigterm_as_interrupt()
         self.blas = preload_blas(os.environ.get("MLXQ_BLAS", "auto"))
         model, model_info = resolve_model(cfg.model, cfg.shape, cfg.model_cache)
@@ -80,7 +81,7 @@ class Runner:
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(self.argv),
             "machine": machine_facts(),
-            "device": str(mx.default_device()),
+            "device": f"mlx {mx.__version__}, {mx.default_device().type.name}",
             "blas": self.blas.name,
             "blas_path": self.blas.path,
             "versions": versions(),
@@ -113,7 +114,9 @@ class Runner:
                 self.report["headline"] = headline(self.report, hc)
             table = write_all(self.report, cfg.out)
             print("\n" + table)
-            print(f"report: {cfg.out / 'report.json'}, {cfg.out / 'table.md'}, {cfg.out / 'plot.png'}")
+            written = [p.name for p in (cfg.out / n for n in ("report.json", "table.md", "plot.png", "soak.png",
+                                                              "records.jsonl")) if p.exists()]
+            print(f"written to {cfg.out}: {', '.join(written)}")
         return code
 
     # --- the arms -------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class Runner:
             print(f"\n== scenario {name}", flush=True)
             try:
                 self.report["scenarios"][name] = run()
+                print("\n".join(scenario_lines({name: self.report["scenarios"][name]})), flush=True)
             except KeyboardInterrupt:
                 raise
             except Exception as exc:
