@@ -26,7 +26,9 @@ MIB = 1024 * 1024
 class ChoiceState:
     index: int
     uid: str
-    detokenizer: IncrementalDetokenizer
+    # Text as tokens arrive, only for requests that need it (stop strings, streaming); the others
+    # decode once at the end, which spares every decode step a detokenizer call per sequence.
+    detokenizer: Optional[IncrementalDetokenizer]
     stop_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[float]] = None
@@ -42,8 +44,12 @@ class ChoiceState:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    final_text: Optional[str] = None
+
     @property
     def text(self) -> str:
+        if self.detokenizer is None:
+            return self.final_text or ""
         return self.detokenizer.text if self.text_end is None else self.detokenizer.text[: self.text_end]
 
 
@@ -166,7 +172,8 @@ class BatchScheduler:
                 ChoiceState(
                     index=index,
                     uid=uid,
-                    detokenizer=IncrementalDetokenizer(self.engine.decode),
+                    detokenizer=(IncrementalDetokenizer(self.engine.decode)
+                                 if request.stop or request.stream else None),
                     stop_ids=stop_ids,
                     logprobs=[] if request.wants_logprobs else None,
                     top_logprobs=[] if request.top_logprobs else None,
@@ -300,8 +307,10 @@ class BatchScheduler:
                 [TopLogprob(token_id=t, token=self.engine.token_text(t), logprob=lp) for t, lp in event.top_logprobs]
             )
         is_stop_token = event.finish_reason == "stop" and event.token in choice.stop_ids
-        new_text = "" if is_stop_token else choice.detokenizer.add(event.token)
-        stop_at = _find_stop(choice.detokenizer.text, len(new_text), job.request.stop_strings)
+        stop_at = None
+        if choice.detokenizer is not None:
+            new_text = "" if is_stop_token else choice.detokenizer.add(event.token)
+            stop_at = _find_stop(choice.detokenizer.text, len(new_text), job.request.stop_strings)
         if stop_at is not None:
             choice.text_end = stop_at
             choice.finish_reason = "stop"
@@ -310,8 +319,18 @@ class BatchScheduler:
             choice.finish_reason = event.finish_reason
         if choice.done:
             self._uid_to_job.pop(choice.uid, None)
+            self._settle_text(choice)
+
+    def _settle_text(self, choice: ChoiceState) -> None:
+        """A choice just ended: its text is final (EOS and stop tokens are not text)."""
+        if choice.detokenizer is not None:
             if choice.text_end is None:
                 choice.detokenizer.flush()
+            return
+        tokens = choice.token_ids
+        if choice.finish_reason == "stop" and tokens and tokens[-1] in choice.stop_ids:
+            tokens = tokens[:-1]
+        choice.final_text = self.engine.decode(tokens)
 
     def _collect_stream(self, job: ActiveJob) -> None:
         if not job.request.stream:
@@ -363,7 +382,7 @@ class BatchScheduler:
             self.engine.remove([c.uid for c in live])
         for choice in live:
             choice.finish_reason = finish_reason
-            choice.detokenizer.flush()
+            self._settle_text(choice)
             self._uid_to_job.pop(choice.uid, None)
         self._collect_stream(job)
         return self._finish(job_id, status=status, error=error)

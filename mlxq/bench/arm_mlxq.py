@@ -46,7 +46,7 @@ class MlxqCluster:
 
     def __init__(self, url: str, model: str, workers: int, max_num_seqs: int, prefill_batch_size: int,
                  procs: ProcessSet, *, blas_path: Optional[str] = None,
-                 worker_argv: Optional[Callable[[int, list[str]], list[str]]] = None) -> None:
+                 worker_argv: Optional[Callable[[str, list[str]], list[str]]] = None) -> None:
         self.url = url
         self.model = model
         self.workers = workers
@@ -68,7 +68,7 @@ class MlxqCluster:
         self.client = Client(connection=self.conn)
         for i in range(self.workers):
             queues = [self.warm_queues[i], self.queue]
-            argv = (self.worker_argv(i, queues) if self.worker_argv else
+            argv = (self.worker_argv(self.names[i], queues) if self.worker_argv else
                     [sys.executable, "-m", "mlxq", "worker", "--url", self.url, "--model", self.model,
                      "--max-num-seqs", str(self.max_num_seqs), "--name", self.names[i], "--log-level", "WARNING",
                      *queues])

@@ -73,12 +73,14 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def sigterm_as_interrupt() -> None:
-    """Let `kill` unwind like Ctrl-C, so that the cleanup in `finally` blocks runs."""
+def interrupt_on_signals() -> None:
+    """Let SIGTERM unwind like Ctrl-C, so that the cleanup in `finally` blocks runs; and take
+    SIGINT back even where a launcher left it ignored (a background job of a script)."""
 
     def handler(signum: int, frame: Optional[FrameType]) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, handler)
 

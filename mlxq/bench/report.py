@@ -116,7 +116,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     head = report.get("headline")
     if head:
-        lines += [f"### Ratios at N = {head['concurrency']} ({head['c_arm']} = mlxq, one worker)", "",
+        workers = head["c_arm"][1:] or "?"
+        lines += [f"### Ratios at N = {head['concurrency']} (C = {head['c_arm']}: mlxq with {workers} worker(s))", "",
                   "| ratio | value | target |", "| --- | ---: | ---: |"]
         for key, value in head["ratios"].items():
             target = head["targets"].get(key)

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
 from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
-                              sigterm_as_interrupt, versions)
+                              interrupt_on_signals, versions)
 from mlxq.bench.report import headline, scenario_lines, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
@@ -66,7 +66,7 @@ class Runner:
         cfg.out.mkdir(parents=True, exist_ok=True)
         for stale in ("records.jsonl", "plot.png", "soak.png"):
             (cfg.out / stale).unlink(missing_ok=True)
-        sigterm_as_interrupt()
+        interrupt_on_signals()
         self.blas = preload_blas(os.environ.get("MLXQ_BLAS", "auto"))
         model, model_info = resolve_model(cfg.model, cfg.shape, cfg.model_cache)
         model_info["facts"] = model_facts(model)

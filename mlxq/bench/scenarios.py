@@ -24,8 +24,8 @@ ClusterFactory = Callable[[int, int], MlxqCluster]  # (workers, max_num_seqs) ->
 
 def fake_cluster(cfg: BenchConfig, url: str, procs: ProcessSet, max_num_seqs: int, step_ms: float,
                  step_log: str) -> MlxqCluster:
-    def argv(i: int, queues: list[str]) -> list[str]:
-        return [sys.executable, "-m", "mlxq.bench.fake_worker", "--url", url, "--name", f"fake-{i}-{time.time_ns()}",
+    def argv(name: str, queues: list[str]) -> list[str]:
+        return [sys.executable, "-m", "mlxq.bench.fake_worker", "--url", url, "--name", name,
                 "--max-num-seqs", str(max_num_seqs), "--step-ms", str(step_ms), "--step-log", step_log, *queues]
 
     return MlxqCluster(url, "fake", 1, max_num_seqs, cfg.prefill_batch_size, procs, worker_argv=argv)

@@ -1,0 +1,153 @@
+"""`mlxq bench`: the pure parts (percentiles, arrivals, accounting, prompts, step analysis) and a
+smoke run of the real harness on the tiny model. No timing assertions: only accounting and shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxq.bench.cli import config_from_args
+from mlxq.bench.scenarios import analyze_steps
+from mlxq.bench.stats import percentile, summarize
+from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop
+
+
+class WordTokenizer:
+    """One token per word: enough to check prompt building."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+
+def prompts(count: int) -> list[Prompt]:
+    return [Prompt(f"p{i}", (i, i + 1)) for i in range(count)]
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_make_prompts_have_the_asked_length_and_differ() -> None:
+    made = make_prompts(WordTokenizer(), 5, 12, seed=0, salt="t")
+    assert all(len(p.ids) == 12 for p in made)
+    assert len({p.ids[0] for p in made}) == 5  # distinct first tokens: no shared prefix
+
+
+def test_closed_loop_releases_each_clients_next_request_after_the_previous() -> None:
+    workload = closed_loop(prompts(6), concurrency=2, rounds=3, max_tokens=4)
+    arrivals = Arrivals(workload)
+    first = arrivals.due(0.0)
+    assert sorted(r.index for r, _ in first) == [0, 1]
+    assert arrivals.due(5.0) == []
+    arrivals.completed(first[0][0], 1.5)
+    (request, arrival), = arrivals.due(1.5)
+    assert request.client == first[0][0].client and arrival == 1.5
+    assert not arrivals.exhausted
+
+
+def test_open_loop_arrivals_follow_their_times() -> None:
+    workload = open_loop(prompts(20), rate=10.0, max_tokens=4, seed=1)
+    times = [r.arrival_s for r in workload.requests]
+    assert times == sorted(times) and times[0] == 0.0
+    arrivals = Arrivals(workload)
+    early = arrivals.due(times[5])
+    assert [r.index for r, _ in early] == list(range(6))
+    arrivals.due(times[-1] + 1)
+    assert arrivals.exhausted
+
+
+def test_summarize_accounts_for_every_request() -> None:
+    workload = closed_loop(prompts(3), concurrency=3, rounds=1, max_tokens=4)
+    records = [
+        RequestRecord(0, 0.0, started=0.1, first_token=0.2, finished=1.0, tokens=4),
+        RequestRecord(1, 0.0, first_token=0.3, finished=2.0, tokens=3),  # short: a failure
+    ]
+    summary = summarize(workload, records)
+    assert summary["completed"] == 1 and summary["failed"] == 2  # one short, one without a record
+    assert summary["tokens"] == 4 and summary["wall_s"] == 2.0
+    assert summary["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert "no record" in summary["failure_reasons"]
+
+
+def test_analyze_steps_finds_the_publish_and_admit_intervals() -> None:
+    steps = [[0.00, 4], [0.01, 4], [0.02, 4], [0.50, 36], [0.51, 36], [0.90, 4], [0.91, 4]]
+    found = analyze_steps(steps, 32)
+    assert found["admit_step_ms"] == pytest.approx(480)
+    assert found["publish_step_ms"] == pytest.approx(390)
+    assert found["plain_step_ms"]["p50"] == pytest.approx(10)
+
+
+def test_cli_lists_parse() -> None:
+    import argparse
+
+    from mlxq.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--arms", "a,c", "--concurrency", "1,4", "--rates", "",
+                                      "--scenario", "all", "--workers", "2"])
+    assert isinstance(args, argparse.Namespace)
+    config = config_from_args(args)
+    config.validate()
+    assert config.arms == ("A", "C") and config.concurrency == (1, 4) and config.rates == ()
+    assert config.workers == (2,) and "soak" in config.scenarios
+
+
+@pytest.mark.slow
+def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> None:
+    import psutil
+
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out),
+            "--arms", "A,B,C", "--workers", "1", "--concurrency", "4", "--rates", "", "--prompt-tokens", "16",
+            "--new-tokens", "6", "--warmup-tokens", "2", "--headline-concurrency", "4",
+            "--scenario", "throughput,overhead", "--overhead-jobs", "150", "--overhead-publish", "24",
+            "--overhead-step-ms", "5"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if f"bench-{proc.pid}-" in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, "the harness left worker processes behind"
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["machine"]["cpu_count"] >= 1 and report["blas"]
+    assert report["versions"]["mlx"] and report["versions"]["mlx-lm"]
+    assert report["model"]["path"] == tiny_model_dir
+    by_arm = {e["arm"]: e for e in report["results"]}
+    assert set(by_arm) == {"A", "B", "C1"}
+    for arm, entry in by_arm.items():
+        assert entry["status"] == "ok", entry
+        m = entry["metrics"]
+        assert m["requests"] == 4 and m["completed"] == 4 and m["failed"] == 0, (arm, m)
+        assert m["tokens"] == m["expected_tokens"] == 4 * 6
+        assert m["tokens_per_s"] > 0 and m["requests_per_s"] > 0
+        for name in ("ttft_s", "e2e_s"):
+            d = m[name]
+            assert d["count"] == 4 and 0 <= d["p50"] <= d["p95"] <= d["p99"] <= d["max"]
+        assert m["ttft_s"]["p50"] <= m["e2e_s"]["p50"]
+    assert all(report["arms"][arm]["status"] == "ok" for arm in by_arm)
+    ratios = report["headline"]["ratios"]
+    assert ratios["C/B"] is not None and ratios["C/A"] is not None and ratios["C/D"] is None
+
+    overhead = report["scenarios"]["overhead"]
+    assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0
+    assert overhead["throughput"]["jobs_per_s"] > 0
+    assert overhead["publish"]["burst_finished"] == 24
+    assert overhead["publish"]["publish_step_ms"] is not None
+
+    assert (out / "table.md").read_text().count("| C1 |") == 1
+    assert (out / "plot.png").stat().st_size > 0
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(len(json.loads(line)["records"]) == 4 for line in lines)
