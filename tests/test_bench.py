@@ -118,7 +118,8 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if f"bench-{proc.pid}-" in " ".join(p.info["cmdline"] or [])]
+    marker = f"bench-{proc.pid}-"  # every worker the harness starts carries its pid in its name
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, "the harness left worker processes behind"
 
     report = json.loads((out / "report.json").read_text())

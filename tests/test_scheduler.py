@@ -162,10 +162,13 @@ def test_a_solo_job_runs_alone():
     assert not seen_together
 
 
-def test_reset_forgets_every_job_and_empties_the_engine():
+def test_reset_forgets_the_jobs_in_the_engine_and_keeps_the_waiting_ones():
     scheduler = make()
     scheduler.admit("a", {"prompt_token_ids": [1], "max_tokens": 30})
     scheduler.admit("b", {"prompt_token_ids": [2], "max_tokens": 30})
+    scheduler.admit("solo", {"prompt_token_ids": [3], "max_tokens": 3}, solo=True)  # waits: batch not empty
     scheduler.step()
     assert sorted(scheduler.reset()) == ["a", "b"]
-    assert len(scheduler) == 0 and scheduler.engine.num_active == 0 and scheduler.free_slots == 32
+    assert scheduler.job_ids == ["solo"] and scheduler.engine.num_active == 0
+    results = run_to_end(scheduler)
+    assert results["solo"].status == "finished" and len(results["solo"].choices[0].token_ids) == 3

@@ -5,9 +5,10 @@ macOS) whose loop keeps many jobs running at once. It takes every waiting job wh
 room, starts each the RQ way, steps the scheduler, and ends each job the RQ way after its result
 key is written. It knows nothing of MLX; the scheduler knows nothing of Redis.
 
-RQ's per-job helpers read the single `self.execution`; `_as_current` sets it around each call.
-If Redis goes away mid-batch, decoding goes on: results wait in `_unpublished` and are written
-once Redis answers again.
+Ending jobs (result keys, streams, RQ's bookkeeping) happens on the bookkeeping thread, so a
+decode step never waits for Redis; if Redis goes away mid-batch, decoding goes on and results
+are written once it answers again. RQ's per-job helpers read the single `self.execution`: here
+it is per thread, and `_as_current` sets it around each call.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from rq.exceptions import DeserializationError, StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from rq.timeouts import JobTimeoutException
+from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import now
 from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
+from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
 from worker.publish import Publication, cancel_requested, publish_results, publish_stream_deltas, result_ttl
 from worker.recovery import sweep_abandoned
@@ -57,6 +59,7 @@ class InFlight:
     deadline: Optional[float]  # monotonic; None = no timeout
     payload: Any = None
     solo: bool = False
+    ending: bool = False  # its result was handed to the bookkeeping thread
 
     @property
     def streams(self) -> bool:
@@ -79,11 +82,12 @@ class BatchWorker(SimpleWorker):
         if queues is None:
             queues = self.settings.default_queues()
         kwargs.setdefault("maintenance_interval", int(self.settings.sweep_interval_s))
+        self._thread_state = threading.local()
         super().__init__(queues, *args, **kwargs)
         self._scheduler_factory = scheduler_factory
         self.scheduler_: Any = None  # rq's BaseWorker already uses `self.scheduler`
         self._inflight: dict[str, InFlight] = {}
-        self._unpublished: list[GenerationResult] = []
+        self._bookkeeper = Bookkeeper()
         self._stop_job_ids: set[str] = set()
         self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
@@ -91,6 +95,14 @@ class BatchWorker(SimpleWorker):
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
 
     # --- RQ hooks -------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def execution(self) -> Optional[Execution]:
+        return getattr(self._thread_state, "execution", None)
+
+    @execution.setter
+    def execution(self, value: Optional[Execution]) -> None:
+        self._thread_state.execution = value
+
     @property
     def dequeue_timeout(self) -> int:
         # An idle worker wakes this often for maintenance, which sweeps dead workers' jobs.
@@ -133,8 +145,9 @@ class BatchWorker(SimpleWorker):
         try:
             self.scheduler_ = self._build_scheduler()
             self._liveness.start()
+            self._bookkeeper.start()
             while True:
-                if not self._inflight and not self._unpublished:
+                if not self._inflight:
                     self.check_for_suspension(burst)
                     if self.should_run_maintenance_tasks:
                         self.run_maintenance_tasks()
@@ -160,6 +173,7 @@ class BatchWorker(SimpleWorker):
             self._abandon_inflight("worker loop crashed")
             raise
         finally:
+            self._bookkeeper.stop()
             self._liveness.stop()
             self.teardown()
         return taken > 0
@@ -169,11 +183,11 @@ class BatchWorker(SimpleWorker):
         taken = 0
         if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler_)):
             self._liveness.beat_now()  # before any sweep can take our jobs for abandoned
-        if self._health.up:
-            self._flush()
-            if not self._stop_requested:
-                room = self.scheduler_.free_slots if jobs_left is None else min(self.scheduler_.free_slots, jobs_left)
-                taken = self._redis_call(self._top_up, room) or 0
+        if self._health.up and not self._stop_requested:
+            room = self.scheduler_.free_slots if jobs_left is None else min(self.scheduler_.free_slots, jobs_left)
+            taken = self._redis_call(self._top_up, room) or 0
+        if not len(self.scheduler_) and not taken:
+            self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
         self._step()
         if self._health.up:
             self._redis_call(self._enforce_cancellations_and_deadlines)
@@ -227,7 +241,7 @@ class BatchWorker(SimpleWorker):
 
     def _sweep(self) -> None:
         self._last_sweep = time.monotonic()
-        swept = sweep_abandoned(self.connection, self.queues, skip=frozenset(self._inflight))
+        swept = sweep_abandoned(self.connection, self.queues, skip=frozenset(list(self._inflight)))
         if swept:
             self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
 
@@ -302,36 +316,37 @@ class BatchWorker(SimpleWorker):
 
     # --- job end --------------------------------------------------------------------------
     def _end_many(self, results: list[GenerationResult], deltas: Optional[list[Any]] = None) -> None:
-        """Publish stream deltas and results, then end the RQ jobs; if Redis is away, keep them."""
+        """Hand the endings to the bookkeeping thread: stream deltas, result keys (one round trip),
+        then each RQ job's end. The engine goes on meanwhile."""
         if deltas:
             streaming = [d for d in deltas if d.job_id in self._inflight]
-            self._redis_call(publish_stream_deltas, self.connection, streaming,
-                             {d.job_id: result_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming})
-        self._unpublished.extend(results)
-        if self._health.up:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._unpublished:
+            ttls = {d.job_id: result_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming}
+            self._bookkeeper.submit(lambda: publish_stream_deltas(self.connection, streaming, ttls))
+        if not results:
             return
-        try:
-            publish_results(self.connection, [self._publication(r) for r in self._unpublished])
-            while self._unpublished:
-                self._finish_rq_job(self._unpublished[0])
-                self._unpublished.pop(0)
-        except REDIS_ERRORS as exc:
-            self._health.lost(exc)
+        # Capture each job's InFlight now: once RQ re-queues a job (a retry), this worker may take
+        # it again and a new InFlight replaces the old one under the same id.
+        ending = [(result, self._inflight[result.id]) for result in results]
+        for _, inflight in ending:
+            inflight.ending = True
+        publications = [self._publication(result, inflight) for result, inflight in ending]
+        self._bookkeeper.submit(lambda: publish_results(self.connection, publications))
+        for result, inflight in ending:
+            self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
 
-    def _publication(self, result: GenerationResult) -> Publication:
-        inflight = self._inflight[result.id]
+    def _forget(self, inflight: InFlight) -> None:
+        if self._inflight.get(inflight.job.id) is inflight:
+            del self._inflight[inflight.job.id]
+
+    def _publication(self, result: GenerationResult, inflight: InFlight) -> Publication:
         job = inflight.job
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
         return Publication(result, result_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=inflight.streams and not retried)
 
-    def _finish_rq_job(self, result: GenerationResult) -> None:
-        """End the RQ job the way `perform_job` would, after its result key is written."""
-        inflight = self._inflight[result.id]
+    def _finish_rq_job(self, result: GenerationResult, inflight: InFlight) -> None:
+        """End the RQ job the way `perform_job` would, after its result key is written.
+        Runs on the bookkeeping thread: callbacks get a thread-safe timeout."""
         job, queue = inflight.job, inflight.queue
         job.ended_at = now()
         with self._as_current(inflight):
@@ -340,14 +355,14 @@ class BatchWorker(SimpleWorker):
                 return_value = result.model_dump(mode="json")
                 job._result = return_value
                 try:
-                    job.execute_success_callback(self.death_penalty_class, return_value)
+                    job.execute_success_callback(TimerDeathPenalty, return_value)
                 except Exception:
                     self.log.exception("Job %s: success callback failed", job.id)
                 self.handle_job_success(job=job, queue=queue, started_job_registry=queue.started_job_registry)
             elif result.status == "cancelled":
                 self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
                 with contextlib.suppress(Exception):
-                    job.execute_stopped_callback(self.death_penalty_class)
+                    job.execute_stopped_callback(TimerDeathPenalty)
                 self.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
                                         started_job_registry=queue.started_job_registry)
             else:
@@ -358,10 +373,10 @@ class BatchWorker(SimpleWorker):
                     else JobFailed(f"{error.type}: {error.message}" if error else "failed")
                 )
                 with contextlib.suppress(Exception):
-                    job.execute_failure_callback(self.death_penalty_class, type(exc), exc, None)
+                    job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
                 self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
                                         started_job_registry=queue.started_job_registry)
-        del self._inflight[result.id]
+        self._forget(inflight)
 
     @contextlib.contextmanager
     def _as_current(self, inflight: InFlight) -> Iterator[None]:
@@ -384,7 +399,8 @@ class BatchWorker(SimpleWorker):
                     job_id, inflight.payload, "EngineError",
                     f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
                 continue
-            self._redis_call(self._requeue_solo, inflight)
+            inflight.ending = True
+            self._bookkeeper.submit(lambda inflight=inflight: self._requeue_solo(inflight))
         self._end_many(poisoned)
 
     def _requeue_solo(self, inflight: InFlight) -> None:
@@ -396,17 +412,20 @@ class BatchWorker(SimpleWorker):
             self.handle_job_retry(job=job, queue=inflight.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
                                   started_job_registry=inflight.queue.started_job_registry,
                                   execution=inflight.execution)
-        del self._inflight[job.id]
+        self._forget(inflight)
 
     def _abandon_inflight(self, reason: str) -> None:
         """Cold shutdown or a crash: fail (or, with Retry, re-queue) every running job now."""
         if not self._inflight or self.scheduler_ is None:
             return
+        held = set(self.scheduler_.job_ids)
+        never_admitted = {job_id for job_id, f in list(self._inflight.items()) if not f.ending and job_id not in held}
         with contextlib.suppress(Exception):
             self._end_many(self.scheduler_.abort_all("WorkerShutdown", reason))
-        for job_id in list(self._inflight):  # jobs the scheduler never held
-            with contextlib.suppress(Exception):
-                self._end_many([self.scheduler_.failed_result(job_id, None, "WorkerShutdown", reason)])
+        with contextlib.suppress(Exception):
+            self._end_many([self.scheduler_.failed_result(job_id, None, "WorkerShutdown", reason)
+                            for job_id in never_admitted if job_id in self._inflight])
+        self._bookkeeper.wait_idle(timeout=10)
 
     # --- per-step housekeeping ------------------------------------------------------------
     def _enforce_cancellations_and_deadlines(self) -> None:
@@ -414,7 +433,7 @@ class BatchWorker(SimpleWorker):
             return
         with self._stop_job_lock:
             stop_ids, self._stop_job_ids = self._stop_job_ids, set()
-        running = [job_id for job_id in self._inflight if job_id in self.scheduler_.job_ids]
+        running = [job_id for job_id in list(self._inflight) if job_id in self.scheduler_.job_ids]
         cancelled = cancel_requested(self.connection, running) | (stop_ids & set(running))
         ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
         clock = time.monotonic()

@@ -364,15 +364,16 @@ class BatchScheduler:
                 for job_id in list(self._jobs)]
 
     def reset(self) -> list[str]:
-        """After a failed engine step: forget every job (their state may be corrupt), give the
-        engine a fresh batch, and return the job ids so the caller can retry or fail them."""
-        job_ids = list(self._jobs)
-        self._jobs.clear()
-        self._waiting.clear()
+        """After a failed engine step: forget the jobs that were in the engine (their state may
+        be corrupt), give the engine a fresh batch, and return their ids so the caller can retry
+        or fail them. Jobs still waiting to enter were not involved and keep waiting."""
+        suspects = [job_id for job_id, job in self._jobs.items() if job.in_engine]
+        for job_id in suspects:
+            del self._jobs[job_id]
         self._uid_to_job.clear()
-        self._streams.clear()
+        self._streams = [d for d in self._streams if d.job_id in self._jobs]
         self.engine.reset()
-        return job_ids
+        return suspects
 
     def _end_now(self, job_id: str, finish_reason: str, status: str, error: Optional[ErrorInfo] = None
                  ) -> GenerationResult:

@@ -27,7 +27,7 @@ class LocalModel:
             import worker  # noqa: F401  (same BLAS as the mlxq worker, before mlx loads)
             from mlx_lm import load
 
-            self.model, _ = load(self.path)
+            self.model = load(self.path)[0]
         return self.model
 
     def unload(self) -> None:
@@ -50,6 +50,7 @@ class SequentialArm(Arm):
         "queue": "arrival to the start of its generation (requests wait their turn in FIFO order)",
         "ttft": "arrival to the first token yielded by mlx_lm.generate.generate_step",
         "e2e": "arrival to its last token",
+        "eos": "generate_step has no EOS check (stream_generate would stop there)",
     }
 
     def __init__(self, local: LocalModel) -> None:
@@ -99,6 +100,7 @@ class EngineBoundArm(Arm):
         "queue": "arrival to the end of the BatchGenerator step that returned its first prefill progress",
         "ttft": "arrival to the end of the BatchGenerator.next() call that returned its first token",
         "e2e": "arrival to the end of the step that returned its last token",
+        "eos": "BatchGenerator built without stop tokens",
     }
 
     def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:

@@ -208,6 +208,7 @@ class MlxqArm(Arm):
         "queue": "the result's timings.queue_s basis: enqueue (producer) to the worker starting the job",
         "ttft": "enqueue to timings.started_at + timings.ttft_s (the worker's clock, same machine)",
         "e2e": "enqueue to the producer receiving the job's mlxq:done publish (after the result key is written)",
+        "eos": "requests carry ignore_eos: true",
     }
 
     def __init__(self, cluster: MlxqCluster, timeout_s: float) -> None:

@@ -70,6 +70,7 @@ class ServerArm(Arm):
         "queue": "not observable from the client",
         "ttft": "request sent to the first SSE data chunk (the server streams a chunk once a token yields text)",
         "e2e": "request sent to the end of the stream",
+        "eos": "logit_bias {eos: -1e9} (its API has no ignore_eos)",
     }
 
     def __init__(self, model: str, max_num_seqs: int, prefill_batch_size: int, eos_ids: list[int],

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from mlxq.bench.arms import Arm, ArmSkipped, Outcome
+from mlxq.bench.arms import Arm, ArmSkipped, OnOutcome, Outcome, Plan
 from mlxq.bench.procs import ProcessSet, log_tail
 from mlxq.bench.workloads import RequestRecord, Workload
 
@@ -35,9 +35,10 @@ def venv_python(venv: Path) -> Path:
 
 def create_venv(venv: Path, log: Path) -> None:
     """Build the venv; raises RuntimeError with pip's last lines when a step fails."""
-    import mlx.core as mx
+    from importlib import metadata
 
-    mlx_req = f"mlx[cpu]=={mx.__version__}" if sys.platform.startswith("linux") else f"mlx=={mx.__version__}"
+    mlx_version = metadata.version("mlx")
+    mlx_req = f"mlx[cpu]=={mlx_version}" if sys.platform.startswith("linux") else f"mlx=={mlx_version}"
     steps = [
         [sys.executable, "-m", "venv", str(venv)],
         [str(venv_python(venv)), "-m", "pip", "install", "--no-deps", f"vllm-mlx=={VLLM_MLX_VERSION}"],
@@ -76,6 +77,7 @@ class VllmMlxArm(Arm):
         "queue": "not observable through BatchedEngine's public API",
         "ttft": "request added to the first streamed output with completion_tokens >= 1",
         "e2e": "request added to the end of its output stream",
+        "eos": "a logits processor adding -1e9 to the EOS logits (its API has no ignore_eos)",
     }
 
     def __init__(self, model: str, venv: Optional[Path], create: bool, max_num_seqs: int, prefill_batch_size: int,
@@ -106,12 +108,17 @@ class VllmMlxArm(Arm):
         return self._info
 
     def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
-        outcome = self.run_all([(workload, warmup)])[0]
+        outcome = self._drive([(workload, warmup)])[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
-    def run_all(self, plan: list[tuple[Workload, Optional[Workload]]]) -> list[Outcome]:
+    def run_all(self, plan: Plan, on_outcome: OnOutcome) -> None:
+        """All workloads in one driver process (one model load, like a server)."""
+        for (workload, _), outcome in zip(plan, self._drive(plan)):
+            on_outcome(workload, outcome)
+
+    def _drive(self, plan: Plan) -> list[Outcome]:
         assert self.venv is not None
         work = self.procs.log_dir / "vllm-mlx"
         work.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from mlxq.bench.workloads import RequestRecord, Workload
 
 Outcome = Union[list[RequestRecord], BaseException]
+Plan = Sequence[tuple[Workload, Optional[Workload]]]  # (workload, its warm-up pass)
+OnOutcome = Callable[[Workload, Outcome], None]
 
 
 class ArmSkipped(Exception):
@@ -31,13 +33,13 @@ class Arm:
     def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
         raise NotImplementedError
 
-    def run_all(self, plan: list[tuple[Workload, Optional[Workload]]]) -> list[Outcome]:
-        outcomes: list[Outcome] = []
+    def run_all(self, plan: Plan, on_outcome: OnOutcome) -> None:
+        """Run each workload after its warm-up; report each outcome as soon as it is known."""
         for workload, warmup in plan:
             try:
-                outcomes.append(self.run(workload, warmup))
+                outcome: Outcome = self.run(workload, warmup)
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # one broken workload must not cost the others
-                outcomes.append(exc)
-        return outcomes
+                outcome = exc
+            on_outcome(workload, outcome)

@@ -46,6 +46,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a model path (or hub id); default: build a random-weight --shape model")
     g.add_argument("--shape", default="smollm-135m", help="tiny | smollm-135m | qwen2.5-0.5b (default smollm-135m)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16, for a built --shape model")
     g.add_argument("--model-cache", type=Path, help="where built models are kept (default ~/.cache/mlxq/bench-models)")
 
     g = p.add_argument_group("what to run")
@@ -98,7 +99,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
-        out=args.out, model=args.model, shape=args.shape, model_cache=args.model_cache,
+        out=args.out, model=args.model, shape=args.shape, dtype=args.dtype, model_cache=args.model_cache,
         arms=tuple(a.upper() for a in args.arms), scenarios=args.scenario, concurrency=args.concurrency,
         rounds=args.rounds, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, max_num_seqs=args.max_num_seqs, prefill_batch_size=args.prefill_batch_size,

@@ -23,6 +23,7 @@ class BenchConfig:
     out: Path
     model: Optional[str] = None  # a model path (or hub id); else `shape` is built
     shape: str = "smollm-135m"
+    dtype: str = "float32"  # of a built --shape model
     model_cache: Optional[Path] = None
     arms: tuple[str, ...] = ("A", "B", "C", "D")
     scenarios: tuple[str, ...] = ("throughput",)

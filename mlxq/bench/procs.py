@@ -116,17 +116,17 @@ def library_loaded(pid: int, library_path: Optional[str]) -> Optional[bool]:
     return target in maps or library_path in maps
 
 
-def resolve_model(model: Optional[str], shape: str, cache: Optional[Path]) -> tuple[str, dict[str, Any]]:
+def resolve_model(model: Optional[str], shape: str, dtype: str, cache: Optional[Path]) -> tuple[str, dict[str, Any]]:
     """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir."""
     if model:
         return model, {"path": model, "source": model}
     root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq" / "bench-models"
-    path = root / shape
+    path = root / (shape if dtype == "float32" else f"{shape}-{dtype}")
     if not (path / "config.json").exists():
-        print(f"building the random-weight {shape} model in {path} (once)", flush=True)
-        subprocess.run([sys.executable, "-m", "mlxq", "make-tiny-model", str(path), "--shape", shape],
-                       check=True, stdout=subprocess.DEVNULL)
-    return str(path), {"path": str(path), "source": f"random weights, {shape} shape (mlxq make-tiny-model)"}
+        print(f"building the random-weight {shape} {dtype} model in {path} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "mlxq", "make-tiny-model", str(path), "--shape", shape,
+                        "--dtype", dtype], check=True, stdout=subprocess.DEVNULL)
+    return str(path), {"path": str(path), "source": f"random weights, {shape} shape, {dtype} (mlxq make-tiny-model)"}
 
 
 def model_facts(path: str) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{m['failed']}/{m['requests']} |")
         lines.append("")
     head = report.get("headline")
-    if head:
+    if head and any(v is not None for v in head["ratios"].values()):
         workers = head["c_arm"][1:] or "?"
         lines += [f"### Ratios at N = {head['concurrency']} (C = {head['c_arm']}: mlxq with {workers} worker(s))", "",
                   "| ratio | value | target |", "| --- | ---: | ---: |"]
@@ -126,6 +126,9 @@ def markdown(report: dict[str, Any]) -> str:
     found = scenario_lines(report.get("scenarios", {}))
     if found:
         lines += ["### Scenarios", "", *found, ""]
+    unchecked = [k for k, v in report.get("blas_checks", {}).items() if v is False or v == [False]]
+    if unchecked:
+        lines += [f"WARNING: the BLAS library was not found mapped in arm(s) {', '.join(unchecked)}.", ""]
     arms = report.get("arms", {})
     skipped = [f"- {k}: {v['status']}: {v.get('reason')}" for k, v in arms.items() if v["status"] != "ok"]
     if skipped:
@@ -206,7 +209,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[1].set_yscale("log")
     head = report.get("headline") or {}
     label = f"closed-{head.get('concurrency')}"
-    bars = [(e["arm"], e["metrics"]["e2e_s"]) for e in closed if e["workload"]["label"] == label and e["metrics"]["e2e_s"]]
+    bars = [(e["arm"], e["metrics"]["e2e_s"]) for e in closed
+            if e["workload"]["label"] == label and e["metrics"]["e2e_s"]]
     bars.sort(key=lambda b: _order(b[0]))
     width = 0.25
     for i, pct in enumerate(("p50", "p95", "p99")):
@@ -235,10 +239,10 @@ def plot_soak(soak: dict[str, Any], path: Path) -> None:
     ts = [s["t"] for s in series]
     ax.plot(ts, [s["rss_mb"] for s in series], color="tab:red", label="worker RSS (MB)")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("RSS (MB)")
+    ax.set_ylabel("worker RSS (MB)", color="tab:red")
     other = ax.twinx()
     other.plot(ts, [s["jobs_per_s"] for s in series], color="tab:blue", alpha=0.6, label="jobs/s")
-    other.set_ylabel("jobs/s")
+    other.set_ylabel("jobs completed per second", color="tab:blue")
     ax.set_title(f"soak: {soak['submitted']} jobs, {soak['lost']} lost")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

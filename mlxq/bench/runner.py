@@ -68,20 +68,20 @@ class Runner:
             (cfg.out / stale).unlink(missing_ok=True)
         interrupt_on_signals()
         self.blas = preload_blas(os.environ.get("MLXQ_BLAS", "auto"))
-        model, model_info = resolve_model(cfg.model, cfg.shape, cfg.model_cache)
+        model, model_info = resolve_model(cfg.model, cfg.shape, cfg.dtype, cfg.model_cache)
         model_info["facts"] = model_facts(model)
         self.model = model
         import mlx.core as mx
         from mlx_lm import load
 
-        _, tokenizer = load(model, lazy=True)  # the tokenizer every arm's server would use
+        tokenizer = load(model, lazy=True)[1]  # the tokenizer every arm's server would use
         self.tokenizer = tokenizer
         self.report = {
             "schema": "mlxq-bench/1",
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(self.argv),
             "machine": machine_facts(),
-            "device": f"mlx {mx.__version__}, {mx.default_device().type.name}",
+            "device": f"mlx {versions().get('mlx')}, {mx.default_device().type.name}",
             "blas": self.blas.name,
             "blas_path": self.blas.path,
             "versions": versions(),
@@ -157,10 +157,8 @@ class Runner:
             try:
                 arm.start()
                 todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
-                outcomes = arm.run_all(todo)
+                arm.run_all(todo, lambda workload, outcome: self._record(arm.key, workload, outcome))
                 entry["info"] = arm.info()
-                for (workload, _), outcome in zip(todo, outcomes):
-                    self._record(arm.key, workload, outcome)
             except ArmSkipped as exc:
                 entry.update(status="skipped", reason=str(exc))
                 print(f"   skipped: {exc}", flush=True)
@@ -174,6 +172,10 @@ class Runner:
                 arm.stop()
                 if not any(a.key in ("A", "B") for a in arms[position + 1:]):
                     self.local.unload()
+        self.report["blas_checks"] = {
+            key: entry.get("info", {}).get("blas_loaded") for key, entry in self.report["arms"].items()
+            if key not in ("A", "B")  # A and B run in this process, whose BLAS is the report's `blas`
+        }
 
     def _wanted(self, arm: Arm, workload: Workload, entry: dict[str, Any]) -> bool:
         cap = self.cfg.a_max_concurrency
@@ -213,7 +215,8 @@ class Runner:
 
         def soak_run() -> dict[str, Any]:
             if cfg.soak_engine == "fake":
-                cluster = scenarios.fake_cluster(cfg, url, procs, cfg.max_num_seqs, 0.0, str(cfg.logs / "soak-steps.json"))
+                steps = str(cfg.logs / "soak-steps.json")
+                cluster = scenarios.fake_cluster(cfg, url, procs, cfg.max_num_seqs, 0.0, steps)
                 return soak.soak(cfg, None, cluster)
             return soak.soak(cfg, self.tokenizer, make_cluster(1, cfg.max_num_seqs))
 

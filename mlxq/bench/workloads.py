@@ -152,7 +152,9 @@ class RequestRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RequestRecord":
         known = {"index", "arrival", "started", "first_token", "finished", "tokens", "error"}
-        return cls(**{k: data.get(k) for k in known if k in data},
+        return cls(int(data["index"]), float(data["arrival"]), started=data.get("started"),
+                   first_token=data.get("first_token"), finished=data.get("finished"),
+                   tokens=int(data.get("tokens") or 0), error=data.get("error"),
                    extra={k: v for k, v in data.items() if k not in known})
 
 
