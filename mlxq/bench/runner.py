@@ -19,17 +19,7 @@ from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_serv
 from mlxq.bench.report import headline, scenario_lines, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
-
-
-@contextlib.contextmanager
-def _redis(url: Optional[str]) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    from mlxq.redis_server import RedisServer
-
-    with RedisServer() as server:
-        yield server.url
+from mlxq.redis_server import existing_or_private
 
 
 def build_workloads(cfg: BenchConfig, tokenizer: Tokenizer) -> list[tuple[Workload, Workload]]:
@@ -99,7 +89,7 @@ class Runner:
         print(f"mlxq bench: model {model}; {self.report['device']}; BLAS {self.blas.name}", flush=True)
         code = 0
         try:
-            with ProcessSet(cfg.logs) as procs, _redis(cfg.url) as url:
+            with ProcessSet(cfg.logs) as procs, existing_or_private(cfg.url) as url:
                 self.report["redis_server"] = redis_server_version(url)
                 if "throughput" in cfg.scenarios:
                     self._throughput(procs, url)
