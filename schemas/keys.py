@@ -1,8 +1,9 @@
 """Every Redis key and queue name mlxq uses, in one place.
 
 The `mlxq:result:`, `mlxq:stream:` and `mlxq:cancel:` keys are the public contract
-(CONTRACT.md); `mlxq:done:` is a pub/sub channel the worker publishes a job id on right
-after its result key is written, so waiters block instead of polling.
+(CONTRACT.md). The project's own: `mlxq:done:<id>`, a pub/sub channel the worker publishes a
+job id on right after its result key is written, so waiters block instead of polling; and
+`mlxq:running:<worker>`, the set of job ids a worker is running.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def cancel_key(job_id: str) -> str:
 
 def done_channel(job_id: str) -> str:
     return f"{PREFIX}done:{job_id}"
+
+
+def running_key(worker_name: str) -> str:
+    """The ids of the jobs a worker is running (its per-step cancellation check reads it)."""
+    return f"{PREFIX}running:{worker_name}"
 
 
 def queue_for_model(model: str | None) -> str:

@@ -26,10 +26,15 @@ def result_ttl(job_result_ttl: Optional[int]) -> Optional[int]:
     return max(ttl, 1)  # result_ttl=0 still leaves the result readable for a moment
 
 
-def publish_results(connection: redis.Redis, publications: list[Publication]) -> None:
+def publish_results(connection: redis.Redis, publications: list[Publication], running_key: Optional[str] = None,
+                    done_ids: Optional[list[str]] = None) -> None:
+    """Result keys (and stream ends, and done nudges) in one round trip; the ended jobs leave the
+    worker's running set in the same one."""
     if not publications:
         return
     with connection.pipeline(transaction=False) as pipe:
+        if running_key and done_ids:
+            pipe.srem(running_key, *done_ids)
         for item in publications:
             if not item.write_key:
                 continue
@@ -59,9 +64,28 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
         pipe.execute()
 
 
-def cancel_requested(connection: redis.Redis, job_ids: list[str]) -> set[str]:
-    """Which of these jobs a producer asked to cancel (one round trip)."""
-    if not job_ids:
-        return set()
-    flags = connection.mget([keys.cancel_key(job_id) for job_id in job_ids])
-    return {job_id for job_id, flag in zip(job_ids, flags) if flag is not None}
+# Which members of the set KEYS[1] (running job ids) have a cancel key (prefix ARGV[1]).
+_CANCELLED_SCRIPT = """
+local found = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. id) == 1 then found[#found + 1] = id end
+end
+return found
+"""
+
+
+class CancelWatch:
+    """Which running jobs a producer asked to cancel, checked every decode step.
+
+    The worker keeps its running job ids in a set (`mlxq:running:<worker>`, added as jobs start,
+    removed as they end); a server-side script looks for their cancel keys. So a step costs
+    one short round trip however many sequences are running."""
+
+    def __init__(self, connection: redis.Redis, worker_name: str) -> None:
+        self.key = keys.running_key(worker_name)
+        self._script = connection.register_script(_CANCELLED_SCRIPT)
+        self._connection = connection
+
+    def requested(self) -> set[str]:
+        found = self._script(keys=[self.key], args=[keys.cancel_key("")])
+        return {job_id.decode() for job_id in found}

@@ -30,12 +30,13 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import now
+from rq.worker import WorkerStatus
 from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
 from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
-from worker.publish import Publication, cancel_requested, publish_results, publish_stream_deltas, result_ttl
+from worker.publish import CancelWatch, Publication, publish_results, publish_stream_deltas, result_ttl
 from worker.recovery import sweep_abandoned
 from worker.redis_health import RedisHealth
 from worker.settings import WorkerSettings
@@ -45,6 +46,17 @@ log = logging.getLogger("mlxq.worker")
 CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+# Move up to ARGV[1] job ids from a queue to its intermediate list; return them.
+TAKE_IDS_SCRIPT = """
+local taken = {}
+for _ = 1, tonumber(ARGV[1]) do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then break end
+  taken[#taken + 1] = id
+end
+return taken
+"""
 
 
 class JobFailed(Exception):
@@ -92,6 +104,8 @@ class BatchWorker(SimpleWorker):
         self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
         self._last_sweep = time.monotonic()
+        self._take_ids = self.connection.register_script(TAKE_IDS_SCRIPT)
+        self._cancel_watch = CancelWatch(self.connection, self.name)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
 
     # --- RQ hooks -------------------------------------------------------------------------
@@ -211,21 +225,31 @@ class BatchWorker(SimpleWorker):
 
     def _top_up(self, room: int) -> int:
         """Take up to `room` waiting jobs without blocking; return how many were taken."""
-        taken = 0
-        while taken < room:
-            dequeued = self.queue_class.dequeue_any(
-                self._ordered_queues,
-                None,
-                connection=self.connection,
-                job_class=self.job_class,
-                serializer=self.serializer,
-                death_penalty_class=self.death_penalty_class,
-            )
-            if dequeued is None:
-                break
-            self._start(*dequeued)
-            taken += 1
-        return taken
+        if room <= 0:
+            return 0
+        dequeued = self._dequeue_many(room)
+        if dequeued:
+            self._start_many(dequeued)
+        return len(dequeued)
+
+    def _dequeue_many(self, room: int) -> list[tuple[Job, Queue]]:
+        if len(self._ordered_queues) != 1:
+            # Several queues: RQ's own dequeue, one job at a time, honouring queue priority.
+            taken: list[tuple[Job, Queue]] = []
+            while len(taken) < room:
+                dequeued = self.queue_class.dequeue_any(
+                    self._ordered_queues, None, connection=self.connection, job_class=self.job_class,
+                    serializer=self.serializer, death_penalty_class=self.death_penalty_class)
+                if dequeued is None:
+                    break
+                taken.append(dequeued)
+            return taken
+        # One queue: move up to `room` ids into its intermediate list (crash-safe, as RQ's own
+        # LMOVE dequeue) in one round trip, then fetch the jobs in another.
+        queue = self._ordered_queues[0]
+        job_ids = [i.decode() for i in self._take_ids(keys=[queue.key, queue.intermediate_queue.key], args=[room])]
+        jobs = self.job_class.fetch_many(job_ids, connection=self.connection, serializer=self.serializer)
+        return [(job, queue) for job in jobs if job is not None]
 
     def _step(self) -> None:
         if not len(self.scheduler_):
@@ -247,35 +271,55 @@ class BatchWorker(SimpleWorker):
 
     # --- job start ------------------------------------------------------------------------
     def _start(self, job: Job, queue: Queue) -> None:
-        self._begin_rq_execution(job, queue)
-        enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
-        try:
-            failed = self._admit(job, enqueued_at)
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:  # one bad job must never take the worker down
-            self.log.exception("Worker %s: could not start job %s", self.name, job.id)
-            failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
-                                                   enqueued_at=enqueued_at)
-        if failed is not None:
-            self._end_many([failed])
+        self._start_many([(job, queue)])
 
-    def _begin_rq_execution(self, job: Job, queue: Queue) -> None:
-        execution = self.prepare_execution(job)
-        try:
-            self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
-        except DeserializationError:
-            pass  # raised by its last line (a log of job.func_name), after the bookkeeping is written
-        self.connection.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-        job.started_at = now()
-        timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
-        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-        self._inflight[job.id] = InFlight(job, queue, execution, deadline)
-        self.execution = None
+    def _start_many(self, jobs: list[tuple[Job, Queue]]) -> None:
+        """Start jobs the RQ way (execution, started registry, status, heartbeats: what
+        `prepare_execution` and `prepare_job_execution` write), all in one round trip, then hand
+        each to the scheduler. A job that cannot run ends at once."""
+        ttl = self.settings.heartbeat_ttl_s
+        from_intermediate = len(self.queues) == 1
+        extra: dict[str, tuple[int, int]] = {}
+        with self.connection.pipeline() as pipe:
+            for job, queue in jobs:
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+                job.prepare_for_execution(self.name, pipeline=pipe)
+                job.heartbeat(now(), ttl, pipeline=pipe)
+                if from_intermediate:
+                    pipe.lrem(queue.intermediate_queue.key, 1, job.id)
+                pipe.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
+                pipe.sadd(self._cancel_watch.key, job.id)
+                pipe.hmget(job.key, list(CALLBACK_FIELDS))
+                pipe.exists(keys.cancel_key(job.id))
+                extra[job.id] = (len(pipe) - 2, len(pipe) - 1)
+                timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
+                deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+                self._inflight[job.id] = InFlight(job, queue, execution, deadline)
+            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            self.set_current_job_id(jobs[-1][0].id, pipeline=pipe)
+            self.set_current_job_working_time(0, pipeline=pipe)
+            self.heartbeat(ttl, pipeline=pipe)
+            pipe.expire(self._cancel_watch.key, ttl)
+            replies = pipe.execute()
+        ended = []
+        for job, _ in jobs:
+            callbacks_at, cancel_at = extra[job.id]
+            callbacks = [name.decode() for name in replies[callbacks_at] if name]
+            enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
+            try:
+                failed = self._admit(job, enqueued_at, callbacks, bool(replies[cancel_at]))
+            except Exception as exc:  # one bad job must never take the worker down
+                self.log.exception("Worker %s: could not start job %s", self.name, job.id)
+                failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
+                                                       enqueued_at=enqueued_at)
+            if failed is not None:
+                ended.append(failed)
+        self._end_many(ended)
 
-    def _admit(self, job: Job, enqueued_at: Optional[float]) -> Optional[GenerationResult]:
+    def _admit(self, job: Job, enqueued_at: Optional[float], callbacks: list[str], cancelled: bool
+               ) -> Optional[GenerationResult]:
         """Hand the job to the scheduler; a result if it ended at once (refused, invalid, cancelled)."""
-        refusal = self._refusal(job)
+        refusal = self._refusal(job, callbacks)
         if refusal is not None:
             error_type, message = refusal
             return self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at,
@@ -283,12 +327,12 @@ class BatchWorker(SimpleWorker):
         inflight = self._inflight[job.id]
         inflight.payload = job.kwargs["request"]
         inflight.solo = bool(job.meta.get(SOLO_META))
-        if self.connection.exists(keys.cancel_key(job.id)):
+        if cancelled:
             return self.scheduler_.failed_result(job.id, inflight.payload, "Cancelled", "", enqueued_at=enqueued_at,
                                                  status="cancelled")
         return self.scheduler_.admit(job.id, inflight.payload, enqueued_at=enqueued_at, solo=inflight.solo)
 
-    def _refusal(self, job: Job) -> Optional[tuple[str, str]]:
+    def _refusal(self, job: Job, callbacks: list[str]) -> Optional[tuple[str, str]]:
         """Why this job may not run here, or None. Nothing is ever unpickled."""
         try:
             func_name, args, kwargs = job.func_name, job.args, job.kwargs
@@ -305,7 +349,6 @@ class BatchWorker(SimpleWorker):
             )
         if args or set(kwargs) != {"request"}:
             return ("InvalidRequest", f"{keys.JOB_FUNCTION} takes exactly one keyword argument, `request`")
-        callbacks = [name.decode() for name in self.connection.hmget(job.key, list(CALLBACK_FIELDS)) if name]
         refused = [c for c in callbacks if not c.startswith(tuple(self.settings.callback_allowlist) or ("\0",))]
         if refused:
             return (
@@ -330,7 +373,9 @@ class BatchWorker(SimpleWorker):
         for _, inflight in ending:
             inflight.ending = True
         publications = [self._publication(result, inflight) for result, inflight in ending]
-        self._bookkeeper.submit(lambda: publish_results(self.connection, publications))
+        done_ids = [result.id for result in results]
+        self._bookkeeper.submit(lambda: publish_results(self.connection, publications,
+                                                        running_key=self._cancel_watch.key, done_ids=done_ids))
         for result, inflight in ending:
             self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
 
@@ -407,6 +452,7 @@ class BatchWorker(SimpleWorker):
         job = inflight.job
         job.meta[SOLO_META] = True
         job.save_meta()
+        self.connection.srem(self._cancel_watch.key, job.id)
         job.ended_at = now()
         with self._as_current(inflight):
             self.handle_job_retry(job=job, queue=inflight.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
@@ -433,8 +479,8 @@ class BatchWorker(SimpleWorker):
             return
         with self._stop_job_lock:
             stop_ids, self._stop_job_ids = self._stop_job_ids, set()
-        running = [job_id for job_id in list(self._inflight) if job_id in self.scheduler_.job_ids]
-        cancelled = cancel_requested(self.connection, running) | (stop_ids & set(running))
+        running = self.scheduler_.job_ids
+        cancelled = (self._cancel_watch.requested() | stop_ids) & set(running)
         ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
         clock = time.monotonic()
         for job_id in running:
@@ -453,6 +499,7 @@ class BatchWorker(SimpleWorker):
         ttl = self.settings.heartbeat_ttl_s
         with self.connection.pipeline() as pipe:
             self.heartbeat(ttl, pipeline=pipe)
+            pipe.expire(self._cancel_watch.key, ttl)
             for inflight in running:
                 inflight.execution.heartbeat(inflight.job.started_job_registry, ttl, pipeline=pipe)
                 inflight.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)

@@ -66,10 +66,11 @@ class ActiveJob:
     solo: bool = False
     first_token_at: Optional[float] = None
     in_engine: bool = False
+    live: int = 0  # choices not yet ended
 
     @property
     def done(self) -> bool:
-        return all(c.done for c in self.choices)
+        return self.live == 0
 
 
 @dataclass
@@ -108,11 +109,12 @@ class BatchScheduler:
         self._waiting: deque[str] = deque()  # admitted, not yet in the engine (memory, solo)
         self._uid_to_job: dict[str, str] = {}
         self._streams: list[StreamDelta] = []
+        self._live_sequences = 0
 
     # --- capacity -------------------------------------------------------------------------
     @property
     def num_sequences(self) -> int:
-        return sum(1 for job in self._jobs.values() for c in job.choices if not c.done)
+        return self._live_sequences
 
     @property
     def free_slots(self) -> int:
@@ -147,6 +149,7 @@ class BatchScheduler:
             )
         job = self._build_job(job_id, request, prompt_ids, max_tokens, enqueued_at, started_at, solo)
         self._jobs[job_id] = job
+        self._live_sequences += job.live
         self._waiting.append(job_id)
         self._admit_waiting()
         return None
@@ -193,7 +196,7 @@ class BatchScheduler:
                 )
             )
         return ActiveJob(job_id, request, prompt_ids, choices, specs, enqueued_at, started_at,
-                         kv_tokens=len(prompt_ids) + max_tokens, solo=solo)
+                         kv_tokens=len(prompt_ids) + max_tokens, solo=solo, live=len(choices))
 
     def _admit_waiting(self) -> None:
         """Move waiting jobs into the engine, in arrival order, while they fit."""
@@ -214,7 +217,7 @@ class BatchScheduler:
             self.engine.add(job.specs)
 
     def _fits(self, running: list[ActiveJob], job: ActiveJob) -> bool:
-        live = sum(1 for j in running for c in j.choices if not c.done)
+        live = sum(j.live for j in running)
         if live + len(job.choices) > self.max_num_seqs:
             return False
         if not self.kv_budget_bytes or not self.engine.kv_bytes_per_token:
@@ -282,15 +285,16 @@ class BatchScheduler:
             try:
                 if event.error is not None:
                     raise RuntimeError(event.error)
-                self._apply(job, job.choices[int(event.uid.rsplit("#", 1)[1])], event)
+                self._apply(job, job.choices[event.index], event)
                 touched[job.job_id] = job
             except Exception as exc:  # this sequence's fault: fail its job only
                 touched.pop(job.job_id, None)
                 ended.append(self._end_now(job.job_id, "error", "failed",
                                            ErrorInfo(type="SequenceError", message=f"{type(exc).__name__}: {exc}")))
         for job in touched.values():
-            self._collect_stream(job)
-            if job.done:
+            if job.request.stream:
+                self._collect_stream(job)
+            if job.live == 0:
                 ended.append(self._finish(job.job_id))
         if ended:
             self._admit_waiting()
@@ -318,8 +322,13 @@ class BatchScheduler:
         elif event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
         if choice.done:
-            self._uid_to_job.pop(choice.uid, None)
-            self._settle_text(choice)
+            self._choice_ended(job, choice)
+
+    def _choice_ended(self, job: ActiveJob, choice: ChoiceState) -> None:
+        self._uid_to_job.pop(choice.uid, None)
+        self._settle_text(choice)
+        job.live -= 1
+        self._live_sequences -= 1
 
     def _settle_text(self, choice: ChoiceState) -> None:
         """A choice just ended: its text is final (EOS and stop tokens are not text)."""
@@ -369,7 +378,7 @@ class BatchScheduler:
         or fail them. Jobs still waiting to enter were not involved and keep waiting."""
         suspects = [job_id for job_id, job in self._jobs.items() if job.in_engine]
         for job_id in suspects:
-            del self._jobs[job_id]
+            self._live_sequences -= self._jobs.pop(job_id).live
         self._uid_to_job.clear()
         self._streams = [d for d in self._streams if d.job_id in self._jobs]
         self.engine.reset()
@@ -383,8 +392,7 @@ class BatchScheduler:
             self.engine.remove([c.uid for c in live])
         for choice in live:
             choice.finish_reason = finish_reason
-            self._settle_text(choice)
-            self._uid_to_job.pop(choice.uid, None)
+            self._choice_ended(job, choice)
         self._collect_stream(job)
         return self._finish(job_id, status=status, error=error)
 

@@ -60,6 +60,7 @@ class TokenEvent:
 
     uid: str
     token: int
+    index: int = 0  # the choice this sequence is, within its request
     logprob: Optional[float] = None
     top_logprobs: Optional[list[tuple[int, float]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length"

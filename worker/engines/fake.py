@@ -102,7 +102,7 @@ class FakeEngine:
                 finish = "length"
             logprob = -math.log(2.0) if spec.logprobs else None
             top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
-            events.append(TokenEvent(uid, token, logprob, top, finish))
+            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish))
             if finish:
                 del self._seqs[uid]
         return events

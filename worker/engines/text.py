@@ -154,10 +154,11 @@ class TextEngine:
                 continue
             spec = live.spec
             if live.guard.error is not None:  # this row's own code failed: end it alone
-                events.append(TokenEvent(uid=spec.uid, token=-1, error=live.guard.error))
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=live.guard.error))
                 self.remove([spec.uid])
                 continue
-            event = TokenEvent(uid=spec.uid, token=int(response.token), finish_reason=response.finish_reason)
+            event = TokenEvent(uid=spec.uid, token=int(response.token), index=spec.choice_index,
+                               finish_reason=response.finish_reason)
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
             if spec.logprobs or spec.top_logprobs:
