@@ -76,7 +76,7 @@ class RedisServer:
             except redis.ConnectionError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}")
+                    raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}") from None
                 time.sleep(0.05)
             finally:
                 client.close()

@@ -12,10 +12,9 @@ import time
 
 import pytest
 import redis
-from rq import Queue, Retry
+from rq import Retry
 from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
 from rq.serializers import JSONSerializer
 
 from mlxq.redis_server import RedisServer

@@ -4,13 +4,12 @@ report is written even when a run is interrupted or an arm fails."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import sys
 import traceback
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
