@@ -18,6 +18,7 @@ from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
 from mlxq.bench.stats import distribution, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
+from schemas import keys
 
 ClusterFactory = Callable[[int, int], MlxqCluster]  # (workers, max_num_seqs) -> a model-backed cluster
 
@@ -114,8 +115,11 @@ def analyze_steps(steps: list[list[float]], burst: int) -> dict[str, Any]:
 def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[Any], round_no: int
                      ) -> tuple[Any, list[Any], float]:
     longs = [BenchRequest(i, prompts[i], cfg.late_long_tokens) for i in range(cfg.late_long)]
-    long_ids = client.submit_many([payload(r) for r in longs], queue=queue, timeout=JOB_TIMEOUT_S)
-    _wait_started(client, long_ids, timeout=cfg.request_timeout_s)
+    # The long jobs stream, so we can wait until every one of them is past its prefill and
+    # decoding: the short job must join a decoding batch, not queue behind prompts.
+    long_ids = client.submit_many([{**payload(r), "stream": True} for r in longs], queue=queue,
+                                  timeout=JOB_TIMEOUT_S)
+    _wait_decoding(client, long_ids, timeout=cfg.request_timeout_s)
     time.sleep(cfg.late_delay_s)
     submitted = time.time()
     short_id = client.submit(payload(BenchRequest(0, prompts[cfg.late_long + round_no], cfg.late_short_tokens)),
@@ -168,13 +172,14 @@ def late_joiner(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFac
     }
 
 
-def _wait_started(client: Any, job_ids: list[str], timeout: float) -> None:
+def _wait_decoding(client: Any, job_ids: list[str], timeout: float) -> None:
+    """Until every job has streamed its first token."""
     deadline = time.monotonic() + timeout
     pending = list(job_ids)
     while pending:
-        pending = [j for j in pending if client.status(j) in ("queued", "deferred", "scheduled")]
+        pending = [j for j in pending if not client.connection.exists(keys.stream_key(j))]
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(pending)} long jobs never started")
+            raise RuntimeError(f"{len(pending)} long jobs never produced a token")
         time.sleep(0.05)
 
 
