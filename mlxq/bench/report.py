@@ -168,7 +168,8 @@ def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
         s = scenarios["soak"]
         lines.append(f"- soak: {s['error']}" if "error" in s else
                      f"- soak ({s['engine']} engine): {s['submitted']} jobs over {_f(s['duration_s'], 0)} s, "
-                     f"{s['lost']} lost, {s['valid_not_finished']} valid not finished, {s['invalid_not_failed']} "
+                     f"{s['lost']} lost, {s.get('still_pending_at_deadline', 0)} still queued or running at the "
+                     f"drain deadline, {s['valid_not_finished']} valid not finished, {s['invalid_not_failed']} "
                      f"invalid not failed; worker RSS {_f(s['rss_mb']['first'] if s['rss_mb'] else None, 0)} -> "
                      f"{_f(s['rss_mb']['last'] if s['rss_mb'] else None, 0)} MB "
                      f"(second half {_f(s['rss_growth_second_half_mb'])} MB)")

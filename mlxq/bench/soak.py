@@ -109,9 +109,10 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
         samples.append(_sample(time.perf_counter() - t0, process, conn, submitted, len(done & kinds.keys())))
         pubsub.close()
         statuses = _read_statuses(conn, list(kinds))
+        pending = _still_pending(conn, [j for j in kinds if j not in statuses])
     finally:
         cluster.stop()
-    return _report(cfg, kinds, statuses, samples, len(jobs))
+    return _report(cfg, kinds, statuses, pending, samples, len(jobs))
 
 
 def _sample(t: float, process: Any, conn: Any, submitted: int, done: int) -> dict[str, float]:
@@ -130,8 +131,19 @@ def _read_statuses(conn: Any, job_ids: list[str]) -> dict[str, str]:
     return statuses
 
 
-def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], samples: list[dict[str, float]],
-            planned: int) -> dict[str, Any]:
+def _still_pending(conn: Any, job_ids: list[str]) -> set[str]:
+    """Jobs without a result that RQ still holds as queued or running: late (the run outpaced the
+    worker), not lost. A job is lost only if it has no result and RQ no longer holds it either."""
+    pending = set()
+    for job_id in job_ids:
+        status = conn.hget(f"rq:job:{job_id}", "status")
+        if status in (b"queued", b"started", b"scheduled", b"deferred"):
+            pending.add(job_id)
+    return pending
+
+
+def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], pending: set[str],
+            samples: list[dict[str, float]], planned: int) -> dict[str, Any]:
     valid = [j for j, k in kinds.items() if k == "valid"]
     invalid = [j for j, k in kinds.items() if k != "valid"]
     rss = [s["rss_bytes"] for s in samples]
@@ -144,9 +156,10 @@ def _report(cfg: BenchConfig, kinds: dict[str, str], statuses: dict[str, str], s
     duration = samples[-1]["t"] if samples else 0.0
     return {
         "engine": cfg.soak_engine, "jobs": planned, "rate": cfg.soak_rate, "invalid_fraction": cfg.soak_invalid,
-        "submitted": len(kinds), "results": len(statuses), "lost": len(kinds) - len(statuses),
-        "valid_not_finished": sum(statuses.get(j) != "finished" for j in valid),
-        "invalid_not_failed": sum(statuses.get(j) != "failed" for j in invalid),
+        "submitted": len(kinds), "results": len(statuses),
+        "still_pending_at_deadline": len(pending), "lost": len(kinds) - len(statuses) - len(pending),
+        "valid_not_finished": sum(j not in pending and statuses.get(j) != "finished" for j in valid),
+        "invalid_not_failed": sum(j not in pending and statuses.get(j) != "failed" for j in invalid),
         "duration_s": duration,
         "jobs_per_s": (samples[-1]["done"] / duration) if duration else None,
         "rss_mb": {"first": rss[0] / 2**20, "max": max(rss) / 2**20, "last": rss[-1] / 2**20} if rss else None,
