@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from producer import Client, GenerationResult, InvalidRequest, MlxqError
-from producer.client import URL_ENV
+from producer.wire import URL_ENV
 
 __all__ = ["register"]
 
