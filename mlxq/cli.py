@@ -9,14 +9,8 @@ import sys
 from typing import Optional, Sequence
 
 from mlxq import info, producer_commands
+from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
-
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
-
-
-def _url(args: argparse.Namespace) -> str:
-    return args.url or os.environ.get("MLXQ_REDIS_URL") or DEFAULT_URL
-
 
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.blas:
@@ -36,7 +30,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
     )
-    connection = redis.Redis.from_url(_url(args))
+    connection = redis.Redis.from_url(resolve_url(args.url))
     worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
     worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 import redis
@@ -24,6 +23,7 @@ from rq.registry import (
 )
 from rq.serializers import JSONSerializer
 
+from producer.wire import resolve_url
 from schemas import keys
 
 REGISTRIES = {
@@ -79,7 +79,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    connection = redis.Redis.from_url(args.url or os.environ.get("MLXQ_REDIS_URL") or "redis://127.0.0.1:6379/0")
+    connection = redis.Redis.from_url(resolve_url(args.url))
     report = collect(connection, args.queues, args.cleanup)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -39,7 +39,6 @@ from producer.wire import (
     public_status,
     redact_url,
     resolve_url,
-    result_expiry,
     rq_status,
 )
 from schemas import GenerationResult, RequestLimits, keys
@@ -308,7 +307,7 @@ class Client:
 
     def _finish_cancelled(self, job: Job) -> None:
         result = cancelled_result(job.id, job_payload(job), job_enqueued_at(job), time.time())
-        expiry = result_expiry(job.result_ttl)
+        expiry = keys.result_key_ttl(job.result_ttl)
         with self.connection.pipeline() as pipe:
             # Result first, as the contract orders it (the MULTI makes it atomic anyway).
             # It also keeps `pipe` non-empty: Job.cancel tests `pipeline or ...`, and an empty

@@ -18,6 +18,7 @@ from rq.job import Job, validate_job_id
 from rq.queue import EnqueueData
 
 from producer.errors import InvalidRequest, JobNotFound, MlxqError
+from schemas.result import request_echo
 from schemas import ErrorInfo, GenerationRequest, GenerationResult, InvalidRequestError, RequestLimits, Timings, keys
 
 URL_ENV = "MLXQ_REDIS_URL"
@@ -194,31 +195,6 @@ def public_status(state: JobState) -> str:
         return state.result.status
     status = state.rq_status or "queued"
     return {"canceled": "cancelled", "created": "queued"}.get(status, status)
-
-
-def result_expiry(result_ttl: int | None) -> int | None:
-    """Seconds to keep a result key: RQ's default when unset, None (no expiry) for -1.
-
-    RQ's result_ttl=0 ("keep nothing", only from jobs enqueued by other tools) becomes 1 s,
-    long enough for a woken waiter to read it.
-    """
-    if result_ttl is None:
-        return keys.DEFAULT_RESULT_TTL
-    return None if result_ttl < 0 else max(result_ttl, 1)
-
-
-def request_echo(payload: Any) -> dict[str, Any]:
-    """The request fields a result repeats (custom_id, model, metadata); best effort."""
-    if not isinstance(payload, Mapping):
-        return {}
-    echo: dict[str, Any] = {}
-    for name in ("custom_id", "model"):
-        if isinstance(payload.get(name), str):
-            echo[name] = payload[name]
-    metadata = payload.get("metadata")
-    if isinstance(metadata, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        echo["metadata"] = dict(metadata)
-    return echo
 
 
 def cancelled_result(job_id: str, payload: Any, enqueued_at: float | None, now: float) -> GenerationResult:

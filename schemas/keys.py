@@ -17,6 +17,15 @@ SERIALIZER = "rq.serializers.JSONSerializer"
 DEFAULT_RESULT_TTL = 500
 
 
+def result_key_ttl(job_result_ttl: int | None) -> int | None:
+    """Seconds a result key lives: the job's result_ttl, RQ's default (500 s) when unset, None (no
+    expiry) for -1. result_ttl=0 ("keep nothing", only from jobs enqueued by other tools) becomes
+    1 s, long enough for a woken waiter to read it."""
+    if job_result_ttl is None:
+        return DEFAULT_RESULT_TTL
+    return None if job_result_ttl < 0 else max(job_result_ttl, 1)
+
+
 def result_key(job_id: str) -> str:
     return f"{PREFIX}result:{job_id}"
 

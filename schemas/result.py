@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -50,6 +51,21 @@ class Timings(_Model):
 class ErrorInfo(_Model):
     type: str
     message: str
+
+
+def request_echo(payload: Any) -> dict[str, Any]:
+    """The request fields a result repeats (custom_id, model, metadata), read from a raw payload
+    that may not be valid; best effort."""
+    if not isinstance(payload, Mapping):
+        return {}
+    echo: dict[str, Any] = {}
+    for name in ("custom_id", "model"):
+        if isinstance(payload.get(name), str):
+            echo[name] = payload[name]
+    metadata = payload.get("metadata")
+    if isinstance(metadata, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        echo["metadata"] = dict(metadata)
+    return echo
 
 
 class GenerationResult(_Model):

@@ -18,14 +18,6 @@ class Publication(NamedTuple):
     ends_stream: bool = False
 
 
-def result_ttl(job_result_ttl: Optional[int]) -> Optional[int]:
-    """Seconds the result key lives: the job's result_ttl (RQ's default 500 s); None = forever."""
-    ttl = keys.DEFAULT_RESULT_TTL if job_result_ttl is None else job_result_ttl
-    if ttl < 0:
-        return None
-    return max(ttl, 1)  # result_ttl=0 still leaves the result readable for a moment
-
-
 def publish_results(connection: redis.Redis, publications: list[Publication], running_key: Optional[str] = None,
                     done_ids: Optional[list[str]] = None) -> None:
     """Result keys (and stream ends, and done nudges) in one round trip; the ended jobs leave the

@@ -16,8 +16,9 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from schemas import ErrorInfo, GenerationResult, Timings
-from worker.publish import Publication, publish_results, result_ttl
+from schemas import ErrorInfo, GenerationResult, Timings, keys
+from schemas.result import request_echo
+from worker.publish import Publication, publish_results
 
 
 def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], skip: frozenset[str] = frozenset()) -> list[str]:
@@ -36,7 +37,7 @@ def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], skip: froz
             except NoSuchJobError:
                 continue
             if not job.should_retry:
-                results.append(Publication(abandoned_result(job), result_ttl(job.result_ttl)))
+                results.append(Publication(abandoned_result(job), keys.result_key_ttl(job.result_ttl)))
         publish_results(connection, results)
         registry.cleanup(now)
         handled += expired
@@ -48,12 +49,12 @@ def abandoned_result(job: Job) -> GenerationResult:
         request = job.kwargs.get("request")
     except Exception:  # not JSON: nothing to echo
         request = None
-    request = request if isinstance(request, dict) else {}
+    echo = request_echo(request)
     started = job.started_at.timestamp() if job.started_at else None
     return GenerationResult(
         id=job.id,
-        custom_id=request.get("custom_id") if isinstance(request.get("custom_id"), str) else None,
-        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        custom_id=echo.get("custom_id"),
+        model=echo.get("model"),
         status="failed",
         worker=job.worker_name,
         timings=Timings(enqueued_at=job.enqueued_at.timestamp() if job.enqueued_at else None, started_at=started,

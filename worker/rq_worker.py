@@ -36,7 +36,7 @@ from rq.worker.base import DequeueStrategy
 from schemas import GenerationResult, keys
 from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
-from worker.publish import CancelWatch, Publication, publish_results, publish_stream_deltas, result_ttl
+from worker.publish import CancelWatch, Publication, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
 from worker.redis_health import RedisHealth
 from worker.settings import WorkerSettings
@@ -349,7 +349,8 @@ class BatchWorker(SimpleWorker):
             )
         if args or set(kwargs) != {"request"}:
             return ("InvalidRequest", f"{keys.JOB_FUNCTION} takes exactly one keyword argument, `request`")
-        refused = [c for c in callbacks if not c.startswith(tuple(self.settings.callback_allowlist) or ("\0",))]
+        allowed = self.settings.callback_allowlist
+        refused = [c for c in callbacks if not any(c.startswith(prefix) for prefix in allowed)]
         if refused:
             return (
                 "CallbackNotAllowed",
@@ -363,7 +364,7 @@ class BatchWorker(SimpleWorker):
         then each RQ job's end. The engine goes on meanwhile."""
         if deltas:
             streaming = [d for d in deltas if d.job_id in self._inflight]
-            ttls = {d.job_id: result_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming}
+            ttls = {d.job_id: keys.result_key_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming}
             self._bookkeeper.submit(lambda: publish_stream_deltas(self.connection, streaming, ttls))
         if not results:
             return
@@ -386,7 +387,7 @@ class BatchWorker(SimpleWorker):
     def _publication(self, result: GenerationResult, inflight: InFlight) -> Publication:
         job = inflight.job
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
-        return Publication(result, result_ttl(job.result_ttl), write_key=not retried,
+        return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=inflight.streams and not retried)
 
     def _finish_rq_job(self, result: GenerationResult, inflight: InFlight) -> None:

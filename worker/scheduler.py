@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, Timings, TopLogprob, Usage
 from schemas.request import InvalidRequestError, RequestLimits
+from schemas.result import request_echo
 from worker.detokenize import IncrementalDetokenizer
 from worker.engines.base import Engine, SamplingParams, SequenceSpec, TokenEvent
 
@@ -437,13 +438,11 @@ class BatchScheduler:
         status: str = "failed",
     ) -> GenerationResult:
         """The result of a job that never ran; echoes what it can of a raw payload."""
-        raw = payload if isinstance(payload, dict) else {}
-        custom_id = raw.get("custom_id") if isinstance(raw.get("custom_id"), str) else None
-        model = raw.get("model") if isinstance(raw.get("model"), str) else self.model_name
+        echo = request_echo(payload)
         return GenerationResult(
             id=job_id,
-            custom_id=custom_id,
-            model=model,
+            custom_id=echo.get("custom_id"),
+            model=echo.get("model", self.model_name),
             status=status,  # type: ignore[arg-type]
             worker=self.worker_name,
             timings=_timings(enqueued_at, started_at, None, time.time()),

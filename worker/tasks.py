@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from rq import get_current_job
 
-from worker.publish import Publication, publish_results, result_ttl
+from schemas import keys
+from worker.publish import Publication, publish_results
 from worker.settings import WorkerSettings
 
 _scheduler: Optional[Any] = None
@@ -45,7 +46,7 @@ def generate(request: Any) -> dict[str, Any]:
         if result is None:  # interrupted (RQ's timeout, a signal): free the engine for the next job
             scheduler.cancel(job_id)
     if job is not None:
-        publish_results(job.connection, [Publication(result, result_ttl(job.result_ttl))])
+        publish_results(job.connection, [Publication(result, keys.result_key_ttl(job.result_ttl))])
     if result.status != "finished":
         error = result.error
         raise GenerationFailed(f"{error.type}: {error.message}" if error else result.status)
