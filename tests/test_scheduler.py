@@ -133,8 +133,9 @@ def test_kv_budget_rejects_what_can_never_fit_and_queues_what_fits_later():
     # 12 tokens each: one fits (12k), two padded rows (2 x 12k) do not: the second waits its turn
     assert scheduler.admit("a", {"prompt_token_ids": [1, 2], "max_tokens": 10}) is None
     assert scheduler.admit("b", {"prompt_token_ids": [3, 4], "max_tokens": 10}) is None
+    assert engine.num_active == 0  # admitted jobs enter the engine together, at the next step
+    results = {result.id: result for result in scheduler.step()}
     assert engine.num_active == 1 and scheduler.free_slots == 6
-    results = {}
     max_active = 0
     while len(scheduler):
         for result in scheduler.step():
@@ -154,6 +155,7 @@ def test_a_solo_job_runs_alone():
     scheduler = make(max_num_seqs=8)
     scheduler.admit("a", {"prompt_token_ids": [1], "max_tokens": 3})
     scheduler.admit("solo", {"prompt_token_ids": [2], "max_tokens": 3}, solo=True)
+    scheduler.step()
     assert scheduler.engine.num_active == 1 and scheduler.free_slots == 0
     seen_together = False
     while len(scheduler):

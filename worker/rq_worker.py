@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
 from worker.publish import CancelWatch, Publication, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
+from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.redis_health import RedisHealth
 from worker.settings import WorkerSettings
 
@@ -46,14 +48,21 @@ log = logging.getLogger("mlxq.worker")
 CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+GIL_SWITCH_INTERVAL_S = 0.0005
 
-# Move up to ARGV[1] job ids from a queue to its intermediate list; return them.
+# KEYS: queue, its intermediate list, queue, its intermediate list, ... in priority order. Move up
+# to ARGV[1] job ids from the queues to their intermediate lists, the first queue first; return
+# {queue index (0-based), id, queue index, id, ...}.
 TAKE_IDS_SCRIPT = """
-local taken = {}
-for _ = 1, tonumber(ARGV[1]) do
-  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not id then break end
-  taken[#taken + 1] = id
+local taken, room = {}, tonumber(ARGV[1])
+for q = 1, #KEYS, 2 do
+  while room > 0 do
+    local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    if not id then break end
+    taken[#taken + 1] = (q - 1) / 2
+    taken[#taken + 1] = id
+    room = room - 1
+  end
 end
 return taken
 """
@@ -100,6 +109,7 @@ class BatchWorker(SimpleWorker):
         self.scheduler_: Any = None  # rq's BaseWorker already uses `self.scheduler`
         self._inflight: dict[str, InFlight] = {}
         self._bookkeeper = Bookkeeper()
+        self._registries = Registries(self)
         self._stop_job_ids: set[str] = set()
         self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
@@ -155,6 +165,9 @@ class BatchWorker(SimpleWorker):
         if with_scheduler:
             self._start_scheduler(burst, logging_level, date_format, log_format)
         self._install_signal_handlers()
+        # The bookkeeping thread's Python work (hundreds of job endings per step) would otherwise
+        # hold the GIL for 5 ms slices while the decode loop waits to hand out the next step.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         taken = 0
         try:
             self.scheduler_ = self._build_scheduler()
@@ -233,23 +246,16 @@ class BatchWorker(SimpleWorker):
         return len(dequeued)
 
     def _dequeue_many(self, room: int) -> list[tuple[Job, Queue]]:
-        if len(self._ordered_queues) != 1:
-            # Several queues: RQ's own dequeue, one job at a time, honouring queue priority.
-            taken: list[tuple[Job, Queue]] = []
-            while len(taken) < room:
-                dequeued = self.queue_class.dequeue_any(
-                    self._ordered_queues, None, connection=self.connection, job_class=self.job_class,
-                    serializer=self.serializer, death_penalty_class=self.death_penalty_class)
-                if dequeued is None:
-                    break
-                taken.append(dequeued)
-            return taken
-        # One queue: move up to `room` ids into its intermediate list (crash-safe, as RQ's own
-        # LMOVE dequeue) in one round trip, then fetch the jobs in another.
-        queue = self._ordered_queues[0]
-        job_ids = [i.decode() for i in self._take_ids(keys=[queue.key, queue.intermediate_queue.key], args=[room])]
-        jobs = self.job_class.fetch_many(job_ids, connection=self.connection, serializer=self.serializer)
-        return [(job, queue) for job in jobs if job is not None]
+        """Move up to `room` ids from the queues (in the worker's queue order) into their
+        intermediate lists, crash-safe as rq's own LMOVE dequeue, in one round trip; then fetch
+        the jobs in another."""
+        queues = self._ordered_queues
+        script_keys = [key for queue in queues for key in (queue.key, queue.intermediate_queue.key)]
+        taken = self._take_ids(keys=script_keys, args=[room])
+        picked = [(queues[int(index)], job_id.decode()) for index, job_id in zip(taken[::2], taken[1::2])]
+        jobs = self.job_class.fetch_many([job_id for _, job_id in picked], connection=self.connection,
+                                         serializer=self.serializer)
+        return [(job, queue) for job, (queue, _) in zip(jobs, picked) if job is not None]
 
     def _step(self) -> None:
         if not len(self.scheduler_):
@@ -278,15 +284,12 @@ class BatchWorker(SimpleWorker):
         `prepare_execution` and `prepare_job_execution` write), all in one round trip, then hand
         each to the scheduler. A job that cannot run ends at once."""
         ttl = self.settings.heartbeat_ttl_s
-        from_intermediate = len(self.queues) == 1
         extra: dict[str, tuple[int, int]] = {}
         with self.connection.pipeline() as pipe:
             for job, queue in jobs:
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-                job.prepare_for_execution(self.name, pipeline=pipe)
-                job.heartbeat(now(), ttl, pipeline=pipe)
-                if from_intermediate:
-                    pipe.lrem(queue.intermediate_queue.key, 1, job.id)
+                execution = create_execution(job, ttl, pipe, self.name, self._registries)
+                job.prepare_for_execution(self.name, pipeline=pipe)  # status, started_at, heartbeat
+                pipe.lrem(queue.intermediate_queue.key, 1, job.id)
                 pipe.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
                 pipe.sadd(self._cancel_watch.key, job.id)
                 pipe.hmget(job.key, list(CALLBACK_FIELDS))
@@ -377,8 +380,12 @@ class BatchWorker(SimpleWorker):
         done_ids = [result.id for result in results]
         self._bookkeeper.submit(lambda: publish_results(self.connection, publications,
                                                         running_key=self._cancel_watch.key, done_ids=done_ids))
+        successes = [(result, inflight) for result, inflight in ending if result.status == "finished"]
+        if successes:
+            self._bookkeeper.submit(lambda: self._finish_rq_successes(successes))
         for result, inflight in ending:
-            self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
+            if result.status != "finished":
+                self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
 
     def _forget(self, inflight: InFlight) -> None:
         if self._inflight.get(inflight.job.id) is inflight:
@@ -390,22 +397,36 @@ class BatchWorker(SimpleWorker):
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=inflight.streams and not retried)
 
+    def _finish_rq_successes(self, ending: list[tuple[GenerationResult, InFlight]]) -> None:
+        """End finished RQ jobs the way `perform_job` would, after their result keys are written,
+        all in one transaction where rq allows it. Runs on the bookkeeping thread: callbacks get a
+        thread-safe timeout."""
+        successes = []
+        for result, inflight in ending:
+            job = inflight.job
+            job.ended_at = now()
+            return_value = result.model_dump(mode="json")
+            try:
+                job.execute_success_callback(TimerDeathPenalty, return_value)
+            except Exception:
+                self.log.exception("Job %s: success callback failed", job.id)
+            successes.append(Success(job, inflight.execution, return_value))
+        left = {id(s.job) for s in end_successes(self, successes, self._registries)}
+        for (_, inflight), success in zip(ending, successes):
+            if id(success.job) in left:  # rq's own path: dependents to enqueue, or repeats
+                success.job._result = success.return_value
+                with self._as_current(inflight):
+                    self.handle_job_success(job=success.job, queue=inflight.queue,
+                                            started_job_registry=inflight.queue.started_job_registry)
+            self._forget(inflight)
+
     def _finish_rq_job(self, result: GenerationResult, inflight: InFlight) -> None:
-        """End the RQ job the way `perform_job` would, after its result key is written.
-        Runs on the bookkeeping thread: callbacks get a thread-safe timeout."""
+        """End a failed or cancelled RQ job the way `perform_job` would, after its result key is
+        written. Runs on the bookkeeping thread: callbacks get a thread-safe timeout."""
         job, queue = inflight.job, inflight.queue
         job.ended_at = now()
         with self._as_current(inflight):
-            if result.status == "finished":
-                job._status = JobStatus.FINISHED
-                return_value = result.model_dump(mode="json")
-                job._result = return_value
-                try:
-                    job.execute_success_callback(TimerDeathPenalty, return_value)
-                except Exception:
-                    self.log.exception("Job %s: success callback failed", job.id)
-                self.handle_job_success(job=job, queue=queue, started_job_registry=queue.started_job_registry)
-            elif result.status == "cancelled":
+            if result.status == "cancelled":
                 self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
                 with contextlib.suppress(Exception):
                     job.execute_stopped_callback(TimerDeathPenalty)
@@ -502,6 +523,6 @@ class BatchWorker(SimpleWorker):
             self.heartbeat(ttl, pipeline=pipe)
             pipe.expire(self._cancel_watch.key, ttl)
             for inflight in running:
-                inflight.execution.heartbeat(inflight.job.started_job_registry, ttl, pipeline=pipe)
+                inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=pipe)
                 inflight.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
             pipe.execute()

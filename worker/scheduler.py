@@ -135,7 +135,8 @@ class BatchScheduler:
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False
     ) -> Optional[GenerationResult]:
         """Take a job. Returns a failed result at once if it can never run here; otherwise it
-        enters the engine now, or as soon as memory allows (`solo`: only into an empty batch)."""
+        enters the engine at the next step, or as soon as memory allows after that (`solo`: only
+        into an empty batch). Jobs admitted between two steps enter together."""
         started_at = time.time()
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
@@ -152,7 +153,6 @@ class BatchScheduler:
         self._jobs[job_id] = job
         self._live_sequences += job.live
         self._waiting.append(job_id)
-        self._admit_waiting()
         return None
 
     def _build_job(
@@ -200,32 +200,41 @@ class BatchScheduler:
                          kv_tokens=len(prompt_ids) + max_tokens, solo=solo, live=len(choices))
 
     def _admit_waiting(self) -> None:
-        """Move waiting jobs into the engine, in arrival order, while they fit."""
+        """Move waiting jobs into the engine, in arrival order, while they fit. They enter in one
+        `engine.add`, so sequences admitted together with the same prompt share its prefill."""
+        running = [j for j in self._jobs.values() if j.in_engine]
+        live = sum(j.live for j in running)
+        longest = max((j.kv_tokens for j in running), default=0)
+        solo_running = any(j.solo for j in running)
+        entering: list[SequenceSpec] = []
         while self._waiting:
             job = self._jobs.get(self._waiting[0])
             if job is None:  # cancelled while waiting
                 self._waiting.popleft()
                 continue
-            running = [j for j in self._jobs.values() if j.in_engine]
-            if (job.solo or any(j.solo for j in running)) and running:
-                return
-            if running and not self._fits(running, job):
-                return
+            if running and (job.solo or solo_running or not self._fits(live, longest, job)):
+                break
             self._waiting.popleft()
             job.in_engine = True
             for spec in job.specs:
                 self._uid_to_job[spec.uid] = job.job_id
-            self.engine.add(job.specs)
+            entering.extend(job.specs)
+            running.append(job)
+            live += job.live
+            longest = max(longest, job.kv_tokens)
+            solo_running = solo_running or job.solo
+        if entering:
+            self.engine.add(entering)
 
-    def _fits(self, running: list[ActiveJob], job: ActiveJob) -> bool:
-        live = sum(j.live for j in running)
+    def _fits(self, live: int, longest: int, job: ActiveJob) -> bool:
+        """Whether `job` fits beside running jobs holding `live` sequences, the longest of which
+        may need `longest` tokens of KV cache."""
         if live + len(job.choices) > self.max_num_seqs:
             return False
         if not self.kv_budget_bytes or not self.engine.kv_bytes_per_token:
             return True
         # The batched KV cache is padded to its longest row: rows x longest is what it may take.
-        longest = max([job.kv_tokens] + [j.kv_tokens for j in running])
-        need = (live + len(job.choices)) * longest * self.engine.kv_bytes_per_token
+        need = (live + len(job.choices)) * max(longest, job.kv_tokens) * self.engine.kv_bytes_per_token
         return need <= self.kv_budget_bytes
 
     def _check_model(self, request: GenerationRequest) -> None:

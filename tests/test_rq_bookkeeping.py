@@ -1,0 +1,95 @@
+"""The worker's batched RQ writes (job start and end, several at once) leave Redis as rq's own
+per-job path does, and keep rq's semantics: dependents, queue priority."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from schemas import keys
+from tests.workers import run_rq_worker
+
+pytestmark = pytest.mark.slow
+
+FAKE = {"MLXQ_ENGINE": "fake", "MLXQ_FAKE_STEP_DELAY_S": "0.005"}
+
+
+def request(i: int, max_tokens: int = 4) -> dict:
+    return {"prompt_token_ids": [1 + i % 200, 2, 3], "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def enqueue(conn: redis.Redis, queue: str, payloads: list[dict], **kwargs) -> list[Job]:
+    q = Queue(queue, connection=conn, serializer=JSONSerializer)
+    return [q.enqueue(keys.JOB_FUNCTION, request=p, **kwargs) for p in payloads]
+
+
+def redis_state(conn: redis.Redis, job: Job) -> dict:
+    """What Redis holds about one ended job, with its id (and execution ids) masked out."""
+    names = sorted(re.sub(r"[0-9a-f]{32}", "<exec>", k.decode().replace(job.id, "<job>"))
+                   for k in conn.scan_iter(match=f"*{job.id}*"))
+    queue = Queue(job.origin, connection=conn, serializer=JSONSerializer)
+    fetched = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+    return {
+        "keys": names,
+        "job_fields": sorted(f.decode() for f in conn.hkeys(job.key)),
+        "status": fetched.get_status(),
+        "ended": fetched.ended_at is not None and fetched.started_at is not None,
+        "finished_registry": job.id in FinishedJobRegistry(queue=queue).get_job_ids(),
+        "started_registry": job.id in StartedJobRegistry(queue=queue).get_job_ids(),
+        "job_ttl_set": 0 < conn.ttl(job.key) <= keys.DEFAULT_RESULT_TTL,
+        "results": conn.xlen(f"rq:results:{job.id}"),
+        "return_value_is_the_result": fetched.return_value() == json.loads(conn.get(keys.result_key(job.id))),
+    }
+
+
+def test_batched_endings_leave_redis_as_rq_does(redis_url):
+    conn = redis.Redis.from_url(redis_url)
+    ours = enqueue(conn, "bk-batch", [request(i) for i in range(40)], result_ttl=keys.DEFAULT_RESULT_TTL)
+    stock = enqueue(conn, "bk-stock", [request(0)], result_ttl=keys.DEFAULT_RESULT_TTL)
+    done = run_rq_worker(redis_url, "worker.BatchWorker", ["bk-batch"], FAKE)
+    assert done.returncode == 0, done.stderr
+    done = run_rq_worker(redis_url, "rq.SimpleWorker", ["bk-stock"], FAKE)
+    assert done.returncode == 0, done.stderr
+
+    reference = redis_state(conn, stock[0])
+    assert reference["status"] == JobStatus.FINISHED and reference["results"] == 1
+    for job in ours:
+        assert redis_state(conn, job) == reference
+    worker_keys = [k for k in conn.scan_iter(match="rq:worker:*") if conn.type(k) == b"hash"]
+    counts = sorted(int(conn.hget(k, "successful_job_count") or 0) for k in worker_keys)
+    assert len(ours) in counts
+
+
+def test_a_job_with_dependents_enqueues_them_when_it_ends(redis_url):
+    conn = redis.Redis.from_url(redis_url)
+    parent, *crowd = enqueue(conn, "bk-deps", [request(i, max_tokens=6) for i in range(8)])
+    child = Queue("bk-deps", connection=conn, serializer=JSONSerializer).enqueue(
+        keys.JOB_FUNCTION, request=request(99), depends_on=parent)
+    assert child.get_status() == JobStatus.DEFERRED
+    done = run_rq_worker(redis_url, "worker.BatchWorker", ["bk-deps"], FAKE)
+    assert done.returncode == 0, done.stderr
+    for job in [parent, *crowd, child]:
+        assert job.get_status(refresh=True) == JobStatus.FINISHED, job.id
+    child.refresh()
+    parent.refresh()
+    assert child.started_at >= parent.ended_at
+
+
+def test_several_queues_are_taken_in_priority_order(redis_url):
+    conn = redis.Redis.from_url(redis_url)
+    low = enqueue(conn, "bk-low", [request(i) for i in range(6)])
+    high = enqueue(conn, "bk-high", [request(i) for i in range(6)])
+    done = run_rq_worker(redis_url, "worker.BatchWorker", ["bk-high", "bk-low"], {**FAKE, "MLXQ_MAX_NUM_SEQS": "2"})
+    assert done.returncode == 0, done.stderr
+    for job in low + high:
+        job.refresh()
+        assert job.get_status() == JobStatus.FINISHED
+        assert conn.lrange(Queue(job.origin, connection=conn).intermediate_queue.key, 0, -1) == []
+    assert max(j.started_at for j in high) <= min(j.started_at for j in low)
