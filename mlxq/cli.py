@@ -26,6 +26,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
+        prefix_cache_mb=args.prefix_cache_mb,
         blas=args.blas,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, help="max_tokens for requests that leave it unset (256)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for (4096)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
+    p.add_argument("--prefix-cache-mb", type=int,
+                   help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")

@@ -2,8 +2,9 @@
 
 The `mlxq:result:`, `mlxq:stream:` and `mlxq:cancel:` keys are the public contract
 (CONTRACT.md). The project's own: `mlxq:done:<id>`, a pub/sub channel the worker publishes a
-job id on right after its result key is written, so waiters block instead of polling; and
-`mlxq:running:<worker>`, the set of job ids a worker is running.
+job id on right after its result key is written, so waiters block instead of polling;
+`mlxq:running:<worker>`, the set of job ids a worker is running; and `mlxq:stats:<worker>`, a hash
+of the worker's engine counters (e.g. the prefix cache's), values as strings.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def done_channel(job_id: str) -> str:
 def running_key(worker_name: str) -> str:
     """The ids of the jobs a worker is running (its per-step cancellation check reads it)."""
     return f"{PREFIX}running:{worker_name}"
+
+
+def stats_key(worker_name: str) -> str:
+    """A hash of a worker's engine counters (its prefix cache's `stats()` fields, as strings)."""
+    return f"{PREFIX}stats:{worker_name}"
 
 
 def queue_for_model(model: str | None) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxq.bench.cli import config_from_args
-from mlxq.bench.scenarios import analyze_steps
+from mlxq.bench.scenarios import analyze_steps, stats_delta
 from mlxq.bench.stats import percentile, summarize
 from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop
 
@@ -102,7 +102,26 @@ def test_cli_lists_parse() -> None:
     config = config_from_args(args)
     config.validate()
     assert config.arms == ("A", "C") and config.concurrency == (1, 4) and config.rates == ()
-    assert config.workers == (2,) and "soak" in config.scenarios
+    assert config.workers == (2,) and "soak" in config.scenarios and "prefix-cache" in config.scenarios
+
+
+def test_prefix_cache_flags_and_the_measured_share_of_worker_counters() -> None:
+    from mlxq.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--scenario", "prefix-cache", "--prefix-requests", "8",
+                                      "--prefix-shared-tokens", "100", "--prefix-suffix-tokens", "5",
+                                      "--prefix-new-tokens", "3", "--prefix-cache-mb", "64"])
+    config = config_from_args(args)
+    config.validate()
+    assert (config.prefix_requests, config.prefix_shared_tokens, config.prefix_suffix_tokens,
+            config.prefix_new_tokens, config.prefix_cache_mb) == (8, 100, 5, 3, 64)
+    # The worker's hash is cumulative (warm-up included) and holds strings.
+    before = {"lookups": "8", "prompt_tokens": "800", "reused_tokens": "700", "hit_rate": "0.875", "enabled": "1"}
+    after = {"lookups": "72", "prompt_tokens": "35616", "reused_tokens": "32956", "hit_rate": "0.925", "enabled": "1"}
+    delta = stats_delta(before, after)
+    assert delta["lookups"] == 64 and delta["prompt_tokens"] == 34816 and delta["reused_tokens"] == 32256
+    assert delta["hit_rate"] == pytest.approx(32256 / 34816) and delta["enabled"] == "1"
+    assert stats_delta({}, {}) == {}
 
 
 @pytest.mark.slow

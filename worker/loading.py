@@ -49,6 +49,7 @@ def build_engine(settings: WorkerSettings) -> Any:
         max_num_seqs=settings.max_num_seqs,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
     )
 
 

@@ -24,6 +24,10 @@ class WorkerSettings:
     step_timeout_s: float = 300.0  # watchdog: a single engine step longer than this exits the process
     sweep_interval_s: float = 15.0  # how often a busy worker re-queues / fails jobs of dead workers
     kv_budget_mb: Optional[int] = None  # KV-cache memory for admission; default: half the machine's RAM
+    # Prompt (prefix) cache across jobs, on top of the KV budget; 0 turns it off. 1 GiB holds ~85k
+    # tokens of a 0.5B model or ~8k of an 8B one: a few long system prompts and recent conversations,
+    # small next to the weights and the KV budget on the machines we target (16 GB and up).
+    prefix_cache_mb: int = 1024
     engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
     fake_step_delay_s: float = 0.0
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
@@ -50,6 +54,8 @@ class WorkerSettings:
                      "prefill_batch_size", "prefill_step_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"MLXQ_PREFIX_CACHE_MB must be >= 0 (0 turns the cache off), got {self.prefix_cache_mb}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
 
@@ -79,6 +85,10 @@ class WorkerSettings:
         if self.kv_budget_mb is not None:
             return self.kv_budget_mb * 1024 * 1024
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache_mb * 1024 * 1024
 
     @property
     def limits(self) -> RequestLimits:

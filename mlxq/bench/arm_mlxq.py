@@ -46,7 +46,8 @@ class MlxqCluster:
 
     def __init__(self, url: str, model: str, workers: int, max_num_seqs: int, prefill_batch_size: int,
                  procs: ProcessSet, *, blas_path: Optional[str] = None,
-                 worker_argv: Optional[Callable[[str, list[str]], list[str]]] = None) -> None:
+                 worker_argv: Optional[Callable[[str, list[str]], list[str]]] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.url = url
         self.model = model
         self.workers = workers
@@ -55,6 +56,7 @@ class MlxqCluster:
         self.procs = procs
         self.blas_path = blas_path
         self.worker_argv = worker_argv
+        self.env = dict(env or {})  # extra environment for the worker processes (MLXQ_* settings)
         tag = f"{os.getpid()}-{time.time_ns() % 10**9}"
         self.queue = f"mlxq-bench-{tag}"
         self.warm_queues = [f"mlxq-bench-warm-{tag}-{i}" for i in range(workers)]
@@ -72,7 +74,7 @@ class MlxqCluster:
                     [sys.executable, "-m", "mlxq", "worker", "--url", self.url, "--model", self.model,
                      "--max-num-seqs", str(self.max_num_seqs), "--name", self.names[i], "--log-level", "WARNING",
                      *queues])
-            env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size)}
+            env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size), **self.env}
             self._procs.append(self.procs.start(self.names[i], argv, env))
         # Readiness: one tiny job through each worker's own queue (it loads the model first).
         probe = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}

@@ -21,7 +21,7 @@ Benchmark mlxq against its alternatives on one machine, with the same model and 
   D  mlx_lm.server driven by concurrent streaming HTTP clients
   E  vllm-mlx BatchedEngine from a separate venv (--vllm-mlx-venv DIR [--create-venv])
 Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
-(--scenario): throughput (the arms), overhead, late-joiner, rl, soak, or all.
+(--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, or all.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
 """
 
@@ -88,6 +88,11 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--rl-n", type=int, default=8)
     g.add_argument("--rl-prompt-tokens", type=int, default=256)
     g.add_argument("--rl-new-tokens", type=int, default=64)
+    g.add_argument("--prefix-requests", type=int, default=64, help="prefix-cache: requests sent at once (64)")
+    g.add_argument("--prefix-shared-tokens", type=int, default=512, help="prefix-cache: shared prefix length (512)")
+    g.add_argument("--prefix-suffix-tokens", type=int, default=32, help="prefix-cache: each request's own tokens (32)")
+    g.add_argument("--prefix-new-tokens", type=int, default=32, help="prefix-cache: new tokens per request (32)")
+    g.add_argument("--prefix-cache-mb", type=int, default=1024, help="prefix-cache: the worker's cache size when on")
     g.add_argument("--soak-jobs", type=int, default=2000)
     g.add_argument("--soak-rate", type=float, default=10.0, help="jobs/s (Poisson)")
     g.add_argument("--soak-max-tokens", type=int, default=16)
@@ -110,7 +115,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
         late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
         late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
-        rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens, soak_jobs=args.soak_jobs,
+        rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens,
+        prefix_requests=args.prefix_requests, prefix_shared_tokens=args.prefix_shared_tokens,
+        prefix_suffix_tokens=args.prefix_suffix_tokens, prefix_new_tokens=args.prefix_new_tokens,
+        prefix_cache_mb=args.prefix_cache_mb, soak_jobs=args.soak_jobs,
         soak_rate=args.soak_rate, soak_max_tokens=args.soak_max_tokens, soak_invalid=args.soak_invalid,
         soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E")
-SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "soak")
+SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak")
 
 ARM_LABELS = {
     "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",
@@ -57,6 +57,11 @@ class BenchConfig:
     rl_n: int = 8
     rl_prompt_tokens: int = 256
     rl_new_tokens: int = 64
+    prefix_requests: int = 64
+    prefix_shared_tokens: int = 512  # the system prompt every request starts with
+    prefix_suffix_tokens: int = 32  # then each request's own tokens
+    prefix_new_tokens: int = 32
+    prefix_cache_mb: int = 1024  # the worker's MLXQ_PREFIX_CACHE_MB in the cache-on run
     soak_jobs: int = 2000
     soak_rate: float = 10.0
     soak_max_tokens: int = 16
@@ -73,6 +78,10 @@ class BenchConfig:
         if bad:
             raise ValueError(f"--scenario: unknown scenario(s) {bad}; choose from {','.join(SCENARIOS)} or all")
         for name in ("rounds", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs", "prefill_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("prefix_requests", "prefix_shared_tokens", "prefix_suffix_tokens", "prefix_new_tokens",
+                     "prefix_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if any(n < 1 for n in self.concurrency) or any(w < 1 for w in self.workers):

@@ -198,9 +198,9 @@ class Runner:
 
         cfg = self.cfg
 
-        def make_cluster(workers: int, max_num_seqs: int) -> MlxqCluster:
+        def make_cluster(workers: int, max_num_seqs: int, env: Optional[dict[str, str]] = None) -> MlxqCluster:
             return MlxqCluster(url, self.model, workers, max_num_seqs, cfg.prefill_batch_size, procs,
-                               blas_path=self.blas.path)
+                               blas_path=self.blas.path, env=env)
 
         def soak_run() -> dict[str, Any]:
             if cfg.soak_engine == "fake":
@@ -213,6 +213,7 @@ class Runner:
             "overhead": lambda: scenarios.overhead(cfg, url, procs),
             "late-joiner": lambda: scenarios.late_joiner(cfg, self.tokenizer, make_cluster),
             "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
+            "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
         }
         for name, run in runs.items():

@@ -3,7 +3,9 @@
 - overhead: a zero-cost FakeEngine worker; jobs/s end to end, and the step interval while 256
   results are published compared with an ordinary step (with a fixed fake step cost);
 - late-joiner: a short job arriving while 31 long ones decode; decode steps until its first token;
-- rl: 64 prompts x n=8 samples as n=8 requests vs the same samples as 512 independent requests.
+- rl: 64 prompts x n=8 samples as n=8 requests vs the same samples as 512 independent requests;
+- prefix-cache: 64 requests at once sharing a 512-token system prompt, with the worker's prefix
+  cache on and then off.
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Protocol
 
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, drive, payload
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
 from mlxq.bench.stats import distribution, summarize
-from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
+from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, Workload, all_at_once, make_prompts
 from schemas import keys
 
-ClusterFactory = Callable[[int, int], MlxqCluster]  # (workers, max_num_seqs) -> a model-backed cluster
+
+class ClusterFactory(Protocol):
+    """A model-backed cluster of `workers` processes; `env`: extra MLXQ_* settings for them."""
+
+    def __call__(self, workers: int, max_num_seqs: int, env: Optional[dict[str, str]] = None) -> MlxqCluster: ...
 
 
 def fake_cluster(cfg: BenchConfig, url: str, procs: ProcessSet, max_num_seqs: int, step_ms: float,
@@ -214,3 +220,76 @@ def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> 
 def _brief(summary: dict[str, Any]) -> dict[str, Any]:
     keep = ("requests", "completed", "failed", "tokens", "wall_s", "tokens_per_s", "requests_per_s", "e2e_s")
     return {k: summary[k] for k in keep}
+
+
+def prefix_cache(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
+    """The same requests, all sent at once, every one starting with one shared system prompt: on a
+    worker with the prefix cache on, then on one with MLXQ_PREFIX_CACHE_MB=0."""
+    n = cfg.prefix_requests
+    shared = make_prompts(tokenizer, 2, cfg.prefix_shared_tokens, seed=cfg.seed, salt="prefix-shared")
+    own = make_prompts(tokenizer, n + 8, cfg.prefix_suffix_tokens, seed=cfg.seed, salt="prefix-own")
+    measured = all_at_once([BenchRequest(i, _joined(shared[0], own[i]), cfg.prefix_new_tokens) for i in range(n)],
+                           "prefix-shared")
+    # The warm-up shares a different system prompt, so the measured run starts with a cold cache.
+    warm = all_at_once([BenchRequest(i, _joined(shared[1], own[n + i]), cfg.warmup_tokens) for i in range(8)], "warm")
+    runs = {}
+    for label, cache_mb in (("cache_on", cfg.prefix_cache_mb), ("cache_off", 0)):
+        runs[label] = _prefix_run(cfg, make_cluster, {"MLXQ_PREFIX_CACHE_MB": str(cache_mb)}, measured, warm)
+    on, off = runs["cache_on"], runs["cache_off"]
+    speedup = on["tokens_per_s"] / off["tokens_per_s"] if on["tokens_per_s"] and off["tokens_per_s"] else None
+    prompt_tokens = sum(len(r.prompt.ids) for r in measured.requests)
+    # Where the worker publishes no counters: the best a prefix cache can do here, every request but
+    # the first taking the shared prompt from it.
+    ideal = (n - 1) * len(shared[0].ids) / prompt_tokens if prompt_tokens else None
+    worker_rate = on["worker_stats"].get("hit_rate") if on["worker_stats"] else None
+    return {
+        "requests": n, "shared_tokens": len(shared[0].ids), "own_tokens": cfg.prefix_suffix_tokens,
+        "new_tokens": cfg.prefix_new_tokens, "max_num_seqs": cfg.max_num_seqs, "cache_mb": cfg.prefix_cache_mb,
+        "sampling": "greedy, ignore_eos", "cache_on": on, "cache_off": off, "speedup": speedup,
+        "hit_rate": worker_rate if worker_rate is not None else ideal,
+        "hit_rate_source": "worker" if worker_rate is not None else "expected: the worker published no stats",
+        "method": "hit rate = reused prompt tokens / prompt tokens looked up during the measured run, from the "
+                  f"worker's {keys.stats_key('<worker>')} hash (before/after difference)",
+    }
+
+
+def _joined(first: Prompt, second: Prompt) -> Prompt:
+    return Prompt(first.text + " " + second.text, first.ids + second.ids)
+
+
+def _prefix_run(cfg: BenchConfig, make_cluster: ClusterFactory, env: dict[str, str], measured: Workload,
+                warm: Workload) -> dict[str, Any]:
+    cluster = make_cluster(1, cfg.max_num_seqs, env)
+    cluster.start()
+    try:
+        cluster.warm(warm)
+        before = _worker_stats(cluster)
+        summary = summarize(measured, drive(cluster, measured, cfg.request_timeout_s))
+        after = _worker_stats(cluster)
+    finally:
+        cluster.stop()
+    ttft = summary["ttft_s"]
+    return {**_brief(summary), "ttft_p50_s": ttft["p50"] if ttft else None, "ttft_s": ttft,
+            "worker_stats": stats_delta(before, after)}
+
+
+def _worker_stats(cluster: MlxqCluster) -> dict[str, str]:
+    assert cluster.conn is not None
+    raw = cluster.conn.hgetall(keys.stats_key(cluster.names[0]))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def stats_delta(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:
+    """The measured run's share of the worker's cumulative counters (the warm-up came first)."""
+    if not after:
+        return {}
+    counters = ("lookups", "hits", "prompt_tokens", "reused_tokens")
+    out: dict[str, Any] = {k: v for k, v in after.items() if k not in counters}
+    for name in counters:
+        if name in after:
+            out[name] = int(float(after[name])) - int(float(before.get(name, 0)))
+    if out.get("prompt_tokens"):
+        out["hit_rate"] = out.get("reused_tokens", 0) / out["prompt_tokens"]
+    elif "hit_rate" in after:
+        out["hit_rate"] = float(after["hit_rate"])
+    return out

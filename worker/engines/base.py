@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from schemas import GenerationRequest
 
@@ -103,3 +103,8 @@ class Engine(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """Optional (callers use `getattr(engine, "prefix_cache_stats", None)`): the prompt cache's
+        counters, flat scalars (worker/prefix_cache.py `PrefixCache.stats`)."""
+        ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from schemas import GenerationRequest
 from worker.engines.base import SequenceSpec, TokenEvent
@@ -116,3 +117,9 @@ class FakeEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """The text engine's prefix-cache fields, for a cache this engine does not have."""
+        return {"enabled": False, "disabled_reason": "fake engine", "entries": 0, "bytes": 0, "max_bytes": 0,
+                "min_match": 0, "lookups": 0, "hits": 0, "prompt_tokens": 0, "reused_tokens": 0,
+                "hit_rate": 0.0, "evictions": 0}

@@ -2,6 +2,10 @@
 
 Uses only mlx-lm's public API: `BatchGenerator.insert/next/remove`, `StopSequences`,
 `models.cache.make_prompt_cache`, and (through worker/sampling.py) `sample_utils`.
+
+Prompts reuse KV caches across requests through worker/prefix_cache.py: a sequence whose prompt
+starts with tokens the cache holds enters the batch with a copy of their cache and prefills only
+the rest; finished sequences leave their cache (prompt and output) behind for later ones.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import SequenceSpec, TokenEvent
+from worker.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
 from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
+
+
+_Start = tuple[Optional[list[Any]], int]  # the KV cache a prompt starts from (None: empty), tokens it holds
 
 
 class RequestRejected(ValueError):
@@ -33,6 +41,8 @@ class TextEngine:
         max_num_seqs: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 2048,
+        prefix_cache_bytes: int = 0,
+        prefix_min_match: int = 16,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -50,6 +60,8 @@ class TextEngine:
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
+        self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
+                                   disabled_reason=unsupported_reason(make_prompt_cache(model)))
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +84,10 @@ class TextEngine:
         self._generator = BatchGenerator(self.model, **self._generator_options)
         self._live.clear()
         self._engine_uid.clear()
+        self._prefix.clear()  # after a failed step nothing it made is trusted
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        return self._prefix.stats()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -94,22 +110,50 @@ class TextEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add(self, specs: list[SequenceSpec]) -> None:
-        """Queue sequences. Sequences with the same prompt (a request's n choices) share one
-        prefill: the prompt is run once and each sequence starts from a copy of its KV cache."""
-        by_prompt: dict[tuple[int, ...], list[SequenceSpec]] = {}
+        """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
+        one prefill: the prompt but its last token is run once and each starts from a copy of its KV
+        cache. With the prefix cache on, every prompt first takes the longest cached prefix, and a
+        prefix that prompts of one `add` share is prefilled once (the scheduler adds a round at once)."""
+        groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
-            by_prompt.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        for prompt, group in by_prompt.items():
-            if len(group) > 1 and len(prompt) > 1:
-                prefix = list(prompt[:-1])
-                cache = self._prefill(prefix)
-                self._insert(group, [[prompt[-1]] for _ in group], [copy.deepcopy(cache) for _ in group],
-                             [list(prefix) for _ in group])
+            groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
+        starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
+        for prompt, group in groups.items():
+            cache, cached = starts[prompt]
+            if cache is None:
+                self._insert(group, [list(prompt) for _ in group])
             else:
-                self._insert(group, [list(spec.prompt_token_ids) for spec in group])
+                self._insert(group, [list(prompt[cached:]) for _ in group],
+                             [copy.deepcopy(cache) for _ in group], [list(prompt[:cached]) for _ in group])
 
-    def _prefill(self, tokens: list[int]) -> list[Any]:
-        cache = make_prompt_cache(self.model)
+    def _starts(self, copies: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], _Start]:
+        """For each prompt (run `copies` times), the cache it starts from and the tokens it holds."""
+        shared = _shared_prefix_lengths(list(copies)) if self._prefix.enabled else {}
+        starts: dict[tuple[int, ...], _Start] = {}
+        # Sorted: prompts sharing a prefix are neighbours, so the first one's prefill is the others' hit.
+        for prompt in sorted(copies):
+            if copies[prompt] > 1:
+                want = len(prompt) - 1
+            else:
+                want = shared.get(prompt, 0)
+                want = want if want >= self._prefix.min_match else 0
+            starts[prompt] = self._start(list(prompt), want)
+        return starts
+
+    def _start(self, prompt: list[int], want: int) -> _Start:
+        """The cache a prompt starts from and how many of its tokens it holds: the longest cached
+        prefix, extended here to `want` tokens (stored for later prompts) when that is longer."""
+        found = self._prefix.lookup(prompt)
+        cache, cached = found if found is not None else (None, 0)
+        if want > cached:
+            cache = self._prefill(prompt[cached:want], cache)
+            cached = want
+            self._prefix.store(prompt[:want], cache)
+        return cache, cached
+
+    def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
+        """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
+        cache = make_prompt_cache(self.model) if cache is None else cache
         with mx.stream(self._generator.stream):
             for start in range(0, len(tokens), self._prefill_step_size):
                 self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
@@ -164,10 +208,20 @@ class TextEngine:
             if spec.logprobs or spec.top_logprobs:
                 wanted.append((event, spec, _distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
+                self._keep_cache(spec, response.all_tokens, response.prompt_cache)
                 self._forget(spec.uid)
         if wanted:
             _attach_logprobs(wanted)
         return events
+
+    def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
+        """Offer a finished sequence's cache (its prompt and output) to the prefix cache, if it
+        holds what we think: the prompt first, one cached position per token."""
+        if not self._prefix.enabled or tokens is None or cache is None:
+            return
+        prompt = spec.prompt_token_ids
+        if len(tokens) > len(prompt) and tokens[: len(prompt)] == prompt:
+            self._prefix.store(list(tokens), cache)
 
     def remove(self, uids: list[str]) -> None:
         engine_uids = [self._engine_uid[u] for u in uids if u in self._engine_uid]
@@ -240,6 +294,18 @@ class _RawLogits:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self.pending.append(logits)
         return logits
+
+
+def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """For each prompt, the longest prefix (but its last token) it shares with another of `prompts`.
+    In sorted order the longest common prefix of a prompt with any other is with a neighbour."""
+    ordered = sorted(prompts)
+    shared = dict.fromkeys(ordered, 0)
+    for a, b in zip(ordered, ordered[1:]):
+        n = common_prefix_length(a, b)
+        shared[a] = max(shared[a], min(n, len(a) - 1))
+        shared[b] = max(shared[b], min(n, len(b) - 1))
+    return shared
 
 
 def _needs_raw_capture(spec: SequenceSpec) -> bool:
