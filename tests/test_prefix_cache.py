@@ -319,3 +319,27 @@ def test_the_setting_reaches_the_engine(tiny_model_dir):
     assert on["enabled"] is True and on["max_bytes"] == 1024 * MIB
     off = build_engine(WorkerSettings.from_env({"MLXQ_PREFIX_CACHE_MB": "0"}, model=tiny_model_dir))
     assert off.prefix_cache_stats()["enabled"] is False
+
+
+@pytest.mark.slow
+def test_the_worker_publishes_its_prefix_cache_counters(redis_url, tiny_model_dir):
+    import redis
+
+    from producer import Client
+    from schemas import keys
+    from tests.workers import start_worker, stop
+
+    system = [(7 * k) % 400 + 5 for k in range(48)]
+    proc = start_worker(redis_url, tiny_model_dir, name="stats-pub")
+    client = Client(redis_url)
+    try:
+        for tail in ([11, 12], [13, 14]):  # one after the other: the second finds the first's cache
+            job_id = client.submit({"prompt_token_ids": system + tail, "max_tokens": 3, "temperature": 0})
+            assert client.wait(job_id, timeout=120).status == "finished"
+        stats = {k.decode(): v.decode() for k, v in redis.Redis.from_url(redis_url).hgetall(
+            keys.stats_key("stats-pub")).items()}
+    finally:
+        stop(proc)
+    assert stats["prefix_cache_enabled"] == "True"
+    assert int(stats["prefix_cache_lookups"]) >= 2 and int(stats["prefix_cache_hits"]) >= 1
+    assert int(stats["prefix_cache_reused_tokens"]) >= len(system)

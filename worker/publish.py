@@ -18,13 +18,24 @@ class Publication(NamedTuple):
     ends_stream: bool = False
 
 
+STATS_TTL_S = 3600  # a worker's stats hash outlives it by this much at most
+
+
+class WorkerStats(NamedTuple):
+    key: str  # keys.stats_key(worker name)
+    counters: dict[str, Any]
+
+
 def publish_results(connection: redis.Redis, publications: list[Publication], running_key: Optional[str] = None,
-                    done_ids: Optional[list[str]] = None) -> None:
+                    done_ids: Optional[list[str]] = None, stats: Optional[WorkerStats] = None) -> None:
     """Result keys (and stream ends, and done nudges) in one round trip; the ended jobs leave the
-    worker's running set in the same one."""
+    worker's running set, and the worker's engine counters are refreshed, in the same one."""
     if not publications:
         return
     with connection.pipeline(transaction=False) as pipe:
+        if stats is not None and stats.counters:
+            pipe.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
+            pipe.expire(stats.key, STATS_TTL_S)
         if running_key and done_ids:
             pipe.srem(running_key, *done_ids)
         for item in publications:

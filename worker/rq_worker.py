@@ -37,7 +37,7 @@ from rq.worker.base import DequeueStrategy
 from schemas import GenerationResult, keys
 from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
-from worker.publish import CancelWatch, Publication, publish_results, publish_stream_deltas
+from worker.publish import CancelWatch, Publication, WorkerStats, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.redis_health import RedisHealth
@@ -378,14 +378,20 @@ class BatchWorker(SimpleWorker):
             inflight.ending = True
         publications = [self._publication(result, inflight) for result, inflight in ending]
         done_ids = [result.id for result in results]
-        self._bookkeeper.submit(lambda: publish_results(self.connection, publications,
-                                                        running_key=self._cancel_watch.key, done_ids=done_ids))
+        stats = WorkerStats(keys.stats_key(self.name), self._engine_stats())
+        self._bookkeeper.submit(lambda: publish_results(self.connection, publications, running_key=self._cancel_watch.key,
+                                                        done_ids=done_ids, stats=stats))
         successes = [(result, inflight) for result, inflight in ending if result.status == "finished"]
         if successes:
             self._bookkeeper.submit(lambda: self._finish_rq_successes(successes))
         for result, inflight in ending:
             if result.status != "finished":
                 self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
+
+    def _engine_stats(self) -> dict[str, Any]:
+        """The engine's counters (its prefix cache's), published with each round of results."""
+        stats = getattr(self.scheduler_.engine, "prefix_cache_stats", None)
+        return {f"prefix_cache_{name}": value for name, value in stats().items()} if stats else {}
 
     def _forget(self, inflight: InFlight) -> None:
         if self._inflight.get(inflight.job.id) is inflight:

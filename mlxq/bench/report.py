@@ -171,12 +171,12 @@ def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
         else:
             on, off = s["cache_on"], s["cache_off"]
             rate = 100 * s["hit_rate"] if s["hit_rate"] is not None else None
+            ideal = 100 * s["hit_rate_ideal"] if s["hit_rate_ideal"] is not None else None
             lines.append(f"- prefix cache ({s['requests']} requests at once, a shared {s['shared_tokens']}-token "
                          f"prefix + {s['own_tokens']} own tokens, {s['new_tokens']} new): cache on "
                          f"{_f(on['tokens_per_s'])} tok/s, TTFT p50 {_f(on['ttft_p50_s'], 3)} s; off "
                          f"{_f(off['tokens_per_s'])} tok/s, TTFT p50 {_f(off['ttft_p50_s'], 3)} s; "
-                         f"{_f(s['speedup'], 2)}x; hit rate {_f(rate)}% "
-                         f"({s['hit_rate_source']})")
+                         f"{_f(s['speedup'], 2)}x; hit rate {_f(rate)}% (the shared prefix is {_f(ideal)}% of the prompt tokens)")
     if "soak" in scenarios:
         s = scenarios["soak"]
         lines.append(f"- soak: {s['error']}" if "error" in s else

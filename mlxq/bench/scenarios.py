@@ -238,16 +238,13 @@ def prefix_cache(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFa
     on, off = runs["cache_on"], runs["cache_off"]
     speedup = on["tokens_per_s"] / off["tokens_per_s"] if on["tokens_per_s"] and off["tokens_per_s"] else None
     prompt_tokens = sum(len(r.prompt.ids) for r in measured.requests)
-    # Where the worker publishes no counters: the best a prefix cache can do here, every request but
-    # the first taking the shared prompt from it.
+    # The shared prefix's share of the prompt tokens, counted once per request but the first.
     ideal = (n - 1) * len(shared[0].ids) / prompt_tokens if prompt_tokens else None
-    worker_rate = on["worker_stats"].get("hit_rate") if on["worker_stats"] else None
     return {
         "requests": n, "shared_tokens": len(shared[0].ids), "own_tokens": cfg.prefix_suffix_tokens,
         "new_tokens": cfg.prefix_new_tokens, "max_num_seqs": cfg.max_num_seqs, "cache_mb": cfg.prefix_cache_mb,
         "sampling": "greedy, ignore_eos", "cache_on": on, "cache_off": off, "speedup": speedup,
-        "hit_rate": worker_rate if worker_rate is not None else ideal,
-        "hit_rate_source": "worker" if worker_rate is not None else "expected: the worker published no stats",
+        "hit_rate": on["worker_stats"].get("hit_rate"), "hit_rate_ideal": ideal,
         "method": "hit rate = reused prompt tokens / prompt tokens looked up during the measured run, from the "
                   f"worker's {keys.stats_key('<worker>')} hash (before/after difference)",
     }
@@ -276,7 +273,8 @@ def _prefix_run(cfg: BenchConfig, make_cluster: ClusterFactory, env: dict[str, s
 def _worker_stats(cluster: MlxqCluster) -> dict[str, str]:
     assert cluster.conn is not None
     raw = cluster.conn.hgetall(keys.stats_key(cluster.names[0]))
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    prefix = "prefix_cache_"
+    return {k.decode()[len(prefix):]: v.decode() for k, v in raw.items() if k.decode().startswith(prefix)}
 
 
 def stats_delta(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:
