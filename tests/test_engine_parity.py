@@ -8,7 +8,7 @@ import pytest
 import worker  # noqa: F401  (OpenBLAS before MLX)
 from mlx_lm import load
 
-from tests.reference import greedy_alone
+from tests.reference import greedy_alone, run_all
 from worker.engines.text import TextEngine
 from worker.scheduler import BatchScheduler
 
@@ -98,3 +98,41 @@ def test_messages_without_a_chat_template_fail_clearly(model_and_tokenizer, tmp_
     failed = scheduler.admit("m", {"messages": [{"role": "user", "content": "hi"}]})
     assert failed is not None and failed.error.message.startswith("messages: this model has no chat template")
     assert scheduler.admit("p", {"prompt": "hi", "max_tokens": 2}) is None
+
+
+def _decode_a_while(scheduler: BatchScheduler, long_ids: list[str], steps: int) -> None:
+    for job_id in long_ids:
+        assert scheduler.admit(job_id, {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 60, "temperature": 0,
+                                        "ignore_eos": True}) is None
+    for _ in range(steps):
+        assert not scheduler.step()
+
+
+@pytest.mark.parametrize("request_body", [
+    {"temperature": 0, "logprobs": True, "top_logprobs": 3},
+    {"temperature": 0.9, "seed": 5, "n": 2, "logprobs": True},
+    {"temperature": 0.8, "seed": 9, "repetition_penalty": 1.3, "logit_bias": {"17": 4.0}, "logprobs": True},
+    {"temperature": 0.8, "seed": 9, "repetition_penalty": 1.3, "logprobs": True, "logprobs_mode": "processed"},
+])
+def test_a_sequence_joining_a_decoding_batch_gets_its_first_token_in_that_step(model_and_tokenizer, request_body):
+    """Its first token is sampled from its own prefill when it joins (not three steps later), and
+    its output is what the same request gives alone."""
+    model, tokenizer = model_and_tokenizer
+    body = {"prompt_token_ids": [(k * 29) % 500 + 3 for k in range(21)], "max_tokens": 9, "ignore_eos": True,
+            "stream": True, **request_body}
+    alone = run_all(BatchScheduler(TextEngine(model, tokenizer)), {"late": body})["late"]
+
+    scheduler = BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=8), max_num_seqs=8)
+    _decode_a_while(scheduler, ["long0", "long1", "long2"], steps=4)
+    assert scheduler.admit("late", body) is None
+    scheduler.step()
+    firsts = [d for d in scheduler.take_stream_deltas() if d.job_id == "late"]
+    assert sorted(len(d.token_ids) for d in firsts) == [1] * body.get("n", 1)  # in the step it joined
+    joined = run_all(scheduler, {})["late"]
+
+    for a, b in zip(alone.choices, joined.choices):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+        if a.top_logprobs:
+            assert [[t.token_id for t in top] for top in b.top_logprobs] == \
+                   [[t.token_id for t in top] for top in a.top_logprobs]

@@ -57,6 +57,7 @@ class TextEngine:
         self._generator = BatchGenerator(model, **self._generator_options)
         self._prefill_step_size = prefill_step_size
         self._live: dict[int, _Live] = {}
+        self._early: list[TokenEvent] = []  # first tokens sampled at admission, returned by the next step
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
@@ -84,6 +85,7 @@ class TextEngine:
         self._generator = BatchGenerator(self.model, **self._generator_options)
         self._live.clear()
         self._engine_uid.clear()
+        self._early.clear()
         self._prefix.clear()  # after a failed step nothing it made is trusted
 
     def prefix_cache_stats(self) -> dict[str, Any]:
@@ -118,13 +120,20 @@ class TextEngine:
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
         starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
+        joining = bool(self._live)  # a batch is decoding: these sequences join it
+        eager_budget = self._prefill_step_size
         for prompt, group in groups.items():
             cache, cached = starts[prompt]
-            if cache is None:
-                self._insert(group, [list(prompt) for _ in group])
+            rows = [self._row(spec) for spec in group]
+            rest = len(prompt) - cached
+            if len(group) > 1 or (joining and rest <= eager_budget):
+                eager_budget -= rest if len(group) == 1 else 0  # a group pays its own prefill anyway
+                self._start_now(list(prompt), rows, cache, cached)
+            elif cache is None:
+                self._insert(rows, [list(prompt) for _ in rows])
             else:
-                self._insert(group, [list(prompt[cached:]) for _ in group],
-                             [copy.deepcopy(cache) for _ in group], [list(prompt[:cached]) for _ in group])
+                self._insert(rows, [list(prompt[cached:]) for _ in rows],
+                             [copy.deepcopy(cache) for _ in rows], [list(prompt[:cached]) for _ in rows])
 
     def _starts(self, copies: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], _Start]:
         """For each prompt (run `copies` times), the cache it starts from and the tokens it holds."""
@@ -154,39 +163,95 @@ class TextEngine:
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
         cache = make_prompt_cache(self.model) if cache is None else cache
+        self._run(tokens, cache)
+        return cache
+
+    def _run(self, tokens: list[int], cache: list[Any]) -> mx.array:
+        """Run `tokens` through the model on top of `cache`, in place; the last position's logits."""
+        logits = None
         with mx.stream(self._generator.stream):
             for start in range(0, len(tokens), self._prefill_step_size):
-                self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
+                logits = self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
-        return cache
+        assert logits is not None
+        return logits[:, -1, :]
+
+    def _row(self, spec: SequenceSpec) -> "_Live":
+        """A sequence's own sampler and logits processors, each guarded so that its failure ends
+        that sequence alone."""
+        capture = _RawLogits() if _needs_raw_capture(spec) else None
+        guard = _RowGuard()
+        sampler = guard.sampler(self._samplers.get(spec.sampling, spec.choice_index))
+        processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
+        return _Live(spec, capture, guard, sampler, processors)
+
+    def _start_now(self, prompt: list[int], rows: list["_Live"], cache: Optional[list[Any]], cached: int) -> None:
+        """Prefill the rest of the prompt here and sample each row's first token now (mlx-lm would
+        prefill in one step, start decoding in the next and return the token in the third): a
+        sequence joining a decoding batch gets its first token in the step it joins. The rows
+        that go on continue in the batch from a copy of the prompt's cache."""
+        cache = make_prompt_cache(self.model) if cache is None else copy.deepcopy(cache)
+        logits = self._run(prompt[cached:], cache)
+        context = mx.array(prompt)
+        sampled = []
+        with mx.stream(self._generator.stream):
+            for row in rows:
+                row_logits = logits
+                for processor in row.processors:  # as mlx-lm calls them: the tokens so far, then the logits
+                    row_logits = processor(context, row_logits)
+                logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                sampled.append((logprobs, row.sampler(logprobs)))
+            mx.eval([token for _, token in sampled])
+        events, wanted, going_on = [], [], []
+        for row, (logprobs, token) in zip(rows, sampled):
+            spec = row.spec
+            raw_logits = row.capture.pending.popleft() if row.capture is not None and row.capture.pending else None
+            if row.guard.error is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=row.guard.error))
+                continue
+            first = int(token.item())
+            finish = "stop" if first in spec.stop_token_ids else "length" if spec.max_tokens <= 1 else None
+            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish)
+            events.append(event)
+            if spec.logprobs or spec.top_logprobs:
+                wanted.append((event, spec, _distribution(spec, logprobs[0], raw_logits)))
+            if finish is None:
+                going_on.append((row, first))
+        if wanted:
+            _attach_logprobs(wanted)
+        self._early.extend(events)
+        if going_on:
+            caches = [copy.deepcopy(cache) for _ in going_on[1:]] + [cache]
+            self._insert([row for row, _ in going_on], [[first] for _, first in going_on], caches,
+                         [list(prompt) for _ in going_on], max_tokens=[row.spec.max_tokens - 1 for row, _ in going_on])
 
     def _insert(
         self,
-        specs: list[SequenceSpec],
+        rows: list["_Live"],
         prompts: list[list[int]],
         caches: Optional[list[list[Any]]] = None,
         all_tokens: Optional[list[list[int]]] = None,
+        max_tokens: Optional[list[int]] = None,
     ) -> None:
-        captures = [_RawLogits() if _needs_raw_capture(spec) else None for spec in specs]
-        guards = [_RowGuard() for _ in specs]
         uids = self._generator.insert(
             prompts,
-            max_tokens=[spec.max_tokens for spec in specs],
+            max_tokens=max_tokens or [row.spec.max_tokens for row in rows],
             caches=caches,
             all_tokens=all_tokens,
-            samplers=[guard.sampler(self._samplers.get(spec.sampling, spec.choice_index))
-                      for spec, guard in zip(specs, guards)],
-            logits_processors=[
-                [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
-                for spec, capture, guard in zip(specs, captures, guards)
-            ],
-            stop_sequences=[StopSequences([[t] for t in sorted(spec.stop_token_ids)]) for spec in specs],
+            samplers=[row.sampler for row in rows],
+            logits_processors=[row.processors for row in rows],
+            stop_sequences=[StopSequences([[t] for t in sorted(row.spec.stop_token_ids)]) for row in rows],
         )
-        for engine_uid, spec, capture, guard in zip(uids, specs, captures, guards):
-            self._live[engine_uid] = _Live(spec, capture, guard)
-            self._engine_uid[spec.uid] = engine_uid
+        for engine_uid, row in zip(uids, rows):
+            self._live[engine_uid] = row
+            self._engine_uid[row.spec.uid] = engine_uid
 
     def step(self) -> list[TokenEvent]:
+        """The first tokens of sequences that just joined, if any (returned at once, so they reach
+        the caller before the next decode step runs); otherwise one decode step of the batch."""
+        if self._early:
+            events, self._early = self._early, []
+            return events
         if not self._live:
             return []
         _, responses = self._generator.next()
@@ -246,6 +311,8 @@ class _Live:
     spec: SequenceSpec
     capture: Optional["_RawLogits"]
     guard: "_RowGuard"
+    sampler: Any
+    processors: list[Any]
 
 
 class _RowGuard:
