@@ -343,3 +343,32 @@ def test_the_worker_publishes_its_prefix_cache_counters(redis_url, tiny_model_di
     assert stats["prefix_cache_enabled"] == "True"
     assert int(stats["prefix_cache_lookups"]) >= 2 and int(stats["prefix_cache_hits"]) >= 1
     assert int(stats["prefix_cache_reused_tokens"]) >= len(system)
+
+
+class CountingModel:
+    """The model, counting the tokens run through it (prefill and decode)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.tokens = 0
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.tokens += inputs.size
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("cache_mb, shared", [(64, True), (0, False)])
+def test_identical_prompts_of_different_requests_share_a_prefill_only_with_the_cache_on(
+        model_and_tokenizer, cache_mb, shared):
+    model, tokenizer = model_and_tokenizer
+    counting = CountingModel(model)
+    text = TextEngine(counting, tokenizer, prefix_cache_bytes=cache_mb * MIB)
+    body = {"prompt_token_ids": PREFIX, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    results = run_all(BatchScheduler(text), {f"r{i}": body for i in range(4)})
+    assert len({tuple(r.choices[0].token_ids) for r in results.values()}) == 1
+    counting.tokens -= 1  # the KV-size probe at construction ran one token
+    prompt_runs = (counting.tokens - 4 * 2) / len(PREFIX)  # less each request's decode tokens (at most 2)
+    assert prompt_runs < 1.5 if shared else prompt_runs >= 4

@@ -194,6 +194,7 @@ class BatchScheduler:
                     top_logprobs=request.top_logprobs,
                     logprobs_mode=request.logprobs_mode,
                     choice_index=index,
+                    request_id=job_id,
                 )
             )
         return ActiveJob(job_id, request, prompt_ids, choices, specs, enqueued_at, started_at,

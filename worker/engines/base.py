@@ -52,6 +52,7 @@ class SequenceSpec:
     top_logprobs: int = 0
     logprobs_mode: str = "raw"  # "raw" | "processed" (see worker/sampling.py)
     choice_index: int = 0
+    request_id: str = ""  # the request (job) it is a choice of
 
 
 @dataclass

@@ -58,6 +58,7 @@ class TextEngine:
         self._prefill_step_size = prefill_step_size
         self._live: dict[int, _Live] = {}
         self._early: list[TokenEvent] = []  # first tokens sampled at admission, returned by the next step
+        self._eager_budget = prefill_step_size  # prompt tokens left to prefill at admission in this add
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
@@ -114,20 +115,31 @@ class TextEngine:
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
         one prefill: the prompt but its last token is run once and each starts from a copy of its KV
-        cache. With the prefix cache on, every prompt first takes the longest cached prefix, and a
-        prefix that prompts of one `add` share is prefilled once (the scheduler adds a round at once)."""
+        cache. With the prefix cache on, every prompt first takes the longest cached prefix, and
+        prompts of one `add` (the scheduler adds a round at once) share their common prefixes'
+        prefills; with it off, nothing is shared across requests."""
+        joining = bool(self._live)  # a batch is decoding: these sequences join it
+        self._eager_budget = self._prefill_step_size
+        if self._prefix.enabled:
+            self._add(specs, joining)
+        else:
+            by_request: dict[str, list[SequenceSpec]] = {}
+            for spec in specs:
+                by_request.setdefault(spec.request_id, []).append(spec)
+            for request_specs in by_request.values():
+                self._add(request_specs, joining)
+
+    def _add(self, specs: list[SequenceSpec], joining: bool) -> None:
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
         starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
-        joining = bool(self._live)  # a batch is decoding: these sequences join it
-        eager_budget = self._prefill_step_size
         for prompt, group in groups.items():
             cache, cached = starts[prompt]
             rows = [self._row(spec) for spec in group]
             rest = len(prompt) - cached
-            if len(group) > 1 or (joining and rest <= eager_budget):
-                eager_budget -= rest if len(group) == 1 else 0  # a group pays its own prefill anyway
+            if len(group) > 1 or (joining and rest <= self._eager_budget):
+                self._eager_budget -= rest if len(group) == 1 else 0  # a group pays its own prefill anyway
                 self._start_now(list(prompt), rows, cache, cached)
             elif cache is None:
                 self._insert(rows, [list(prompt) for _ in rows])
