@@ -190,30 +190,41 @@ def _wait_decoding(client: Any, job_ids: list[str], timeout: float) -> None:
 
 
 def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
+    """RL rollouts: the same samples as n=8 requests, and as independent requests, each on a fresh
+    worker. Independent requests are run twice: with the prefix cache off (nothing is shared across
+    requests: the baseline the n=8 speedup is measured against) and on (identical prompts admitted
+    together share a prefill, as the n choices of one request do)."""
     prompts = make_prompts(tokenizer, cfg.rl_prompts + 4, cfg.rl_prompt_tokens, seed=cfg.seed, salt="rl")
     n = cfg.rl_n
     grouped = all_at_once([BenchRequest(i, prompts[i], cfg.rl_new_tokens, n=n, temperature=1.0, seed=i)
                            for i in range(cfg.rl_prompts)], f"rl-n{n}")
     independent = all_at_once([BenchRequest(i * n + j, prompts[i], cfg.rl_new_tokens, temperature=1.0, seed=i * n + j)
                                for i in range(cfg.rl_prompts) for j in range(n)], "rl-independent")
-    cluster = make_cluster(1, cfg.max_num_seqs)
-    cluster.start()
-    try:
-        cluster.warm(all_at_once([BenchRequest(i, prompts[cfg.rl_prompts + i], cfg.warmup_tokens, n=2,
-                                               temperature=1.0, seed=i) for i in range(4)], "warm"))
-        results: dict[str, dict[str, Any]] = {}
-        for workload in (grouped, independent):
-            results[workload.label] = summarize(workload, drive(cluster, workload, cfg.request_timeout_s))
-    finally:
-        cluster.stop()
-    a, b = results[grouped.label], results[independent.label]
-    ratio: Optional[float] = None
-    if a["tokens_per_s"] and b["tokens_per_s"]:
-        ratio = a["tokens_per_s"] / b["tokens_per_s"]
+    warm = all_at_once([BenchRequest(i, prompts[cfg.rl_prompts + i], cfg.warmup_tokens, n=2, temperature=1.0, seed=i)
+                        for i in range(4)], "warm")
+    runs = {}
+    for label, workload, cache_mb in (("grouped", grouped, None), ("independent", independent, "0"),
+                                      ("independent_prefix_cache", independent, None)):
+        cluster = make_cluster(1, cfg.max_num_seqs, {"MLXQ_PREFIX_CACHE_MB": cache_mb} if cache_mb else None)
+        cluster.start()
+        try:
+            cluster.warm(warm)
+            runs[label] = _brief(summarize(workload, drive(cluster, workload, cfg.request_timeout_s)))
+        finally:
+            cluster.stop()
+
+    def ratio(a: str, b: str) -> Optional[float]:
+        x, y = runs[a]["tokens_per_s"], runs[b]["tokens_per_s"]
+        return x / y if x and y else None
+
     return {
         "prompts": cfg.rl_prompts, "n": n, "prompt_tokens": cfg.rl_prompt_tokens, "new_tokens": cfg.rl_new_tokens,
-        "sampling": "temperature 1.0, seeded per request, ignore_eos",
-        "grouped": _brief(a), "independent": _brief(b), "speedup": ratio, "target_speedup": 2.5,
+        "max_num_seqs": cfg.max_num_seqs, "sampling": "temperature 1.0, seeded per request, ignore_eos",
+        **runs, "speedup": ratio("grouped", "independent"), "target_speedup": 2.5,
+        "independent_prefix_cache_speedup": ratio("independent_prefix_cache", "independent"),
+        "method": "each run on a fresh worker after the same warm-up; independent = the same samples as "
+                  f"{cfg.rl_prompts * n} requests of n=1, with MLXQ_PREFIX_CACHE_MB=0 (no sharing across requests); "
+                  "independent_prefix_cache = the same with the default prefix cache",
     }
 
 
