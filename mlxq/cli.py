@@ -31,6 +31,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
     )
+    logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
     connection = redis.Redis.from_url(resolve_url(args.url))
     worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
     worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)

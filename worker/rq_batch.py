@@ -8,7 +8,6 @@ public pieces, go here into the caller's pipeline, with one registry object per 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -20,9 +19,6 @@ from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.utils import utcformat
 from rq.worker import BaseWorker
-
-log = logging.getLogger("mlxq.worker")
-
 
 class Registries:
     """The started and finished registries of each queue, built once."""
@@ -97,8 +93,8 @@ def end_successes(worker: BaseWorker, successes: list[Success], registries: Regi
                 continue
     for success in successes:
         job = success.job
-        log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
-                 worker.name)
+        worker.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                        worker.name)
     return []
 
 
