@@ -28,6 +28,11 @@ from worker.sampling import SamplerPool, greedy, has_processors, logits_processo
 _Start = tuple[Optional[list[Any]], int]  # the KV cache a prompt starts from (None: empty), tokens it holds
 
 
+# Joiners prefilled one by one at admission, at most, per step: each stalls the running batch for
+# its own prefill, so a wave of arrivals goes to mlx-lm's batched prefill instead.
+EAGER_JOINERS_PER_STEP = 4
+
+
 class RequestRejected(ValueError):
     """The request cannot run on this model; the message names the field."""
 
@@ -58,7 +63,7 @@ class TextEngine:
         self._prefill_step_size = prefill_step_size
         self._live: dict[int, _Live] = {}
         self._early: list[TokenEvent] = []  # first tokens sampled at admission, returned by the next step
-        self._eager_budget = prefill_step_size  # prompt tokens left to prefill at admission in this add
+        self._eager_budget = (0, 0)  # joiners and prompt tokens still to prefill at admission in this add
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
@@ -118,8 +123,9 @@ class TextEngine:
         cache. With the prefix cache on, every prompt first takes the longest cached prefix, and
         prompts of one `add` (the scheduler adds a round at once) share their common prefixes'
         prefills; with it off, nothing is shared across requests."""
-        joining = bool(self._live)  # a batch is decoding: these sequences join it
-        self._eager_budget = self._prefill_step_size
+        # A batch is decoding (not just prefilling a burst that came over two steps): these join it.
+        joining = any(row.emitted for row in self._live.values())
+        self._eager_budget = (EAGER_JOINERS_PER_STEP, self._prefill_step_size)
         if self._prefix.enabled:
             self._add(specs, joining)
         else:
@@ -138,8 +144,10 @@ class TextEngine:
             cache, cached = starts[prompt]
             rows = [self._row(spec) for spec in group]
             rest = len(prompt) - cached
-            if len(group) > 1 or (joining and rest <= self._eager_budget):
-                self._eager_budget -= rest if len(group) == 1 else 0  # a group pays its own prefill anyway
+            joiners, tokens = self._eager_budget
+            if len(group) > 1 or (joining and joiners > 0 and rest <= tokens):
+                if len(group) == 1:  # a group of n pays its own prefill anyway
+                    self._eager_budget = (joiners - 1, tokens - rest)
                 self._start_now(list(prompt), rows, cache, cached)
             elif cache is None:
                 self._insert(rows, [list(prompt) for _ in rows])
@@ -228,6 +236,7 @@ class TextEngine:
             if spec.logprobs or spec.top_logprobs:
                 wanted.append((event, spec, _distribution(spec, logprobs[0], raw_logits)))
             if finish is None:
+                row.emitted = True
                 going_on.append((row, first))
         if wanted:
             _attach_logprobs(wanted)
@@ -274,6 +283,7 @@ class TextEngine:
             if live is None:  # removed while its step was in flight
                 continue
             spec = live.spec
+            live.emitted = True
             if live.guard.error is not None:  # this row's own code failed: end it alone
                 events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=live.guard.error))
                 self.remove([spec.uid])
@@ -325,6 +335,7 @@ class _Live:
     guard: "_RowGuard"
     sampler: Any
     processors: list[Any]
+    emitted: bool = False  # it has produced a token
 
 
 class _RowGuard:
