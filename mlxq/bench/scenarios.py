@@ -238,11 +238,13 @@ def prefix_cache(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFa
     worker with the prefix cache on, then on one with MLXQ_PREFIX_CACHE_MB=0."""
     n = cfg.prefix_requests
     shared = make_prompts(tokenizer, 2, cfg.prefix_shared_tokens, seed=cfg.seed, salt="prefix-shared")
-    own = make_prompts(tokenizer, n + 8, cfg.prefix_suffix_tokens, seed=cfg.seed, salt="prefix-own")
+    own = make_prompts(tokenizer, 2 * n, cfg.prefix_suffix_tokens, seed=cfg.seed, salt="prefix-own")
     measured = all_at_once([BenchRequest(i, _joined(shared[0], own[i]), cfg.prefix_new_tokens) for i in range(n)],
                            "prefix-shared")
-    # The warm-up shares a different system prompt, so the measured run starts with a cold cache.
-    warm = all_at_once([BenchRequest(i, _joined(shared[1], own[n + i]), cfg.warmup_tokens) for i in range(8)], "warm")
+    # The warm-up has the measured run's shape (so a GPU backend has compiled its kernels) but
+    # another system prompt, so the measured run starts with a cold cache.
+    warm = all_at_once([BenchRequest(i, _joined(shared[1], own[n + i]), cfg.prefix_new_tokens) for i in range(n)],
+                       "warm")
     runs = {}
     for label, cache_mb in (("cache_on", cfg.prefix_cache_mb), ("cache_off", 0)):
         runs[label] = _prefix_run(cfg, make_cluster, {"MLXQ_PREFIX_CACHE_MB": str(cache_mb)}, measured, warm)
