@@ -25,22 +25,20 @@ class Registries:
 
     def __init__(self, worker: BaseWorker) -> None:
         self._worker = worker
-        self._started: dict[str, StartedJobRegistry] = {}
-        self._finished: dict[str, FinishedJobRegistry] = {}
+        self._built: dict[tuple[type, str], Any] = {}
 
     def started(self, queue_name: str) -> StartedJobRegistry:
-        if queue_name not in self._started:
-            self._started[queue_name] = StartedJobRegistry(
-                queue_name, connection=self._worker.connection, job_class=self._worker.job_class,
-                serializer=self._worker.serializer)
-        return self._started[queue_name]
+        return self._get(StartedJobRegistry, queue_name)
 
     def finished(self, queue_name: str) -> FinishedJobRegistry:
-        if queue_name not in self._finished:
-            self._finished[queue_name] = FinishedJobRegistry(
-                queue_name, connection=self._worker.connection, job_class=self._worker.job_class,
-                serializer=self._worker.serializer)
-        return self._finished[queue_name]
+        return self._get(FinishedJobRegistry, queue_name)
+
+    def _get(self, registry_class: type, queue_name: str) -> Any:
+        key = (registry_class, queue_name)
+        if key not in self._built:
+            self._built[key] = registry_class(queue_name, connection=self._worker.connection,
+                                              job_class=self._worker.job_class, serializer=self._worker.serializer)
+        return self._built[key]
 
 
 def create_execution(job: Job, ttl: int, pipe: Any, worker_name: str, registries: Registries) -> Execution:

@@ -203,6 +203,8 @@ class BatchScheduler:
     def _admit_waiting(self) -> None:
         """Move waiting jobs into the engine, in arrival order, while they fit. They enter in one
         `engine.add`, so sequences admitted together with the same prompt share its prefill."""
+        if not self._waiting:
+            return
         running = [j for j in self._jobs.values() if j.in_engine]
         live = sum(j.live for j in running)
         longest = max((j.kv_tokens for j in running), default=0)
