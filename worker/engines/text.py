@@ -25,7 +25,9 @@ from worker.prefix_cache import PrefixCache, common_prefix_length, unsupported_r
 from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
 
 
-_Start = tuple[Optional[list[Any]], int]  # the KV cache a prompt starts from (None: empty), tokens it holds
+# The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
+# caller's own copy (else the prefix cache keeps it, and it must be copied before use).
+_Start = tuple[Optional[list[Any]], int, bool]
 
 
 # Joiners prefilled one by one at admission, at most, per step: each stalls the running batch for
@@ -141,19 +143,19 @@ class TextEngine:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
         starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
         for prompt, group in groups.items():
-            cache, cached = starts[prompt]
+            cache, cached, owned = starts[prompt]
             rows = [self._row(spec) for spec in group]
             rest = len(prompt) - cached
             joiners, tokens = self._eager_budget
             if len(group) > 1 or (joining and joiners > 0 and rest <= tokens):
                 if len(group) == 1:  # a group of n pays its own prefill anyway
                     self._eager_budget = (joiners - 1, tokens - rest)
-                self._start_now(list(prompt), rows, cache, cached)
+                self._start_now(list(prompt), rows, cache, cached, owned)
             elif cache is None:
                 self._insert(rows, [list(prompt) for _ in rows])
             else:
-                self._insert(rows, [list(prompt[cached:]) for _ in rows],
-                             [copy.deepcopy(cache) for _ in rows], [list(prompt[:cached]) for _ in rows])
+                self._insert(rows, [list(prompt[cached:]) for _ in rows], _handed_out(cache, len(rows), owned),
+                             [list(prompt[:cached]) for _ in rows])
 
     def _starts(self, copies: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], _Start]:
         """For each prompt (run `copies` times), the cache it starts from and the tokens it holds."""
@@ -172,13 +174,14 @@ class TextEngine:
     def _start(self, prompt: list[int], want: int) -> _Start:
         """The cache a prompt starts from and how many of its tokens it holds: the longest cached
         prefix, extended here to `want` tokens (stored for later prompts) when that is longer."""
-        found = self._prefix.lookup(prompt)
+        found = self._prefix.lookup(prompt)  # a copy: ours
         cache, cached = found if found is not None else (None, 0)
         if want > cached:
             cache = self._prefill(prompt[cached:want], cache)
             cached = want
-            self._prefix.store(prompt[:want], cache)
-        return cache, cached
+            if self._prefix.store(prompt[:want], cache):
+                return cache, cached, False
+        return cache, cached, True
 
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
@@ -205,12 +208,16 @@ class TextEngine:
         processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
         return _Live(spec, capture, guard, sampler, processors)
 
-    def _start_now(self, prompt: list[int], rows: list["_Live"], cache: Optional[list[Any]], cached: int) -> None:
+    def _start_now(self, prompt: list[int], rows: list["_Live"], cache: Optional[list[Any]], cached: int,
+                   owned: bool) -> None:
         """Prefill the rest of the prompt here and sample each row's first token now (mlx-lm would
         prefill in one step, start decoding in the next and return the token in the third): a
         sequence joining a decoding batch gets its first token in the step it joins. The rows
         that go on continue in the batch from a copy of the prompt's cache."""
-        cache = make_prompt_cache(self.model) if cache is None else copy.deepcopy(cache)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        elif not owned:
+            cache = copy.deepcopy(cache)
         logits = self._run(prompt[cached:], cache)
         context = mx.array(prompt)
         sampled = []
@@ -242,7 +249,7 @@ class TextEngine:
             _attach_logprobs(wanted)
         self._early.extend(events)
         if going_on:
-            caches = [copy.deepcopy(cache) for _ in going_on[1:]] + [cache]
+            caches = _handed_out(cache, len(going_on), owned=True)
             self._insert([row for row, _ in going_on], [[first] for _, first in going_on], caches,
                          [list(prompt) for _ in going_on], max_tokens=[row.spec.max_tokens - 1 for row, _ in going_on])
 
@@ -384,6 +391,12 @@ class _RawLogits:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self.pending.append(logits)
         return logits
+
+
+def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
+    """`count` caches for sequences to start from: `cache` itself first if it is ours to give
+    (copies cost a device copy per layer), copies for the others."""
+    return [cache if owned and i == 0 else copy.deepcopy(cache) for i in range(count)]
 
 
 def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
