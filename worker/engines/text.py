@@ -1,11 +1,16 @@
 """Text engine: mlx-lm's BatchGenerator (continuous batching) behind the Engine protocol.
 
-Uses only mlx-lm's public API: `BatchGenerator.insert/next/remove`, `StopSequences`,
-`models.cache.make_prompt_cache`, and (through worker/sampling.py) `sample_utils`.
+Uses only mlx-lm's public API: `BatchGenerator.insert/next/remove` (insert with `caches` and
+`all_tokens` to start a sequence from a KV cache), `StopSequences`, `models.cache`, and (through
+worker/sampling.py) `sample_utils`.
 
 Prompts reuse KV caches across requests through worker/prefix_cache.py: a sequence whose prompt
 starts with tokens the cache holds enters the batch with a copy of their cache and prefills only
 the rest; finished sequences leave their cache (prompt and output) behind for later ones.
+
+A sequence that joins a batch already decoding, and the n choices of one request, are prefilled
+here at admission and their first tokens sampled from that prefill (see `_start_now`); the rest of
+a burst goes through mlx-lm's batched prefill.
 """
 
 from __future__ import annotations
