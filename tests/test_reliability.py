@@ -29,6 +29,23 @@ def long_request(first: int, max_tokens: int = 400) -> dict:
     return {"prompt_token_ids": [first, 7, 9], "max_tokens": max_tokens, "temperature": 0}
 
 
+def started_on_a_new_worker(url: str, name: str, first: int, count: int, max_tokens: int
+                            ) -> tuple[list[str], subprocess.Popen[str]]:
+    """`count` long jobs, submitted, then running on a new fake worker; the producer has hung up."""
+    client = Client(url)
+    ids = [client.submit(long_request(first + i, max_tokens)) for i in range(count)]
+    worker = start_fake_worker(url, name=name, step_delay_s=0.03)
+    wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
+    client.close()
+    return ids, worker
+
+
+def assert_all_finished_in_full(results: dict, ids: list[str], first: int, max_tokens: int) -> None:
+    for i, job_id in enumerate(ids):
+        assert results[job_id].status == "finished"
+        assert results[job_id].choices[0].token_ids == [fake_token([first + i, 7, 9], k) for k in range(max_tokens)]
+
+
 def test_sigkill_mid_batch_retried_jobs_finish_elsewhere_others_fail_abandoned(redis_url):
     client = Client(redis_url)
     retried = [client.submit(long_request(10 + i, 150), retry=Retry(max=1)) for i in range(3)]
@@ -97,11 +114,7 @@ def test_second_sigterm_requeues_or_fails_in_flight_jobs_at_once(redis_url):
 def test_redis_restart_mid_batch_loses_nothing():
     server = RedisServer(durable=True).start()
     try:
-        client = Client(server.url)
-        ids = [client.submit(long_request(60 + i, 120)) for i in range(4)]
-        worker = start_fake_worker(server.url, name="survivor", step_delay_s=0.03)
-        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
-        client.close()
+        ids, worker = started_on_a_new_worker(server.url, "survivor", first=60, count=4, max_tokens=120)
         server.kill()
         time.sleep(3)
         assert worker.poll() is None, "the worker must survive losing Redis"
@@ -109,10 +122,8 @@ def test_redis_restart_mid_batch_loses_nothing():
         client = Client(server.url)
         results = client.wait_many(ids, timeout=120)
         assert worker.poll() is None
-        for i, job_id in enumerate(ids):
-            assert results[job_id].status == "finished"
-            assert results[job_id].choices[0].token_ids == [fake_token([60 + i, 7, 9], k) for k in range(120)]
-            assert rq_ends_as(server.url, job_id, JobStatus.FINISHED)
+        assert_all_finished_in_full(results, ids, first=60, max_tokens=120)
+        assert all(rq_ends_as(server.url, job_id, JobStatus.FINISHED) for job_id in ids)
         assert client.wait(client.submit(long_request(70, 3)), timeout=60).status == "finished"
         out = stop(worker)
         assert worker.returncode == 0, out
@@ -262,20 +273,14 @@ def test_a_silent_network_stalls_nothing_for_long_and_loses_nothing():
     """SIGSTOP on redis-server: connections hang instead of failing, as on a cut network."""
     server = RedisServer().start()
     try:
-        client = Client(server.url)
-        ids = [client.submit(long_request(140 + i, 300)) for i in range(3)]
-        worker = start_fake_worker(server.url, name="blackholed", step_delay_s=0.03)
-        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
-        client.close()
+        ids, worker = started_on_a_new_worker(server.url, "blackholed", first=140, count=3, max_tokens=300)
         os.kill(server._proc.pid, signal.SIGSTOP)
         time.sleep(16)  # longer than the worker's socket timeout (sweep interval 2 s + 10 s)
         assert worker.poll() is None
         os.kill(server._proc.pid, signal.SIGCONT)
         client = Client(server.url)
         results = client.wait_many(ids, timeout=120)
-        for i, job_id in enumerate(ids):
-            assert results[job_id].status == "finished"
-            assert results[job_id].choices[0].token_ids == [fake_token([140 + i, 7, 9], k) for k in range(300)]
+        assert_all_finished_in_full(results, ids, first=140, max_tokens=300)
         out = stop(worker)
         assert "lost Redis" in out and "Redis is back" in out
     finally:

@@ -139,55 +139,61 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    if "overhead" in scenarios:
-        o = scenarios["overhead"]
-        if "error" in o:
-            lines.append(f"- overhead: {o['error']}")
-        else:
-            t, p = o["throughput"], o["publish"]
-            plain = p["plain_step_ms"]["p50"] if p["plain_step_ms"] else None
-            lines.append(f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
-                         f"jobs (target >= 3,000); step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
-                         f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms while they "
-                         f"were admitted (fake step cost {p['fake_step_ms']:g} ms)")
-    if "late-joiner" in scenarios:
-        s = scenarios["late-joiner"]
-        lines.append(f"- late-joiner: {s['error']}" if "error" in s else
-                     f"- late joiner (1 short job while {s['long_jobs']} long ones decode): first token after "
-                     f"{_f(s['short']['first_token_after_submit_s'], 3)} s = {_f(s['steps_to_first_token'], 2)} "
-                     f"decode steps of {_f(s['decode_step_s'], 3)} s (target <= 2)")
-    if "rl" in scenarios:
-        r = scenarios["rl"]
-        lines.append(f"- rl: {r['error']}" if "error" in r else
-                     f"- RL rollouts ({r['prompts']} prompts x n={r['n']}, {r['prompt_tokens']}-token prompts, "
-                     f"{r['new_tokens']} new): n={r['n']} requests {_f(r['grouped']['tokens_per_s'])} tok/s vs "
-                     f"{r['prompts'] * r['n']} independent {_f(r['independent']['tokens_per_s'])} tok/s = "
-                     f"{_f(r['speedup'], 2)}x (target >= 2.5x); independent with the prefix cache "
-                     f"{_f(r['independent_prefix_cache']['tokens_per_s'])} tok/s")
-    if "prefix-cache" in scenarios:
-        s = scenarios["prefix-cache"]
-        if "error" in s:
-            lines.append(f"- prefix-cache: {s['error']}")
-        else:
-            on, off = s["cache_on"], s["cache_off"]
-            rate = 100 * s["hit_rate"] if s["hit_rate"] is not None else None
-            ideal = 100 * s["hit_rate_ideal"] if s["hit_rate_ideal"] is not None else None
-            lines.append(f"- prefix cache ({s['requests']} requests at once, a shared {s['shared_tokens']}-token "
-                         f"prefix + {s['own_tokens']} own tokens, {s['new_tokens']} new): cache on "
-                         f"{_f(on['tokens_per_s'])} tok/s, TTFT p50 {_f(on['ttft_p50_s'], 3)} s; off "
-                         f"{_f(off['tokens_per_s'])} tok/s, TTFT p50 {_f(off['ttft_p50_s'], 3)} s; "
-                         f"{_f(s['speedup'], 2)}x; hit rate {_f(rate)}% (the shared prefix is {_f(ideal)}% of the prompt tokens)")
-    if "soak" in scenarios:
-        s = scenarios["soak"]
-        lines.append(f"- soak: {s['error']}" if "error" in s else
-                     f"- soak ({s['engine']} engine): {s['submitted']} jobs over {_f(s['duration_s'], 0)} s, "
-                     f"{s['lost']} lost, {s.get('still_pending_at_deadline', 0)} still queued or running at the "
-                     f"drain deadline, {s['valid_not_finished']} valid not finished, {s['invalid_not_failed']} "
-                     f"invalid not failed; worker RSS {_f(s['rss_mb']['first'] if s['rss_mb'] else None, 0)} -> "
-                     f"{_f(s['rss_mb']['last'] if s['rss_mb'] else None, 0)} MB "
-                     f"(second half {_f(s['rss_growth_second_half_mb'])} MB)")
-    return lines
+    """One line per scenario run, in a fixed order; a scenario that failed says why."""
+    return [f"- {name}: {s['error']}" if "error" in s else line(s)
+            for name, line in _SCENARIO_LINES.items() if (s := scenarios.get(name)) is not None]
+
+
+def _overhead_line(o: dict[str, Any]) -> str:
+    t, p = o["throughput"], o["publish"]
+    plain = p["plain_step_ms"]["p50"] if p["plain_step_ms"] else None
+    return (f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
+            f"jobs (target >= 3,000); step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
+            f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms while they "
+            f"were admitted (fake step cost {p['fake_step_ms']:g} ms)")
+
+
+def _late_joiner_line(s: dict[str, Any]) -> str:
+    return (f"- late joiner (1 short job while {s['long_jobs']} long ones decode): first token after "
+            f"{_f(s['short']['first_token_after_submit_s'], 3)} s = {_f(s['steps_to_first_token'], 2)} "
+            f"decode steps of {_f(s['decode_step_s'], 3)} s (target <= 2)")
+
+
+def _rl_line(r: dict[str, Any]) -> str:
+    return (f"- RL rollouts ({r['prompts']} prompts x n={r['n']}, {r['prompt_tokens']}-token prompts, "
+            f"{r['new_tokens']} new): n={r['n']} requests {_f(r['grouped']['tokens_per_s'])} tok/s vs "
+            f"{r['prompts'] * r['n']} independent {_f(r['independent']['tokens_per_s'])} tok/s = "
+            f"{_f(r['speedup'], 2)}x (target >= 2.5x); independent with the prefix cache "
+            f"{_f(r['independent_prefix_cache']['tokens_per_s'])} tok/s")
+
+
+def _prefix_cache_line(s: dict[str, Any]) -> str:
+    on, off = s["cache_on"], s["cache_off"]
+    rate = 100 * s["hit_rate"] if s["hit_rate"] is not None else None
+    ideal = 100 * s["hit_rate_ideal"] if s["hit_rate_ideal"] is not None else None
+    return (f"- prefix cache ({s['requests']} requests at once, a shared {s['shared_tokens']}-token "
+            f"prefix + {s['own_tokens']} own tokens, {s['new_tokens']} new): cache on "
+            f"{_f(on['tokens_per_s'])} tok/s, TTFT p50 {_f(on['ttft_p50_s'], 3)} s; off "
+            f"{_f(off['tokens_per_s'])} tok/s, TTFT p50 {_f(off['ttft_p50_s'], 3)} s; "
+            f"{_f(s['speedup'], 2)}x; hit rate {_f(rate)}% (the shared prefix is {_f(ideal)}% of the prompt tokens)")
+
+
+def _soak_line(s: dict[str, Any]) -> str:
+    rss = s["rss_mb"]
+    return (f"- soak ({s['engine']} engine): {s['submitted']} jobs over {_f(s['duration_s'], 0)} s, "
+            f"{s['lost']} lost, {s.get('still_pending_at_deadline', 0)} still queued or running at the "
+            f"drain deadline, {s['valid_not_finished']} valid not finished, {s['invalid_not_failed']} "
+            f"invalid not failed; worker RSS {_f(rss['first'] if rss else None, 0)} -> "
+            f"{_f(rss['last'] if rss else None, 0)} MB (second half {_f(s['rss_growth_second_half_mb'])} MB)")
+
+
+_SCENARIO_LINES = {
+    "overhead": _overhead_line,
+    "late-joiner": _late_joiner_line,
+    "rl": _rl_line,
+    "prefix-cache": _prefix_cache_line,
+    "soak": _soak_line,
+}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
