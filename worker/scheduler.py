@@ -40,12 +40,11 @@ class ChoiceState:
     # Stream bookkeeping: tokens and characters already handed out as deltas.
     streamed_tokens: int = 0
     streamed_chars: int = 0
+    final_text: Optional[str] = None  # set when it ends, for choices decoded once (no detokenizer)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-    final_text: Optional[str] = None
 
     @property
     def text(self) -> str:

@@ -68,7 +68,7 @@ class TextEngine:
         )
         self._generator = BatchGenerator(model, **self._generator_options)
         self._prefill_step_size = prefill_step_size
-        self._live: dict[int, _Live] = {}
+        self._live: dict[int, _Row] = {}
         self._early: list[TokenEvent] = []  # first tokens sampled at admission, returned by the next step
         self._eager_budget = (0, 0)  # joiners and prompt tokens still to prefill at admission in this add
         self._engine_uid: dict[str, int] = {}
@@ -204,16 +204,16 @@ class TextEngine:
         assert logits is not None
         return logits[:, -1, :]
 
-    def _row(self, spec: SequenceSpec) -> "_Live":
+    def _row(self, spec: SequenceSpec) -> "_Row":
         """A sequence's own sampler and logits processors, each guarded so that its failure ends
         that sequence alone."""
         capture = _RawLogits() if _needs_raw_capture(spec) else None
         guard = _RowGuard()
         sampler = guard.sampler(self._samplers.get(spec.sampling, spec.choice_index))
         processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
-        return _Live(spec, capture, guard, sampler, processors)
+        return _Row(spec, capture, guard, sampler, processors)
 
-    def _start_now(self, prompt: list[int], rows: list["_Live"], cache: Optional[list[Any]], cached: int,
+    def _start_now(self, prompt: list[int], rows: list["_Row"], cache: Optional[list[Any]], cached: int,
                    owned: bool) -> None:
         """Prefill the rest of the prompt here and sample each row's first token now (mlx-lm would
         prefill in one step, start decoding in the next and return the token in the third): a
@@ -260,7 +260,7 @@ class TextEngine:
 
     def _insert(
         self,
-        rows: list["_Live"],
+        rows: list["_Row"],
         prompts: list[list[int]],
         caches: Optional[list[list[Any]]] = None,
         all_tokens: Optional[list[list[int]]] = None,
@@ -341,7 +341,9 @@ class TextEngine:
             self._live.pop(engine_uid, None)
 
 @dataclass
-class _Live:
+class _Row:
+    """One sequence's own state in the batch: its spec, sampler, processors and their guard."""
+
     spec: SequenceSpec
     capture: Optional["_RawLogits"]
     guard: "_RowGuard"
