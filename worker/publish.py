@@ -1,5 +1,5 @@
 """Write results where callers look for them: the result key, the end of the token stream,
-then a pub/sub nudge on `mlxq:done:<id>`. Every call is one pipelined round trip."""
+then a pub/sub nudge on `mlxq:done:<id>`. Every call is one round trip (a CommandBatch)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 import redis
 
 from schemas import GenerationResult, keys
+from worker.command_batch import CommandBatch
 
 
 class Publication(NamedTuple):
@@ -32,39 +33,39 @@ def publish_results(connection: redis.Redis, publications: list[Publication], ru
     worker's running set, and the worker's engine counters are refreshed, in the same one."""
     if not publications:
         return
-    with connection.pipeline(transaction=False) as pipe:
-        if stats is not None and stats.counters:
-            pipe.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
-            pipe.expire(stats.key, STATS_TTL_S)
-        if running_key and done_ids:
-            pipe.srem(running_key, *done_ids)
-        for item in publications:
-            if not item.write_key:
-                continue
-            job_id = item.result.id
-            pipe.set(keys.result_key(job_id), item.result.model_dump_json(), ex=item.ttl)
-            if item.ends_stream:
-                end = {"event": "end", "status": item.result.status,
-                       "finish_reasons": [c.finish_reason for c in item.result.choices]}
-                pipe.xadd(keys.stream_key(job_id), {"data": json.dumps(end)})
-                if item.ttl:
-                    pipe.expire(keys.stream_key(job_id), item.ttl)
-            pipe.publish(keys.done_channel(job_id), job_id)
-        pipe.execute()
+    batch = CommandBatch(connection)
+    if stats is not None and stats.counters:
+        batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
+        batch.expire(stats.key, STATS_TTL_S)
+    if running_key and done_ids:
+        batch.srem(running_key, *done_ids)
+    for item in publications:
+        if not item.write_key:
+            continue
+        job_id = item.result.id
+        batch.set(keys.result_key(job_id), item.result.model_dump_json(), ex=item.ttl)
+        if item.ends_stream:
+            end = {"event": "end", "status": item.result.status,
+                   "finish_reasons": [c.finish_reason for c in item.result.choices]}
+            batch.xadd(keys.stream_key(job_id), {"data": json.dumps(end)})
+            if item.ttl:
+                batch.expire(keys.stream_key(job_id), item.ttl)
+        batch.publish(keys.done_channel(job_id), job_id)
+    batch.execute()
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:
     """One XADD per choice that produced something this step, all in one round trip."""
     if not deltas:
         return
-    with connection.pipeline(transaction=False) as pipe:
-        for delta in deltas:
-            event = {"event": "token", "index": delta.index, "token_ids": delta.token_ids, "text": delta.text}
-            pipe.xadd(keys.stream_key(delta.job_id), {"data": json.dumps(event)})
-        for job_id in {d.job_id for d in deltas}:
-            if ttls.get(job_id):
-                pipe.expire(keys.stream_key(job_id), ttls[job_id])
-        pipe.execute()
+    batch = CommandBatch(connection)
+    for delta in deltas:
+        event = {"event": "token", "index": delta.index, "token_ids": delta.token_ids, "text": delta.text}
+        batch.xadd(keys.stream_key(delta.job_id), {"data": json.dumps(event)})
+    for job_id in {d.job_id for d in deltas}:
+        if ttls.get(job_id):
+            batch.expire(keys.stream_key(job_id), ttls[job_id])
+    batch.execute()
 
 
 # Which members of the set KEYS[1] (running job ids) have a cancel key (prefix ARGV[1]).

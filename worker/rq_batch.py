@@ -3,7 +3,8 @@
 A batching worker starts and ends jobs by the hundred per step, and rq's helpers (one WATCH,
 SMEMBERS and MULTI/EXEC per finished job, and new registry objects on every property access,
 each resolving its serializer) capped a worker near 500 jobs/s. The same writes, built from rq's
-public pieces, go here into the caller's pipeline, with one registry object per queue.
+public pieces, go here into the caller's batch (a CommandBatch), with one registry object per
+queue.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
-from redis.exceptions import WatchError
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.utils import utcformat
 from rq.worker import BaseWorker
+
+from worker.command_batch import CommandBatch
+
 
 class Registries:
     """The started and finished registries of each queue, built once."""
@@ -65,30 +68,19 @@ class Success:
 
 
 def end_successes(worker: BaseWorker, successes: list[Success], registries: Registries) -> list[Success]:
-    """What `handle_job_success` writes, for every success in one transaction: one round trip
-    WATCHes the jobs' dependents keys and checks that none has dependents, one MULTI/EXEC writes.
-    A job with dependents (or repeats) needs rq's own path, which enqueues the dependents under
-    its own WATCH: then all are handed back, for `handle_job_success` one at a time."""
+    """What `handle_job_success` writes, for every success in one atomic call, unless one of the
+    jobs has dependents (or repeats): those need rq's own path, which enqueues the dependents
+    under its own WATCH, so then all are handed back for `handle_job_success` one at a time."""
     if not successes:
         return []
     if any(s.job.repeats_left for s in successes):
         return successes
-    dependents_keys = [s.job.dependents_key for s in successes]
-    with worker.connection.pipeline() as pipe:
-        while True:
-            try:
-                pipe.watch(*dependents_keys)  # a dependent enqueued meanwhile aborts the EXEC: retry
-                if pipe.exists(*dependents_keys):
-                    pipe.unwatch()
-                    return successes
-                pipe.multi()
-                for success in successes:
-                    _write_success(worker, success, pipe, registries)
-                worker.set_current_job_id(None, pipeline=pipe)
-                pipe.execute()
-                break
-            except WatchError:
-                continue
+    batch = CommandBatch(worker.connection)
+    for success in successes:
+        _write_success(worker, success, batch, registries)
+    worker.set_current_job_id(None, pipeline=batch)
+    if batch.execute(unless_exists=[s.job.dependents_key for s in successes]) is None:
+        return successes
     for success in successes:
         job = success.job
         worker.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,

@@ -36,6 +36,7 @@ from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
 from worker.bookkeeping import Bookkeeper
+from worker.command_batch import CommandBatch
 from worker.liveness import Liveness
 from worker.publish import CancelWatch, Publication, WorkerStats, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
@@ -52,8 +53,8 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 # KEYS: queue, its intermediate list, queue, its intermediate list, ... in priority order. Move up
 # to ARGV[1] job ids from the queues to their intermediate lists, the first queue first; return
-# {queue index (0-based), id, queue index, id, ...}.
-TAKE_IDS_SCRIPT = """
+# {queue index (0-based), id, the job hash as HGETALL gives it, queue index, id, hash, ...}.
+TAKE_JOBS_SCRIPT = """
 local taken, room = {}, tonumber(ARGV[1])
 for q = 1, #KEYS, 2 do
   while room > 0 do
@@ -61,6 +62,7 @@ for q = 1, #KEYS, 2 do
     if not id then break end
     taken[#taken + 1] = (q - 1) / 2
     taken[#taken + 1] = id
+    taken[#taken + 1] = redis.call('HGETALL', ARGV[2] .. id)
     room = room - 1
   end
 end
@@ -114,7 +116,7 @@ class BatchWorker(SimpleWorker):
         self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
         self._last_sweep = time.monotonic()
-        self._take_ids = self.connection.register_script(TAKE_IDS_SCRIPT)
+        self._take_jobs = self.connection.register_script(TAKE_JOBS_SCRIPT)
         self._cancel_watch = CancelWatch(self.connection, self.name)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
 
@@ -247,15 +249,19 @@ class BatchWorker(SimpleWorker):
 
     def _dequeue_many(self, room: int) -> list[tuple[Job, Queue]]:
         """Move up to `room` ids from the queues (in the worker's queue order) into their
-        intermediate lists, crash-safe as rq's own LMOVE dequeue, in one round trip; then fetch
-        the jobs in another."""
+        intermediate lists, crash-safe as rq's own LMOVE dequeue, and read their jobs, in one
+        round trip."""
         queues = self._ordered_queues
         script_keys = [key for queue in queues for key in (queue.key, queue.intermediate_queue.key)]
-        taken = self._take_ids(keys=script_keys, args=[room])
-        picked = [(queues[int(index)], job_id.decode()) for index, job_id in zip(taken[::2], taken[1::2])]
-        jobs = self.job_class.fetch_many([job_id for _, job_id in picked], connection=self.connection,
-                                         serializer=self.serializer)
-        return [(job, queue) for job, (queue, _) in zip(jobs, picked) if job is not None]
+        taken = self._take_jobs(keys=script_keys, args=[room, self.job_class.key_for("")])
+        dequeued = []
+        for index, job_id, fields in zip(taken[::3], taken[1::3], taken[2::3]):
+            if not fields:  # deleted while it waited; rq's intermediate-queue cleanup drops the id
+                continue
+            job = self.job_class(job_id.decode(), connection=self.connection, serializer=self.serializer)
+            job.restore(dict(zip(fields[::2], fields[1::2])))
+            dequeued.append((job, queues[int(index)]))
+        return dequeued
 
     def _step(self) -> None:
         if not len(self.scheduler_):
@@ -285,25 +291,26 @@ class BatchWorker(SimpleWorker):
         each to the scheduler. A job that cannot run ends at once."""
         ttl = self.settings.heartbeat_ttl_s
         extra: dict[str, tuple[int, int]] = {}
-        with self.connection.pipeline() as pipe:
-            for job, queue in jobs:
-                execution = create_execution(job, ttl, pipe, self.name, self._registries)
-                job.prepare_for_execution(self.name, pipeline=pipe)  # status, started_at, heartbeat
-                pipe.lrem(queue.intermediate_queue.key, 1, job.id)
-                pipe.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-                pipe.sadd(self._cancel_watch.key, job.id)
-                pipe.hmget(job.key, list(CALLBACK_FIELDS))
-                pipe.exists(keys.cancel_key(job.id))
-                extra[job.id] = (len(pipe) - 2, len(pipe) - 1)
-                timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
-                deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-                self._inflight[job.id] = InFlight(job, queue, execution, deadline)
-            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            self.set_current_job_id(jobs[-1][0].id, pipeline=pipe)
-            self.set_current_job_working_time(0, pipeline=pipe)
-            self.heartbeat(ttl, pipeline=pipe)
-            pipe.expire(self._cancel_watch.key, ttl)
-            replies = pipe.execute()
+        batch = CommandBatch(self.connection)
+        for job, queue in jobs:
+            execution = create_execution(job, ttl, batch, self.name, self._registries)
+            job.prepare_for_execution(self.name, pipeline=batch)  # status, started_at, heartbeat
+            batch.lrem(queue.intermediate_queue.key, 1, job.id)
+            batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
+            batch.hmget(job.key, list(CALLBACK_FIELDS))
+            batch.exists(keys.cancel_key(job.id))
+            extra[job.id] = (len(batch) - 2, len(batch) - 1)
+            timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
+            deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+            self._inflight[job.id] = InFlight(job, queue, execution, deadline)
+        batch.sadd(self._cancel_watch.key, *(job.id for job, _ in jobs))
+        self.set_state(WorkerStatus.BUSY, pipeline=batch)
+        self.set_current_job_id(jobs[-1][0].id, pipeline=batch)
+        self.set_current_job_working_time(0, pipeline=batch)
+        self.heartbeat(ttl, pipeline=batch)
+        batch.expire(self._cancel_watch.key, ttl)
+        replies = batch.execute()
+        assert replies is not None
         ended = []
         for job, _ in jobs:
             callbacks_at, cancel_at = extra[job.id]

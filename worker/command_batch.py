@@ -1,0 +1,73 @@
+"""Many Redis commands in one atomic server-side call, cheaply.
+
+A batching worker writes ~30 commands per job (rq's registries, executions, results; the result
+key) for hundreds of jobs per step. Through a redis-py pipeline each command costs ~9 us of
+Python (argument checks, packing, one parsed reply each), which capped one worker near 1,500
+jobs/s. A `CommandBatch` is handed to rq's helpers where they take a `pipeline=`: redis-py's own
+command methods build each command, the batch only records it, and `execute` sends them all as
+the arguments of one Lua script, which runs them in order and returns every reply. ~3x less
+Python per command, and atomic like MULTI/EXEC.
+
+Like MULTI/EXEC, a command that fails does not stop the ones after it; `execute` then raises the
+first error. Keys are not declared to the script, which Redis and Valkey allow; a server that
+insists on declared keys (Redis Cluster, Dragonfly's default) cannot run mlxq workers, as rq's
+own multi-key transactions could not either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import redis
+from redis.commands.core import CoreCommands
+
+# KEYS: guard keys: if any exists, run nothing and return nil. ARGV: the commands, each as its
+# argument count followed by its arguments.
+_RUN_SCRIPT = """
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then return nil end
+end
+local replies, i, n = {}, 1, 0
+while i <= #ARGV do
+  local argc = tonumber(ARGV[i])
+  n = n + 1
+  replies[n] = redis.pcall(unpack(ARGV, i + 1, i + argc))
+  i = i + argc + 1
+end
+return replies
+"""
+
+
+class CommandBatch(CoreCommands):
+    """Record commands through redis-py's command methods (`batch.hset(...)`, or rq helpers given
+    `pipeline=batch`), then `execute()` them in one round trip."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self._connection = connection
+        self._argv: list[Any] = []
+        self._count = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> "CommandBatch":
+        self._argv.append(len(args))
+        self._argv.extend(args)
+        self._count += 1
+        return self
+
+    def __len__(self) -> int:
+        return self._count
+
+    def execute(self, unless_exists: Sequence[str] = ()) -> Optional[list[Any]]:
+        """Run the recorded commands, atomically and in order; return their replies, or None
+        (nothing ran) if any key in `unless_exists` exists. Raises the first command error."""
+        if not self._count and not unless_exists:
+            return []
+        script = self._connection.register_script(_RUN_SCRIPT)
+        replies = script(keys=list(unless_exists), args=self._argv)
+        self._argv, self._count = [], 0
+        if replies is None:
+            return None
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
