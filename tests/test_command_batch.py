@@ -86,3 +86,13 @@ def test_empty_batch_makes_no_call(redis_conn: redis.Redis) -> None:
     assert CommandBatch(redis_conn).execute() == []
     # INFO itself is the only command processed in between.
     assert redis_conn.info("stats")["total_commands_processed"] == before + 1
+
+
+def test_runs_after_the_server_forgot_its_scripts(redis_conn: redis.Redis) -> None:
+    batch = CommandBatch(redis_conn)
+    batch.set("k", "1")
+    batch.execute()
+    redis_conn.script_flush()  # as after a restart
+    batch.set("k", "2")
+    assert batch.execute() == [b"OK"]
+    assert redis_conn.get("k") == b"2"

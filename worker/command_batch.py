@@ -5,8 +5,8 @@ key) for hundreds of jobs per step. Through a redis-py pipeline each command cos
 Python (argument checks, packing, one parsed reply each), which capped one worker near 1,500
 jobs/s. A `CommandBatch` is handed to rq's helpers where they take a `pipeline=`: redis-py's own
 command methods build each command, the batch only records it, and `execute` sends them all as
-the arguments of one Lua script, which runs them in order and returns every reply. ~3x less
-Python per command, and atomic like MULTI/EXEC.
+the arguments of one Lua script (packed by hiredis in one call), which runs them in order and
+returns every reply: ~3x less Python per command than a pipeline, and atomic like MULTI/EXEC.
 
 Like MULTI/EXEC, a command that fails does not stop the ones after it; `execute` then raises the
 first error. Keys are not declared to the script, which Redis and Valkey allow; a server that
@@ -16,9 +16,11 @@ own multi-key transactions could not either.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import hiredis
 import redis
 from redis.commands.core import CoreCommands
 
@@ -37,6 +39,7 @@ while i <= #ARGV do
 end
 return replies
 """
+_RUN_SCRIPT_SHA = hashlib.sha1(_RUN_SCRIPT.encode()).hexdigest()
 
 
 class CommandBatch(CoreCommands):
@@ -62,12 +65,29 @@ class CommandBatch(CoreCommands):
         (nothing ran) if any key in `unless_exists` exists. Raises the first command error."""
         if not self._count and not unless_exists:
             return []
-        script = self._connection.register_script(_RUN_SCRIPT)
-        replies = script(keys=list(unless_exists), args=self._argv)
-        self._argv, self._count = [], 0
+        # redis-py's own packing checks every argument in Python, and a batch has thousands.
+        argv, self._argv, self._count = self._argv, [], 0
+        packed = hiredis.pack_command(("EVALSHA", _RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, *argv))
+        try:
+            replies = self._send(packed)
+        except redis.exceptions.NoScriptError:  # a restarted or flushed server
+            self._connection.script_load(_RUN_SCRIPT)
+            replies = self._send(packed)
         if replies is None:
             return None
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+    def _send(self, packed: bytes) -> Any:
+        pool = self._connection.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command([packed])
+            return connection.read_response()
+        except (redis.ConnectionError, redis.TimeoutError):
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
