@@ -93,3 +93,18 @@ def test_several_queues_are_taken_in_priority_order(redis_url):
         assert job.get_status() == JobStatus.FINISHED
         assert conn.lrange(Queue(job.origin, connection=conn).intermediate_queue.key, 0, -1) == []
     assert max(j.started_at for j in high) <= min(j.started_at for j in low)
+
+
+def test_a_job_deleted_while_it_waits_is_dropped_and_the_rest_run(redis_url):
+    conn = redis.Redis.from_url(redis_url)
+    jobs = enqueue(conn, "bk-gone", [request(i) for i in range(5)])
+    gone = jobs[2]
+    conn.delete(gone.key)  # its id stays in the queue list
+    done = run_rq_worker(redis_url, "worker.BatchWorker", ["bk-gone"], FAKE)
+    assert done.returncode == 0, done.stderr
+    for job in jobs:
+        if job is not gone:
+            assert job.get_status(refresh=True) == JobStatus.FINISHED
+    queue = Queue("bk-gone", connection=conn)
+    assert conn.lrange(queue.key, 0, -1) == [] and conn.lrange(queue.intermediate_queue.key, 0, -1) == []
+    assert not conn.exists(gone.key) and conn.get(keys.result_key(gone.id)) is None

@@ -54,17 +54,23 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 # KEYS: queue, its intermediate list, queue, its intermediate list, ... in priority order. Move up
 # to ARGV[1] job ids from the queues to their intermediate lists, the first queue first; return
-# {queue index (0-based), id, the job hash as HGETALL gives it, queue index, id, hash, ...}.
+# {queue index (0-based), id, the job hash as HGETALL gives it, queue index, id, hash, ...}. An id
+# whose job hash is gone (deleted while it waited) is dropped.
 TAKE_JOBS_SCRIPT = """
 local taken, room = {}, tonumber(ARGV[1])
 for q = 1, #KEYS, 2 do
   while room > 0 do
     local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
     if not id then break end
-    taken[#taken + 1] = (q - 1) / 2
-    taken[#taken + 1] = id
-    taken[#taken + 1] = redis.call('HGETALL', ARGV[2] .. id)
-    room = room - 1
+    local job = redis.call('HGETALL', ARGV[2] .. id)
+    if #job == 0 then
+      redis.call('LREM', KEYS[q + 1], 1, id)
+    else
+      taken[#taken + 1] = (q - 1) / 2
+      taken[#taken + 1] = id
+      taken[#taken + 1] = job
+      room = room - 1
+    end
   end
 end
 return taken
@@ -261,8 +267,6 @@ class BatchWorker(SimpleWorker):
         taken = self._take_jobs(keys=script_keys, args=[room, self.job_class.key_for("")])
         dequeued = []
         for index, job_id, fields in zip(taken[::3], taken[1::3], taken[2::3]):
-            if not fields:  # deleted while it waited; rq's intermediate-queue cleanup drops the id
-                continue
             job = self.job_class(job_id.decode(), connection=self.connection, serializer=self.serializer)
             job.restore(dict(zip(fields[::2], fields[1::2])))
             dequeued.append((job, queues[int(index)]))
