@@ -44,20 +44,20 @@ class Registries:
         return self._built[key]
 
 
-def create_execution(job: Job, ttl: int, pipe: Any, worker_name: str, registries: Registries) -> Execution:
+def create_execution(job: Job, ttl: int, batch: CommandBatch, worker_name: str, registries: Registries) -> Execution:
     """What `Execution.create` writes."""
     execution = Execution(id=uuid4().hex, job_id=job.id, connection=job.connection, worker_name=worker_name)
-    execution.save(ttl=ttl, pipeline=pipe)
-    ExecutionRegistry(job_id=job.id, connection=pipe).add(execution=execution, ttl=ttl, pipeline=pipe)
-    registries.started(job.origin).add_execution(execution, pipeline=pipe, ttl=ttl, xx=False)
+    execution.save(ttl=ttl, pipeline=batch)
+    ExecutionRegistry(job_id=job.id, connection=batch).add(execution=execution, ttl=ttl, pipeline=batch)
+    registries.started(job.origin).add_execution(execution, pipeline=batch, ttl=ttl, xx=False)
     return execution
 
 
-def delete_execution(job: Job, execution: Execution, pipe: Any, registries: Registries) -> None:
+def delete_execution(job: Job, execution: Execution, batch: CommandBatch, registries: Registries) -> None:
     """What `Execution.delete` writes."""
-    pipe.delete(execution.key)
-    registries.started(job.origin).remove_execution(execution=execution, pipeline=pipe)
-    ExecutionRegistry(job_id=job.id, connection=pipe).remove(execution=execution, pipeline=pipe)
+    batch.delete(execution.key)
+    registries.started(job.origin).remove_execution(execution=execution, pipeline=batch)
+    ExecutionRegistry(job_id=job.id, connection=batch).remove(execution=execution, pipeline=batch)
 
 
 @dataclass
@@ -88,17 +88,17 @@ def end_successes(worker: BaseWorker, successes: list[Success], registries: Regi
     return []
 
 
-def _write_success(worker: BaseWorker, success: Success, pipe: Any, registries: Registries) -> None:
+def _write_success(worker: BaseWorker, success: Success, batch: CommandBatch, registries: Registries) -> None:
     job, execution = success.job, success.execution
-    worker.increment_successful_job_count(pipeline=pipe)
-    worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+    worker.increment_successful_job_count(pipeline=batch)
+    worker.increment_total_working_time(job.ended_at - job.started_at, batch)
     result_ttl = job.get_result_ttl(worker.default_result_ttl)
     if result_ttl != 0:
-        job.set_status(JobStatus.FINISHED, pipeline=pipe)
-        pipe.hset(job.key, "ended_at", utcformat(job.ended_at))  # what rq's job.save() changes here
+        job.set_status(JobStatus.FINISHED, pipeline=batch)
+        batch.hset(job.key, "ended_at", utcformat(job.ended_at))  # what rq's job.save() changes here
         Result.create(job, Result.Type.SUCCESSFUL, result_ttl, return_value=success.return_value,
-                      worker_name=worker.name, pipeline=pipe, execution_id=execution.id,
+                      worker_name=worker.name, pipeline=batch, execution_id=execution.id,
                       execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
-        registries.finished(job.origin).add(job, result_ttl, pipe)
-    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-    delete_execution(job, execution, pipe, registries)
+        registries.finished(job.origin).add(job, result_ttl, batch)
+    job.cleanup(result_ttl, pipeline=batch, remove_from_queue=False)
+    delete_execution(job, execution, batch, registries)
