@@ -136,3 +136,30 @@ def test_a_sequence_joining_a_decoding_batch_gets_its_first_token_in_that_step(m
         if a.top_logprobs:
             assert [[t.token_id for t in top] for top in b.top_logprobs] == \
                    [[t.token_id for t in top] for top in a.top_logprobs]
+
+
+def _first_token_in_joining_step(scheduler: BatchScheduler, job_ids: list[str]) -> dict[str, bool]:
+    for i, job_id in enumerate(job_ids):
+        body = {"prompt_token_ids": [(k * 31 + i) % 500 + 3 for k in range(9)], "max_tokens": 30,
+                "ignore_eos": True, "stream": True}
+        assert scheduler.admit(job_id, body) is None
+    scheduler.step()
+    started = {d.job_id for d in scheduler.take_stream_deltas() if d.token_ids}
+    return {job_id: job_id in started for job_id in job_ids}
+
+
+def test_eager_joiners_draw_on_an_allowance_that_refills_with_decode_steps(model_and_tokenizer):
+    """A few joiners get their first token in the step they join; a steady stream of them goes to
+    the batched prefill (each eager one stalls the batch) until decode steps refill the allowance."""
+    from worker.engines.text import EAGER_JOINERS_MAX, EAGER_REFILL_STEPS
+
+    model, tokenizer = model_and_tokenizer
+    scheduler = BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=16), max_num_seqs=16)
+    _decode_a_while(scheduler, ["long0"], steps=3)
+
+    wave = _first_token_in_joining_step(scheduler, [f"a{i}" for i in range(EAGER_JOINERS_MAX + 1)])
+    assert sum(wave.values()) == EAGER_JOINERS_MAX  # the allowance, and no more
+    assert _first_token_in_joining_step(scheduler, ["b"]) == {"b": False}  # spent
+    for _ in range(EAGER_REFILL_STEPS):
+        scheduler.step()
+    assert _first_token_in_joining_step(scheduler, ["c"]) == {"c": True}  # refilled by decode steps

@@ -9,9 +9,9 @@ the arguments of one Lua script (packed by hiredis in one call), which runs them
 returns every reply: ~3x less Python per command than a pipeline, and atomic like MULTI/EXEC.
 
 Like MULTI/EXEC, a command that fails does not stop the ones after it; `execute` then raises the
-first error. Keys are not declared to the script, which Redis and Valkey allow; a server that
-insists on declared keys (Redis Cluster, Dragonfly's default) cannot run mlxq workers, as rq's
-own multi-key transactions could not either.
+first error. Keys are not declared to the script, which Redis and Valkey allow (Redis Cluster
+cannot run rq anyway: its transactions span many keys); a server that requires scripts to declare
+their keys must be configured to allow undeclared ones.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ _Start = tuple[Optional[list[Any]], int, bool]
 # a GPU, a batch-1 prefill costs about a decode step of the whole batch). An occasional joiner gets
 # its first token in the step it joins; under steady churn (a full batch where sequences end every
 # step) most go to mlx-lm's batched prefill. At most EAGER_JOINERS_MAX at once; one more is allowed
-# per EAGER_REFILL_STEPS decode steps. Measured on an H200 at 256 in flight: one eager joiner per
-# step cost 21% of the throughput.
+# per EAGER_REFILL_STEPS decode steps. On an H200 at 256 in flight under churn, one eager joiner
+# every step cost about a fifth of the throughput (docs/bench/h200/eager-sweep).
 EAGER_JOINERS_MAX = 4
 EAGER_REFILL_STEPS = 16
 
