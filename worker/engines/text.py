@@ -75,8 +75,8 @@ class TextEngine:
         self._prefill_step_size = prefill_step_size
         self._live: dict[int, _Row] = {}
         self._early: list[TokenEvent] = []  # first tokens sampled at admission, returned by the next step
-        self._eager_budget = (0, 0)  # joiners and prompt tokens still to prefill at admission in this add
-        self._eager_allowance = float(EAGER_JOINERS_MAX)
+        self._eager_allowance = float(EAGER_JOINERS_MAX)  # joiners that may still be prefilled at admission
+        self._eager_tokens = 0  # prompt tokens that may still be prefilled at admission in this add
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
@@ -138,7 +138,7 @@ class TextEngine:
         prefills; with it off, nothing is shared across requests."""
         # A batch is decoding (not just prefilling a burst that came over two steps): these join it.
         joining = any(row.emitted for row in self._live.values())
-        self._eager_budget = (int(self._eager_allowance), self._prefill_step_size)
+        self._eager_tokens = self._prefill_step_size
         if self._prefix.enabled:
             self._add(specs, joining)
         else:
@@ -157,10 +157,9 @@ class TextEngine:
             cache, cached, owned = starts[prompt]
             rows = [self._row(spec) for spec in group]
             rest = len(prompt) - cached
-            joiners, tokens = self._eager_budget
-            if len(group) > 1 or (joining and joiners > 0 and rest <= tokens):
+            if len(group) > 1 or (joining and self._eager_allowance >= 1 and rest <= self._eager_tokens):
                 if len(group) == 1:  # a group of n pays its own prefill anyway
-                    self._eager_budget = (joiners - 1, tokens - rest)
+                    self._eager_tokens -= rest
                     self._eager_allowance -= 1
                 self._start_now(list(prompt), rows, cache, cached, owned)
             elif cache is None:
