@@ -541,10 +541,10 @@ class BatchWorker(SimpleWorker):
         if not running:
             return
         ttl = self.settings.heartbeat_ttl_s
-        with self.connection.pipeline() as pipe:
-            self.heartbeat(ttl, pipeline=pipe)
-            pipe.expire(self._cancel_watch.key, ttl)
-            for inflight in running:
-                inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=pipe)
-                inflight.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
-            pipe.execute()
+        batch = CommandBatch(self.connection)
+        self.heartbeat(ttl, pipeline=batch)
+        batch.expire(self._cancel_watch.key, ttl)
+        for inflight in running:
+            inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
+            inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)
+        batch.execute()
