@@ -167,7 +167,17 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert overhead["publish"]["burst_finished"] == 24
     assert overhead["publish"]["publish_step_ms"] is not None
 
-    assert (out / "table.md").read_text().count("| C1 |") == 1
+    # Where the time went: mlx-lm's own counters for B, the same plus the loop's sections for C.
+    for arm in ("B", "C1"):
+        split = by_arm[arm]["time_split"]
+        assert split["engine_decode_tokens"] == 4 * 6, (arm, split)
+        # mlx-lm prefills a prompt but its last token, which its first decode step runs
+        assert split["engine_prefill_tokens"] == 4 * 15 and split["engine_prefill_calls"] >= 1, (arm, split)
+        assert 0 < split["engine_prefill_s"] + split["engine_decode_s"] < by_arm[arm]["metrics"]["wall_s"]
+    assert "loop_step_s" not in by_arm["B"]["time_split"]
+    assert by_arm["C1"]["time_split"]["loop_step_s"] > by_arm["C1"]["time_split"]["engine_decode_s"]
+    table = (out / "table.md").read_text()
+    assert table.count("| C1 | 4 |") == 1 and table.count("| C1 | closed-4 |") == 1
     assert (out / "plot.png").stat().st_size > 0
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all(len(json.loads(line)["records"]) == 4 for line in lines)

@@ -104,7 +104,10 @@ class PrefixCache:
         chain = self._chain(key_tokens)
         for shorter in list(self._prefixes_of(key_tokens, chain)):  # the new entry serves all they served
             self._remove(shorter)
-        mx.eval([c.state for c in cache])  # materialize now, so no pending graph keeps a batch's arrays alive
+        # Materialize soon, so no pending graph keeps a whole batch's arrays alive; asynchronously,
+        # so that the decode step already queued behind it is not waited for (on an H200 a blocking
+        # eval here made every step that finished a sequence wait for the GPU).
+        mx.async_eval([c.state for c in cache])
         entry = _Entry(self._next_key, key_tokens, cache, nbytes, chain)
         self._next_key += 1
         self._entries[entry.key] = entry

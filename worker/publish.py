@@ -67,29 +67,3 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
             batch.expire(keys.stream_key(job_id), ttls[job_id])
     batch.execute()
 
-
-# Which members of the set KEYS[1] (running job ids) have a cancel key (prefix ARGV[1]).
-_CANCELLED_SCRIPT = """
-local found = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[1] .. id) == 1 then found[#found + 1] = id end
-end
-return found
-"""
-
-
-class CancelWatch:
-    """Which running jobs a producer asked to cancel, checked every decode step.
-
-    The worker keeps its running job ids in a set (`mlxq:running:<worker>`, added as jobs start,
-    removed as they end); a server-side script looks for their cancel keys. So a step costs
-    one short round trip however many sequences are running."""
-
-    def __init__(self, connection: redis.Redis, worker_name: str) -> None:
-        self.key = keys.running_key(worker_name)
-        self._script = connection.register_script(_CANCELLED_SCRIPT)
-        self._connection = connection
-
-    def requested(self) -> set[str]:
-        found = self._script(keys=[self.key], args=[keys.cancel_key("")])
-        return {job_id.decode() for job_id in found}

@@ -39,7 +39,9 @@ from schemas import GenerationResult, keys
 from worker.bookkeeping import Bookkeeper
 from worker.command_batch import CommandBatch
 from worker.liveness import Liveness
-from worker.publish import CancelWatch, Publication, WorkerStats, publish_results, publish_stream_deltas
+from worker.loop_clock import LoopClock
+from worker.poll import Poller
+from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.redis_health import RedisHealth
@@ -56,27 +58,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # to ARGV[1] job ids from the queues to their intermediate lists, the first queue first; return
 # {queue index (0-based), id, the job hash as HGETALL gives it, queue index, id, hash, ...}. An id
 # whose job hash is gone (deleted while it waited) is dropped.
-TAKE_JOBS_SCRIPT = """
-local taken, room = {}, tonumber(ARGV[1])
-for q = 1, #KEYS, 2 do
-  while room > 0 do
-    local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
-    if not id then break end
-    local job = redis.call('HGETALL', ARGV[2] .. id)
-    if #job == 0 then
-      redis.call('LREM', KEYS[q + 1], 1, id)
-    else
-      taken[#taken + 1] = (q - 1) / 2
-      taken[#taken + 1] = id
-      taken[#taken + 1] = job
-      room = room - 1
-    end
-  end
-end
-return taken
-"""
-
-
 class JobFailed(Exception):
     """Carries a failed GenerationResult's error into RQ's failure path (callbacks, exc_info)."""
 
@@ -123,9 +104,9 @@ class BatchWorker(SimpleWorker):
         self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
         self._last_sweep = time.monotonic()
-        self._take_jobs = self.connection.register_script(TAKE_JOBS_SCRIPT)
-        self._cancel_watch = CancelWatch(self.connection, self.name)
+        self._poller = Poller(self.connection, self.name)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
+        self._clock = LoopClock()
 
     # --- RQ hooks -------------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -184,6 +165,7 @@ class BatchWorker(SimpleWorker):
             # collector, whose full passes over it stalled steps by tens of ms.
             gc.collect()
             gc.freeze()
+            self._clock = LoopClock()  # the loop's time, from here: not the model's loading
             self._liveness.start()
             self._bookkeeper.start()
             while True:
@@ -194,7 +176,7 @@ class BatchWorker(SimpleWorker):
                     if self._stop_requested or (max_jobs is not None and taken >= max_jobs):
                         break
                     if burst:
-                        if not self._top_up(1):
+                        if not self._poll(1):
                             break
                     else:
                         dequeued = self.dequeue_job_and_maintain_ttl(self.dequeue_timeout, max_idle_time)
@@ -219,20 +201,25 @@ class BatchWorker(SimpleWorker):
         return taken > 0
 
     def _cycle(self, jobs_left: Optional[int]) -> int:
-        """One turn of the busy loop: Redis upkeep, top-up, one engine step. Returns jobs taken."""
+        """One turn of the busy loop: one round trip that takes jobs and finds cancellations,
+        then one engine step. Returns jobs taken."""
+        clock = self._clock
+        clock.lap("between")  # blocking dequeues and RQ maintenance, when nothing was in flight
         taken = 0
         if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler_)):
             self._liveness.beat_now()  # before any sweep can take our jobs for abandoned
-        if self._health.up and not self._stop_requested:
-            room = self.scheduler_.free_slots if jobs_left is None else min(self.scheduler_.free_slots, jobs_left)
-            taken = self._redis_call(self._top_up, room) or 0
+        if self._health.up:
+            room = 0 if self._stop_requested else self.scheduler_.free_slots
+            room = room if jobs_left is None else min(room, jobs_left)
+            taken = self._redis_call(self._poll, room) or 0
+        clock.lap("poll")
         if not len(self.scheduler_) and not taken:
             self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
+            clock.lap("idle")
         self._step()
-        if self._health.up:
-            self._redis_call(self._enforce_cancellations_and_deadlines)
-            if time.monotonic() - self._last_sweep > self.settings.sweep_interval_s:
-                self._redis_call(self._sweep)
+        if self._health.up and time.monotonic() - self._last_sweep > self.settings.sweep_interval_s:
+            self._redis_call(self._sweep)
+        clock.lap("upkeep")
         return taken
 
     def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -249,28 +236,25 @@ class BatchWorker(SimpleWorker):
 
         return build_scheduler(self.settings, self.name)
 
-    def _top_up(self, room: int) -> int:
-        """Take up to `room` waiting jobs without blocking; return how many were taken."""
-        if room <= 0:
-            return 0
-        dequeued = self._dequeue_many(room)
-        if dequeued:
-            self._start_many(dequeued)
-        return len(dequeued)
-
-    def _dequeue_many(self, room: int) -> list[tuple[Job, Queue]]:
-        """Move up to `room` ids from the queues (in the worker's queue order) into their
-        intermediate lists, crash-safe as rq's own LMOVE dequeue, and read their jobs, in one
-        round trip."""
+    def _poll(self, room: int) -> int:
+        """Take up to `room` waiting jobs without blocking and start them; end the running jobs
+        that were cancelled or ran out of time. Returns how many jobs were taken."""
         queues = self._ordered_queues
-        script_keys = [key for queue in queues for key in (queue.key, queue.intermediate_queue.key)]
-        taken = self._take_jobs(keys=script_keys, args=[room, self.job_class.key_for("")])
-        dequeued = []
-        for index, job_id, fields in zip(taken[::3], taken[1::3], taken[2::3]):
-            job = self.job_class(job_id.decode(), connection=self.connection, serializer=self.serializer)
-            job.restore(dict(zip(fields[::2], fields[1::2])))
-            dequeued.append((job, queues[int(index)]))
-        return dequeued
+        check = bool(self._inflight)
+        if room <= 0 and not check:
+            return 0
+        poll = self._poller.poll([(queue.key, queue.intermediate_queue.key) for queue in queues], room,
+                                 self.job_class.key_for(""), check_cancels=check)
+        if poll.taken:
+            dequeued = []
+            for taken in poll.taken:
+                job = self.job_class(taken.job_id, connection=self.connection, serializer=self.serializer)
+                job.restore(taken.fields)
+                dequeued.append((job, queues[taken.queue_index]))
+            self._start_many(dequeued)
+        if check:
+            self._enforce_cancellations_and_deadlines(poll.cancelled)
+        return len(poll.taken)
 
     def _step(self) -> None:
         if not len(self.scheduler_):
@@ -282,7 +266,9 @@ class BatchWorker(SimpleWorker):
             self.log.exception("Worker %s: engine step failed", self.name)
             self._recover_from_engine_failure(exc)
             return
+        self._clock.lap("step")
         self._end_many(results, self.scheduler_.take_stream_deltas())
+        self._clock.lap("hand_off")
 
     def _sweep(self) -> None:
         self._last_sweep = time.monotonic()
@@ -312,12 +298,12 @@ class BatchWorker(SimpleWorker):
             timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
             self._inflight[job.id] = InFlight(job, queue, execution, deadline)
-        batch.sadd(self._cancel_watch.key, *(job.id for job, _ in jobs))
+        batch.sadd(self._poller.running_key, *(job.id for job, _ in jobs))
         self.set_state(WorkerStatus.BUSY, pipeline=batch)
         self.set_current_job_id(jobs[-1][0].id, pipeline=batch)
         self.set_current_job_working_time(0, pipeline=batch)
         self.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._cancel_watch.key, ttl)
+        batch.expire(self._poller.running_key, ttl)
         replies = batch.execute()
         assert replies is not None
         ended = []
@@ -394,8 +380,8 @@ class BatchWorker(SimpleWorker):
             inflight.ending = True
         publications = [self._publication(result, inflight) for result, inflight in ending]
         done_ids = [result.id for result in results]
-        stats = WorkerStats(keys.stats_key(self.name), self._engine_stats())
-        self._bookkeeper.submit(lambda: publish_results(self.connection, publications, running_key=self._cancel_watch.key,
+        stats = WorkerStats(keys.stats_key(self.name), self._stats())
+        self._bookkeeper.submit(lambda: publish_results(self.connection, publications, running_key=self._poller.running_key,
                                                         done_ids=done_ids, stats=stats))
         successes = [(result, inflight) for result, inflight in ending if result.status == "finished"]
         if successes:
@@ -404,10 +390,17 @@ class BatchWorker(SimpleWorker):
             if result.status != "finished":
                 self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
 
-    def _engine_stats(self) -> dict[str, Any]:
-        """The engine's counters (its prefix cache's), published with each round of results."""
-        stats = getattr(self.scheduler_.engine, "prefix_cache_stats", None)
-        return {f"prefix_cache_{name}": value for name, value in stats().items()} if stats else {}
+    def _stats(self) -> dict[str, Any]:
+        """The engine's counters (prefix cache, prefill and decode time) and the loop's time per
+        section, published with each round of results."""
+        engine = self.scheduler_.engine
+        stats: dict[str, Any] = {}
+        for prefix, method in (("prefix_cache_", "prefix_cache_stats"), ("engine_", "time_stats")):
+            read = getattr(engine, method, None)
+            if read is not None:
+                stats.update({f"{prefix}{name}": value for name, value in read().items()})
+        stats.update({f"loop_{name}": value for name, value in self._clock.as_dict().items()})
+        return stats
 
     def _forget(self, inflight: InFlight) -> None:
         if self._inflight.get(inflight.job.id) is inflight:
@@ -496,7 +489,7 @@ class BatchWorker(SimpleWorker):
         job = inflight.job
         job.meta[SOLO_META] = True
         job.save_meta()
-        self.connection.srem(self._cancel_watch.key, job.id)
+        self.connection.srem(self._poller.running_key, job.id)
         job.ended_at = now()
         with self._as_current(inflight):
             self.handle_job_retry(job=job, queue=inflight.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
@@ -518,13 +511,13 @@ class BatchWorker(SimpleWorker):
         self._bookkeeper.wait_idle(timeout=10)
 
     # --- per-step housekeeping ------------------------------------------------------------
-    def _enforce_cancellations_and_deadlines(self) -> None:
-        if not self._inflight:
-            return
+    def _enforce_cancellations_and_deadlines(self, requested: set[str]) -> None:
+        """End the running jobs in `requested` (cancel keys) or in RQ stop commands as
+        cancelled, and those past their deadline as timed out."""
         with self._stop_job_lock:
             stop_ids, self._stop_job_ids = self._stop_job_ids, set()
         running = self.scheduler_.job_ids
-        cancelled = (self._cancel_watch.requested() | stop_ids) & set(running)
+        cancelled = (requested | stop_ids) & set(running)
         ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
         clock = time.monotonic()
         for job_id in running:
@@ -543,7 +536,7 @@ class BatchWorker(SimpleWorker):
         ttl = self.settings.heartbeat_ttl_s
         batch = CommandBatch(self.connection)
         self.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._cancel_watch.key, ttl)
+        batch.expire(self._poller.running_key, ttl)
         for inflight in running:
             inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
             inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)

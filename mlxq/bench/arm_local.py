@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from mlxq.bench.arms import Arm
 from mlxq.bench.workloads import Arrivals, BenchRequest, RequestRecord, Workload
+from worker.engines.counters import EngineCounters
 
 
 class LocalModel:
@@ -130,6 +131,7 @@ class EngineBoundArm(Arm):
         arrivals = Arrivals(workload)
         live: dict[int, tuple[BenchRequest, RequestRecord]] = {}
         records: list[RequestRecord] = []
+        counters = EngineCounters()
         t0 = time.perf_counter()
         try:
             while True:
@@ -144,7 +146,9 @@ class EngineBoundArm(Arm):
                         break
                     _sleep_until(t0, arrivals.next_arrival())
                     continue
-                prompt_responses, responses = generator.next()
+                with generator.stats() as window:
+                    prompt_responses, responses = generator.next()
+                counters.add_generator_window(window)
                 now = time.perf_counter() - t0
                 for progress in prompt_responses:
                     entry = live.get(progress.uid)
@@ -162,4 +166,5 @@ class EngineBoundArm(Arm):
                         arrivals.completed(request, now)
         finally:
             generator.close()
+        self.time_split = {f"engine_{name}": float(value) for name, value in counters.as_dict().items()}
         return records

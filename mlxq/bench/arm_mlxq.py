@@ -105,6 +105,22 @@ class MlxqCluster:
             ids += self.client.submit_many([payload(r) for r in workload.requests], queue=queue, timeout=JOB_TIMEOUT_S)
         self._wait(ids, 1800.0)
 
+    def worker_stats(self, prefix: str, worker: int = 0) -> dict[str, str]:
+        """One worker's stats-hash fields named `prefix...` (prefix dropped), as strings."""
+        assert self.conn is not None
+        raw = self.conn.hgetall(keys.stats_key(self.names[worker]))
+        return {k.decode()[len(prefix):]: v.decode() for k, v in raw.items() if k.decode().startswith(prefix)}
+
+    def time_counters(self) -> dict[str, float]:
+        """The engine's and the loop's time counters (`engine_*`, `loop_*`), summed over workers."""
+        total: dict[str, float] = {}
+        for worker in range(self.workers):
+            for prefix in ("engine_", "loop_"):
+                for name, value in self.worker_stats(prefix, worker).items():
+                    key = prefix + name
+                    total[key] = total.get(key, 0.0) + float(value)
+        return total
+
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
@@ -231,4 +247,8 @@ class MlxqArm(Arm):
     def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
         if warmup is not None:
             self.cluster.warm(warmup)
-        return drive(self.cluster, workload, self.timeout_s)
+        before = self.cluster.time_counters()
+        records = drive(self.cluster, workload, self.timeout_s)
+        after = self.cluster.time_counters()
+        self.time_split = {name: after[name] - before.get(name, 0.0) for name in after}
+        return records

@@ -20,6 +20,9 @@ class Arm:
     label = "?"
     # How this arm's queue time and TTFT are measured: goes into the report verbatim.
     methods: dict[str, str] = {}
+    # What the arm's engine did during its last run, where it can tell: prefill and decode
+    # seconds, calls and steps (worker/engines/counters.py), and for mlxq the batch loop's sections.
+    time_split: Optional[dict[str, float]] = None
 
     def start(self) -> None:
         """Load models, start processes. May raise ArmSkipped."""

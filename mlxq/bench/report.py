@@ -114,6 +114,22 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{_pcts(m['ttft_s'])} | {_pcts(m['e2e_s'])} | {_f(queue, 2)} | "
                          f"{m['failed']}/{m['requests']} |")
         lines.append("")
+    split_rows = [e for e in report["results"] if e.get("time_split") and e["status"] == "ok"]
+    if split_rows:
+        lines += ["### Where the engine's time went", "",
+                  "Prefill and decode are mlx-lm's own `BatchGenerator.stats()` counters, plus the prefills "
+                  "mlxq's engine runs itself (own); the rest of the wall time is spent outside the engine.", "",
+                  "| arm | workload | wall s | prefill s (calls, own) | decode s (steps, ms/step) | outside s |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for e in sorted(split_rows, key=lambda e: (e["workload"]["label"], _order(e["arm"]))):
+            t, wall = e["time_split"], e["metrics"]["wall_s"]
+            steps = t.get("engine_decode_steps", 0)
+            lines.append(
+                f"| {e['arm']} | {e['workload']['label']} | {_f(wall, 2)} | {_f(t.get('engine_prefill_s'), 2)} "
+                f"({t.get('engine_prefill_calls', 0):.0f}, {t.get('engine_own_prefills', 0):.0f}) | "
+                f"{_f(t.get('engine_decode_s'), 2)} ({steps:.0f}, {_f(1000 * t['engine_decode_s'] / steps if steps else None)}) | "
+                f"{_f(_outside(t, wall), 2)} |")
+        lines.append("")
     head = report.get("headline")
     if head and any(v is not None for v in head["ratios"].values()):
         workers = head["c_arm"][1:] or "?"
@@ -136,6 +152,24 @@ def markdown(report: dict[str, Any]) -> str:
     if arms:
         lines += ["Arms: " + "; ".join(f"{k} = {v['label']}" for k, v in arms.items()), ""]
     return "\n".join(lines)
+
+
+def _outside(split: dict[str, float], wall: Optional[float]) -> Optional[float]:
+    if wall is None:
+        return None
+    return wall - split.get("engine_prefill_s", 0.0) - split.get("engine_decode_s", 0.0)
+
+
+def time_split_line(split: dict[str, float], wall: Optional[float]) -> str:
+    """One console line: prefill, decode, the rest, and for mlxq the batch loop's sections."""
+    steps = split.get("engine_decode_steps", 0.0)
+    line = (f"prefill {split.get('engine_prefill_s', 0.0):.2f} s in {split.get('engine_prefill_calls', 0):.0f} calls "
+            f"({split.get('engine_own_prefills', 0):.0f} own), decode {split.get('engine_decode_s', 0.0):.2f} s in "
+            f"{steps:.0f} steps, outside the engine {_f(_outside(split, wall), 2)} s")
+    loop = {k[len("loop_"):-2]: v for k, v in split.items() if k.startswith("loop_")}
+    if loop:
+        line += "; loop: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in sorted(loop.items()))
+    return line
 
 
 def scenario_lines(scenarios: dict[str, Any]) -> list[str]:

@@ -15,7 +15,7 @@ from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
 from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
                               interrupt_on_signals, versions)
-from mlxq.bench.report import headline, scenario_lines, write_all
+from mlxq.bench.report import headline, scenario_lines, time_split_line, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
 from mlxq.redis_server import existing_or_private
@@ -146,7 +146,7 @@ class Runner:
             try:
                 arm.start()
                 todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
-                arm.run_all(todo, lambda workload, outcome: self._record(arm.key, workload, outcome))
+                arm.run_all(todo, lambda workload, outcome: self._record(arm, workload, outcome))
                 entry["info"] = arm.info()
             except ArmSkipped as exc:
                 entry.update(status="skipped", reason=str(exc))
@@ -174,8 +174,8 @@ class Runner:
             return False
         return True
 
-    def _record(self, arm: str, workload: Workload, outcome: Any) -> None:
-        result: dict[str, Any] = {"arm": arm, "workload": workload.describe()}
+    def _record(self, arm: Arm, workload: Workload, outcome: Any) -> None:
+        result: dict[str, Any] = {"arm": arm.key, "workload": workload.describe()}
         if isinstance(outcome, BaseException):
             result.update(status="failed", error=f"{type(outcome).__name__}: {outcome}"[:2000])
             print(f"   {workload.label:<14} failed: {outcome}", flush=True)
@@ -186,8 +186,11 @@ class Runner:
             print(f"   {workload.label:<14} {metrics['tokens_per_s'] or 0:9.1f} tok/s  "
                   f"TTFT p50 {ttft if ttft is not None else float('nan'):.3f} s  "
                   f"failed {metrics['failed']}/{metrics['requests']}", flush=True)
+            if arm.time_split:
+                result["time_split"] = arm.time_split
+                print(f"   {'':<14} {time_split_line(arm.time_split, metrics['wall_s'])}", flush=True)
             with open(self.records_path, "a") as f:
-                f.write(json.dumps({"arm": arm, "workload": workload.label,
+                f.write(json.dumps({"arm": arm.key, "workload": workload.label,
                                     "records": [r.to_json() for r in outcome]}) + "\n")
         self.report["results"].append(result)
 

@@ -273,21 +273,14 @@ def _prefix_run(cfg: BenchConfig, make_cluster: ClusterFactory, env: dict[str, s
     cluster.start()
     try:
         cluster.warm(warm)
-        before = _worker_stats(cluster)
+        before = cluster.worker_stats("prefix_cache_")
         summary = summarize(measured, drive(cluster, measured, cfg.request_timeout_s))
-        after = _worker_stats(cluster)
+        after = cluster.worker_stats("prefix_cache_")
     finally:
         cluster.stop()
     ttft = summary["ttft_s"]
     return {**_brief(summary), "ttft_p50_s": ttft["p50"] if ttft else None, "ttft_s": ttft,
             "worker_stats": stats_delta(before, after)}
-
-
-def _worker_stats(cluster: MlxqCluster) -> dict[str, str]:
-    assert cluster.conn is not None
-    raw = cluster.conn.hgetall(keys.stats_key(cluster.names[0]))
-    prefix = "prefix_cache_"
-    return {k.decode()[len(prefix):]: v.decode() for k, v in raw.items() if k.decode().startswith(prefix)}
 
 
 def stats_delta(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:

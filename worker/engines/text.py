@@ -16,6 +16,7 @@ a burst goes through mlx-lm's batched prefill.
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import SequenceSpec, TokenEvent
+from worker.engines.counters import EngineCounters
 from worker.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
 from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
 
@@ -79,6 +81,7 @@ class TextEngine:
         self._eager_tokens = 0  # prompt tokens that may still be prefilled at admission in this add
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
+        self._counters = EngineCounters()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
@@ -109,6 +112,9 @@ class TextEngine:
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         return self._prefix.stats()
+
+    def time_stats(self) -> dict[str, Any]:
+        return self._counters.as_dict()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -203,10 +209,12 @@ class TextEngine:
     def _run(self, tokens: list[int], cache: list[Any]) -> mx.array:
         """Run `tokens` through the model on top of `cache`, in place; the last position's logits."""
         logits = None
+        started = time.perf_counter()
         with mx.stream(self._generator.stream):
             for start in range(0, len(tokens), self._prefill_step_size):
                 logits = self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
+        self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         assert logits is not None
         return logits[:, -1, :]
 
@@ -293,7 +301,9 @@ class TextEngine:
             return events
         if not self._live:
             return []
-        _, responses = self._generator.next()
+        with self._generator.stats() as window:
+            _, responses = self._generator.next()
+        self._counters.add_generator_window(window)
         self._eager_allowance = min(EAGER_JOINERS_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
         events: list[TokenEvent] = []
         wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]] = []

@@ -1,0 +1,72 @@
+"""The batch loop's one round trip per turn: take waiting jobs and find running ones to cancel.
+
+One server-side script does both, so a loop turn costs a single short round trip however many
+queues the worker listens on and however many sequences run:
+- the running jobs' ids are kept in a set (`mlxq:running:<worker>`, added as jobs start, removed
+  as they end); the script looks for their cancel keys (`mlxq:cancel:<id>`);
+- up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
+  lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
+  whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import redis
+
+from schemas import keys
+
+POLL_SCRIPT = """
+local cancelled = {}
+if ARGV[3] ~= '' then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    if redis.call('EXISTS', ARGV[3] .. id) == 1 then cancelled[#cancelled + 1] = id end
+  end
+end
+local taken, room = {}, tonumber(ARGV[1])
+for q = 2, #KEYS, 2 do
+  while room > 0 do
+    local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    if not id then break end
+    local job = redis.call('HGETALL', ARGV[2] .. id)
+    if #job == 0 then
+      redis.call('LREM', KEYS[q + 1], 1, id)
+    else
+      taken[#taken + 1] = (q - 2) / 2
+      taken[#taken + 1] = id
+      taken[#taken + 1] = job
+      room = room - 1
+    end
+  end
+end
+return {cancelled, taken}
+"""
+
+
+class TakenJob(NamedTuple):
+    queue_index: int  # into the queue pairs given to `poll`
+    job_id: str
+    fields: dict[bytes, bytes]  # the job's hash
+
+
+class Poll(NamedTuple):
+    taken: list[TakenJob]
+    cancelled: set[str]
+
+
+class Poller:
+    def __init__(self, connection: redis.Redis, worker_name: str) -> None:
+        self.running_key = keys.running_key(worker_name)
+        self._script = connection.register_script(POLL_SCRIPT)
+
+    def poll(self, queue_pairs: list[tuple[str, str]], room: int, job_key_prefix: str,
+             check_cancels: bool) -> Poll:
+        """Take up to `room` jobs from (queue, intermediate list) pairs, in order; with
+        `check_cancels`, also the running jobs that have a cancel key."""
+        script_keys = [self.running_key] + [key for pair in queue_pairs for key in pair]
+        cancel_prefix = keys.cancel_key("") if check_cancels else ""
+        cancelled, flat = self._script(keys=script_keys, args=[max(0, room), job_key_prefix, cancel_prefix])
+        taken = [TakenJob(int(index), job_id.decode(), dict(zip(fields[::2], fields[1::2])))
+                 for index, job_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
+        return Poll(taken, {job_id.decode() for job_id in cancelled})
