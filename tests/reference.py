@@ -49,7 +49,7 @@ def run_all(scheduler, requests: dict[str, dict], max_steps: int = 10_000) -> di
     for _ in range(max_steps):
         if not len(scheduler):
             break
-        for result in scheduler.step():
-            results[result.id] = result
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
     assert not len(scheduler), "jobs did not end"
     return results

@@ -44,8 +44,8 @@ def test_batched_greedy_equals_alone_with_mid_decode_arrivals(model_and_tokenize
             joined_mid_decode += bool(results) or steps > 2
             job_id = pending.pop(0)
             assert scheduler.admit(job_id, requests[job_id]) is None
-        for result in scheduler.step():
-            results[result.id] = result
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
         steps += 1
     assert joined_mid_decode >= 5
     eos = set(tokenizer.eos_token_ids)

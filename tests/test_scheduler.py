@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas import GenerationResult, RequestLimits
 from worker.engines.fake import EOS, FakeEngine, fake_token
-from worker.scheduler import BatchScheduler
+from worker.scheduler import BatchScheduler, EndedJob
 
 
 def run_to_end(scheduler: BatchScheduler, max_steps: int = 1000) -> dict[str, GenerationResult]:
@@ -12,8 +12,8 @@ def run_to_end(scheduler: BatchScheduler, max_steps: int = 1000) -> dict[str, Ge
     for _ in range(max_steps):
         if not len(scheduler):
             break
-        for result in scheduler.step():
-            results[result.id] = result
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
     return results
 
 
@@ -33,6 +33,34 @@ def test_tokens_usage_and_timings_follow_the_engine():
     assert result.worker == "w1" and result.model == "fake"
     t = result.timings
     assert t.enqueued_at == 1.0 and t.started_at <= t.finished_at and t.queue_s > 0 and t.ttft_s >= 0
+
+
+def test_an_ended_job_built_later_equals_one_built_at_once():
+    """The worker builds results on its bookkeeping thread, steps after the job ended: what the
+    scheduler does meanwhile must not change them."""
+    requests = {"short": {"prompt_token_ids": [5, 6], "max_tokens": 3, "temperature": 0},
+                "long": {"prompt_token_ids": [9], "max_tokens": 12, "temperature": 0}}
+    at_once = run_to_end(_admitted(make(), requests))
+    scheduler = _admitted(make(), requests)
+    kept, steps_after = {}, {}
+    while len(scheduler):
+        for name in kept:
+            steps_after[name] += 1
+        for ended in scheduler.step():
+            assert ended.status == "finished"
+            kept[ended.id], steps_after[ended.id] = ended, 0
+    assert steps_after["short"] >= 5  # it was built long after it ended, while others ran
+    for name in requests:
+        later = kept[name].result()
+        assert later.model_dump(exclude={"timings"}) == at_once[name].model_dump(exclude={"timings"})
+        assert later.choices[0].text and later.timings.finished_at <= kept["long"].result().timings.finished_at
+        assert kept[name].result() is later  # built once
+
+
+def _admitted(scheduler: BatchScheduler, requests: dict) -> BatchScheduler:
+    for job_id, request in requests.items():
+        assert scheduler.admit(job_id, request) is None
+    return scheduler
 
 
 def test_eos_is_in_token_ids_but_not_in_text():
@@ -94,8 +122,10 @@ def test_cancel_keeps_partial_output_and_frees_slots():
     scheduler.admit("c", {"prompt_token_ids": [4], "max_tokens": 100})
     for _ in range(4):
         scheduler.step()
-    result = scheduler.cancel("c")
-    assert result is not None and result.status == "cancelled"
+    ended = scheduler.cancel("c")
+    assert ended is not None and ended.status == "cancelled"
+    result = ended.result()
+    assert result.status == "cancelled"
     assert result.choices[0].finish_reason == "cancelled" and len(result.choices[0].token_ids) == 3
     assert scheduler.free_slots == 4 and scheduler.engine.num_active == 0
 
@@ -105,7 +135,7 @@ def test_timeout_fails_with_partial_output():
     scheduler.admit("t", {"prompt_token_ids": [4], "max_tokens": 100})
     scheduler.step()
     scheduler.step()
-    result = scheduler.cancel("t", "timeout")
+    result = scheduler.cancel("t", "timeout").result()
     assert result.status == "failed" and result.error.type == "JobTimeoutException"
     assert result.choices[0].finish_reason == "timeout" and result.choices[0].token_ids
 
@@ -115,7 +145,7 @@ def test_abort_all_fails_every_running_job():
     for i in range(3):
         scheduler.admit(f"j{i}", {"prompt_token_ids": [i + 1], "max_tokens": 50})
     scheduler.step()
-    results = scheduler.abort_all("EngineError", "boom")
+    results = [ended.result() for ended in scheduler.abort_all("EngineError", "boom")]
     assert sorted(r.id for r in results) == ["j0", "j1", "j2"]
     assert all(r.status == "failed" and r.error.message == "boom" for r in results)
     assert len(scheduler) == 0
@@ -134,12 +164,12 @@ def test_kv_budget_rejects_what_can_never_fit_and_queues_what_fits_later():
     assert scheduler.admit("a", {"prompt_token_ids": [1, 2], "max_tokens": 10}) is None
     assert scheduler.admit("b", {"prompt_token_ids": [3, 4], "max_tokens": 10}) is None
     assert engine.num_active == 0  # admitted jobs enter the engine together, at the next step
-    results = {result.id: result for result in scheduler.step()}
+    results = {ended.id: ended.result() for ended in scheduler.step()}
     assert engine.num_active == 1 and scheduler.free_slots == 6
     max_active = 0
     while len(scheduler):
-        for result in scheduler.step():
-            results[result.id] = result
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
         max_active = max(max_active, engine.num_active)
     assert max_active == 1
     assert all(len(r.choices[0].token_ids) == 10 for r in results.values())
@@ -174,3 +204,12 @@ def test_reset_forgets_the_jobs_in_the_engine_and_keeps_the_waiting_ones():
     assert scheduler.job_ids == ["solo"] and scheduler.engine.num_active == 0
     results = run_to_end(scheduler)
     assert results["solo"].status == "finished" and len(results["solo"].choices[0].token_ids) == 3
+
+
+def test_a_result_that_cannot_be_built_is_a_failed_one():
+    def broken() -> GenerationResult:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    result = EndedJob("j", "finished", broken).result()
+    assert result.id == "j" and result.status == "failed"
+    assert result.error is not None and result.error.type == "ResultError" and "UnicodeDecodeError" in result.error.message

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import redis
 from rq import Queue, Retry, SimpleWorker
@@ -43,8 +43,9 @@ from worker.loop_clock import LoopClock
 from worker.poll import Poller
 from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
-from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.redis_health import RedisHealth
+from worker.rq_batch import Registries, Success, create_execution, end_successes
+from worker.scheduler import EndedJob
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
@@ -261,13 +262,13 @@ class BatchWorker(SimpleWorker):
             return
         try:
             with self._liveness.step():
-                results = self.scheduler_.step()
+                ended = self.scheduler_.step()
         except Exception as exc:
             self.log.exception("Worker %s: engine step failed", self.name)
             self._recover_from_engine_failure(exc)
             return
         self._clock.lap("step")
-        self._end_many(results, self.scheduler_.take_stream_deltas())
+        self._end_many(ended, self.scheduler_.take_stream_deltas())
         self._clock.lap("hand_off")
 
     def _sweep(self) -> None:
@@ -364,31 +365,49 @@ class BatchWorker(SimpleWorker):
         return None
 
     # --- job end --------------------------------------------------------------------------
-    def _end_many(self, results: list[GenerationResult], deltas: Optional[list[Any]] = None) -> None:
-        """Hand the endings to the bookkeeping thread: stream deltas, result keys (one round trip),
-        then each RQ job's end. The engine goes on meanwhile."""
+    def _end_many(self, ended: Sequence[Union[EndedJob, GenerationResult]], deltas: Optional[list[Any]] = None
+                  ) -> None:
+        """Hand the endings to the bookkeeping thread: stream deltas, results built and their keys
+        written (one round trip), then each RQ job's end. The engine goes on meanwhile."""
         if deltas:
             streaming = [d for d in deltas if d.job_id in self._inflight]
             ttls = {d.job_id: keys.result_key_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming}
             self._bookkeeper.submit(lambda: publish_stream_deltas(self.connection, streaming, ttls))
-        if not results:
+        if not ended:
             return
         # Capture each job's InFlight now: once RQ re-queues a job (a retry), this worker may take
         # it again and a new InFlight replaces the old one under the same id.
-        ending = [(result, self._inflight[result.id]) for result in results]
+        ending = [(e if isinstance(e, EndedJob) else EndedJob.built(e), self._inflight[e.id]) for e in ended]
         for _, inflight in ending:
             inflight.ending = True
-        publications = [self._publication(result, inflight) for result, inflight in ending]
-        done_ids = [result.id for result in results]
+        done_ids = [job.id for job, _ in ending]
         stats = WorkerStats(keys.stats_key(self.name), self._stats())
-        self._bookkeeper.submit(lambda: publish_results(self.connection, publications, running_key=self._poller.running_key,
-                                                        done_ids=done_ids, stats=stats))
-        successes = [(result, inflight) for result, inflight in ending if result.status == "finished"]
-        if successes:
-            self._bookkeeper.submit(lambda: self._finish_rq_successes(successes))
-        for result, inflight in ending:
-            if result.status != "finished":
-                self._bookkeeper.submit(lambda result=result, inflight=inflight: self._finish_rq_job(result, inflight))
+        built: list[tuple[GenerationResult, InFlight]] = []  # shared by the tasks below (one thread)
+
+        def results() -> list[tuple[GenerationResult, InFlight]]:
+            if not built:
+                built.extend((job.result(), inflight) for job, inflight in ending)
+            return built
+
+        def publish() -> None:
+            publish_results(self.connection, [self._publication(result, inflight) for result, inflight in results()],
+                            running_key=self._poller.running_key, done_ids=done_ids, stats=stats)
+
+        finished = [i for i, (job, _) in enumerate(ending) if job.status == "finished"]
+
+        def end_finished() -> None:
+            entries = [results()[i] for i in finished]
+            self._finish_rq_successes([e for e in entries if e[0].status == "finished"])
+            for result, inflight in entries:
+                if result.status != "finished":  # its result could not be built
+                    self._finish_rq_failure(result, inflight)
+
+        self._bookkeeper.submit(publish)
+        if finished:
+            self._bookkeeper.submit(end_finished)
+        for i, (job, _) in enumerate(ending):
+            if job.status != "finished":
+                self._bookkeeper.submit(lambda i=i: self._finish_rq_failure(*results()[i]))
 
     def _stats(self) -> dict[str, Any]:
         """The engine's counters (prefix cache, prefill and decode time) and the loop's time per
@@ -435,7 +454,7 @@ class BatchWorker(SimpleWorker):
                                             started_job_registry=inflight.queue.started_job_registry)
             self._forget(inflight)
 
-    def _finish_rq_job(self, result: GenerationResult, inflight: InFlight) -> None:
+    def _finish_rq_failure(self, result: GenerationResult, inflight: InFlight) -> None:
         """End a failed or cancelled RQ job the way `perform_job` would, after its result key is
         written. Runs on the bookkeeping thread: callbacks get a thread-safe timeout."""
         job, queue = inflight.job, inflight.queue

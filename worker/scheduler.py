@@ -2,7 +2,8 @@
 
 It admits requests (validation that needs the model: served name, prompt length, vocabulary,
 KV-cache budget), turns each choice into a sequence, feeds engine steps back into per-choice
-state (text, stop strings, logprobs, stream deltas), and hands back finished GenerationResults.
+state (text, stop strings, logprobs, stream deltas), and hands back the jobs that ended, whose
+GenerationResults are built on demand (`EndedJob.result`).
 Jobs that fit the limits but not the memory free right now wait here, in order. It knows
 nothing of Redis.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, Timings, TopLogprob, Usage
 from schemas.request import InvalidRequestError, RequestLimits
@@ -40,7 +41,6 @@ class ChoiceState:
     # Stream bookkeeping: tokens and characters already handed out as deltas.
     streamed_tokens: int = 0
     streamed_chars: int = 0
-    final_text: Optional[str] = None  # set when it ends, for choices decoded once (no detokenizer)
 
     @property
     def done(self) -> bool:
@@ -48,8 +48,9 @@ class ChoiceState:
 
     @property
     def text(self) -> str:
+        """The text so far, for choices decoded token by token (the others decode when the result is built)."""
         if self.detokenizer is None:
-            return self.final_text or ""
+            return ""
         return self.detokenizer.text if self.text_end is None else self.detokenizer.text[: self.text_end]
 
 
@@ -71,6 +72,34 @@ class ActiveJob:
     @property
     def done(self) -> bool:
         return self.live == 0
+
+
+@dataclass
+class EndedJob:
+    """A job that ended. `result()` builds its GenerationResult, once, on whichever thread calls
+    it: nothing of an ended job changes any more, so the worker builds results on its bookkeeping
+    thread rather than in the step. (Measured on the 2-core CPU: 256 results of 128 tokens took
+    ~5 ms of pydantic and ~25 ms of detokenizing, all in the step that ended them.)"""
+
+    id: str
+    status: str
+    build: Callable[[], GenerationResult] = field(repr=False)
+    _result: Optional[GenerationResult] = field(default=None, repr=False)
+
+    @classmethod
+    def built(cls, result: GenerationResult) -> "EndedJob":
+        return cls(result.id, result.status, lambda: result, result)
+
+    def result(self) -> GenerationResult:
+        """Never raises: a result that cannot be built is a failed one, so the job still ends."""
+        if self._result is None:
+            try:
+                self._result = self.build()
+            except Exception as exc:
+                self._result = GenerationResult(
+                    id=self.id, status="failed",
+                    error=ErrorInfo(type="ResultError", message=f"could not build the result: {exc!r}"))
+        return self._result
 
 
 @dataclass
@@ -279,13 +308,13 @@ class BatchScheduler:
             )
 
     # --- stepping -------------------------------------------------------------------------
-    def step(self) -> list[GenerationResult]:
-        """Run one engine step; return the results of jobs that ended in it. An exception from
-        the engine means the step as a whole failed: see `reset`."""
+    def step(self) -> list[EndedJob]:
+        """Run one engine step; return the jobs that ended in it. An exception from the engine
+        means the step as a whole failed: see `reset`."""
         self._admit_waiting()
         events = self.engine.step()
         now = time.time()
-        ended: list[GenerationResult] = []
+        ended: list[EndedJob] = []
         touched: dict[str, ActiveJob] = {}
         for event in events:
             job_id = self._uid_to_job.get(event.uid)
@@ -343,15 +372,18 @@ class BatchScheduler:
         self._live_sequences -= 1
 
     def _settle_text(self, choice: ChoiceState) -> None:
-        """A choice just ended: its text is final (EOS and stop tokens are not text)."""
+        """A choice just ended: a detokenizer's held-back text is final."""
+        if choice.detokenizer is not None and choice.text_end is None:
+            choice.detokenizer.flush()
+
+    def _final_text(self, choice: ChoiceState) -> str:
+        """An ended choice's text (EOS and stop tokens are not text)."""
         if choice.detokenizer is not None:
-            if choice.text_end is None:
-                choice.detokenizer.flush()
-            return
+            return choice.text
         tokens = choice.token_ids
         if choice.finish_reason == "stop" and tokens and tokens[-1] in choice.stop_ids:
             tokens = tokens[:-1]
-        choice.final_text = self.engine.decode(tokens)
+        return self.engine.decode(tokens)
 
     def _collect_stream(self, job: ActiveJob) -> None:
         if not job.request.stream:
@@ -371,7 +403,7 @@ class BatchScheduler:
         deltas, self._streams = self._streams, []
         return deltas
 
-    def cancel(self, job_id: str, reason: str = "cancelled") -> Optional[GenerationResult]:
+    def cancel(self, job_id: str, reason: str = "cancelled") -> Optional[EndedJob]:
         """End a running job now (reason "cancelled" or "timeout"), keeping its partial output."""
         if job_id not in self._jobs:
             return None
@@ -379,7 +411,7 @@ class BatchScheduler:
             return self._end_now(job_id, "cancelled", "cancelled")
         return self._end_now(job_id, "timeout", "failed", ErrorInfo(type="JobTimeoutException", message="job timed out"))
 
-    def abort_all(self, error_type: str, message: str) -> list[GenerationResult]:
+    def abort_all(self, error_type: str, message: str) -> list[EndedJob]:
         """Fail every job (a shutdown); partial outputs are kept."""
         return [self._end_now(job_id, "error", "failed", ErrorInfo(type=error_type, message=message))
                 for job_id in list(self._jobs)]
@@ -397,7 +429,7 @@ class BatchScheduler:
         return suspects
 
     def _end_now(self, job_id: str, finish_reason: str, status: str, error: Optional[ErrorInfo] = None
-                 ) -> GenerationResult:
+                 ) -> EndedJob:
         job = self._jobs[job_id]
         live = [c for c in job.choices if not c.done]
         if job.in_engine:
@@ -409,18 +441,22 @@ class BatchScheduler:
         return self._finish(job_id, status=status, error=error)
 
     # --- results --------------------------------------------------------------------------
-    def _finish(self, job_id: str, status: str = "finished", error: Optional[ErrorInfo] = None) -> GenerationResult:
+    def _finish(self, job_id: str, status: str = "finished", error: Optional[ErrorInfo] = None) -> EndedJob:
         job = self._jobs.pop(job_id)
         finished_at = time.time()
+        return EndedJob(job_id, status, lambda: self._result(job, status, error, finished_at))
+
+    def _result(self, job: ActiveJob, status: str, error: Optional[ErrorInfo], finished_at: float
+                ) -> GenerationResult:
         choices = [
-            Choice(index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
+            Choice(index=c.index, text=self._final_text(c), token_ids=c.token_ids, logprobs=c.logprobs,
                    top_logprobs=c.top_logprobs, finish_reason=c.finish_reason)  # type: ignore[arg-type]
             for c in job.choices
         ]
         completion = sum(len(c.token_ids) for c in job.choices)
         request = job.request
         return GenerationResult(
-            id=job_id,
+            id=job.job_id,
             custom_id=request.custom_id,
             model=request.model or self.model_name,
             status=status,  # type: ignore[arg-type]

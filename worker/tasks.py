@@ -40,8 +40,8 @@ def generate(request: Any) -> dict[str, Any]:
     result = scheduler.admit(job_id, request, enqueued_at=enqueued_at)
     try:
         while result is None:
-            finished = scheduler.step()
-            result = finished[0] if finished else None
+            ended = scheduler.step()
+            result = ended[0].result() if ended else None
     finally:
         if result is None:  # interrupted (RQ's timeout, a signal): free the engine for the next job
             scheduler.cancel(job_id)

@@ -109,3 +109,8 @@ class Engine(Protocol):
         """Optional (callers use `getattr(engine, "prefix_cache_stats", None)`): the prompt cache's
         counters, flat scalars (worker/prefix_cache.py `PrefixCache.stats`)."""
         ...
+
+    def time_stats(self) -> dict[str, Any]:
+        """Optional, like `prefix_cache_stats`: prefill and decode seconds, calls and steps since
+        the engine started, flat scalars (worker/engines/counters.py `EngineCounters`)."""
+        ...
