@@ -55,10 +55,7 @@ SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it th
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 GIL_SWITCH_INTERVAL_S = 0.0005
 
-# KEYS: queue, its intermediate list, queue, its intermediate list, ... in priority order. Move up
-# to ARGV[1] job ids from the queues to their intermediate lists, the first queue first; return
-# {queue index (0-based), id, the job hash as HGETALL gives it, queue index, id, hash, ...}. An id
-# whose job hash is gone (deleted while it waited) is dropped.
+
 class JobFailed(Exception):
     """Carries a failed GenerationResult's error into RQ's failure path (callbacks, exc_info)."""
 
@@ -382,32 +379,24 @@ class BatchWorker(SimpleWorker):
             inflight.ending = True
         done_ids = [job.id for job, _ in ending]
         stats = WorkerStats(keys.stats_key(self.name), self._stats())
-        built: list[tuple[GenerationResult, InFlight]] = []  # shared by the tasks below (one thread)
-
-        def results() -> list[tuple[GenerationResult, InFlight]]:
-            if not built:
-                built.extend((job.result(), inflight) for job, inflight in ending)
-            return built
-
-        def publish() -> None:
-            publish_results(self.connection, [self._publication(result, inflight) for result, inflight in results()],
-                            running_key=self._poller.running_key, done_ids=done_ids, stats=stats)
-
-        finished = [i for i, (job, _) in enumerate(ending) if job.status == "finished"]
+        # Results are built by the first task that needs them (EndedJob.result builds once).
+        self._bookkeeper.submit(lambda: publish_results(
+            self.connection, [self._publication(job.result(), inflight) for job, inflight in ending],
+            running_key=self._poller.running_key, done_ids=done_ids, stats=stats))
+        finished = [(job, inflight) for job, inflight in ending if job.status == "finished"]
 
         def end_finished() -> None:
-            entries = [results()[i] for i in finished]
-            self._finish_rq_successes([e for e in entries if e[0].status == "finished"])
-            for result, inflight in entries:
+            built = [(job.result(), inflight) for job, inflight in finished]
+            self._finish_rq_successes([(result, inflight) for result, inflight in built if result.status == "finished"])
+            for result, inflight in built:
                 if result.status != "finished":  # its result could not be built
                     self._finish_rq_failure(result, inflight)
 
-        self._bookkeeper.submit(publish)
         if finished:
             self._bookkeeper.submit(end_finished)
-        for i, (job, _) in enumerate(ending):
+        for job, inflight in ending:
             if job.status != "finished":
-                self._bookkeeper.submit(lambda i=i: self._finish_rq_failure(*results()[i]))
+                self._bookkeeper.submit(lambda job=job, inflight=inflight: self._finish_rq_failure(job.result(), inflight))
 
     def _stats(self) -> dict[str, Any]:
         """The engine's counters (prefix cache, prefill and decode time) and the loop's time per
