@@ -23,6 +23,7 @@ from rq.registry import ScheduledJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
+from producer.pubsub import read_burst
 from producer.wire import (
     JobState,
     PlannedJob,
@@ -257,13 +258,10 @@ class Client:
                         late = [job_id for job_id in ids if job_id in pending]
                         shown = ", ".join(late[:5]) + (", ..." if len(late) > 5 else "")
                         raise WaitTimeout(f"no result after {timeout} s for {len(late)} job(s): {shown}", late)
-                    message = pubsub.get_message(timeout=_time_left(deadline, max(next_poll - now, 0.0)))
-                    woken: set[str] = set()
-                    while message is not None:
-                        if message["type"] == "message" and message["channel"] in channels:
-                            woken.add(channels[message["channel"]])
-                        message = pubsub.get_message(timeout=0.0)
-                    if time.monotonic() >= next_poll:
+                    messages, whole = read_burst(pubsub, _time_left(deadline, max(next_poll - now, 0.0)))
+                    woken = {channels[m["channel"]] for m in messages
+                             if m["type"] == "message" and m["channel"] in channels}
+                    if not whole or time.monotonic() >= next_poll:
                         settle(list(pending))
                         next_poll = time.monotonic() + SAFETY_POLL_S
                     elif woken:

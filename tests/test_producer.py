@@ -37,6 +37,7 @@ from producer import (
     RequestLimits,
     WaitTimeout,
 )
+from producer.pubsub import BURST_GAP_S, read_burst
 from schemas import keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -313,6 +314,52 @@ def test_wait_many(client: Client, redis_conn: redis.Redis, no_polling: None) ->
     with pytest.raises(WaitTimeout) as info:
         client.wait_many([ids[1], other], timeout=0.3)
     assert info.value.pending == (other,)
+
+
+def test_wait_many_survives_a_read_that_times_out_mid_message(
+        client: Client, redis_conn: redis.Redis, no_polling: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py raises TimeoutError when only part of a message has arrived (and its reconnects can
+    drop messages): the waiter re-reads every job instead of failing, and misses none."""
+    ids = client.submit_many([{"prompt": f"p{i}"} for i in range(6)])
+    real_get_message = redis.client.PubSub.get_message
+    calls = {"messages": 0}
+
+    def flaky_get_message(self: redis.client.PubSub, *args: Any, **kwargs: Any) -> Any:
+        message = real_get_message(self, *args, **kwargs)
+        if message is not None and message["type"] == "message":
+            calls["messages"] += 1
+            if calls["messages"] == 2:  # this message and the ones behind it are lost mid-read
+                raise redis.TimeoutError("Timeout reading from socket")
+        return message
+
+    monkeypatch.setattr(redis.client.PubSub, "get_message", flaky_get_message)
+    timer = threading.Timer(0.2, lambda: [finish(redis_conn, job_id, text=job_id) for job_id in ids])
+    timer.start()
+    start = time.monotonic()
+    results = client.wait_many(ids, timeout=30)
+    assert time.monotonic() - start < 10  # not the 60 s safety poll
+    assert calls["messages"] >= 2
+    assert {job_id: r.choices[0].text for job_id, r in results.items()} == {job_id: job_id for job_id in ids}
+
+
+def test_read_burst_takes_what_arrived_and_reports_a_broken_read() -> None:
+    class Script:
+        def __init__(self, replies: list[Any]) -> None:
+            self.replies, self.timeouts = replies, []
+
+        def get_message(self, timeout: float) -> Any:
+            self.timeouts.append(timeout)
+            reply = self.replies.pop(0)
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+    whole = Script([{"type": "message", "data": b"a"}, {"type": "message", "data": b"b"}, None])
+    assert read_burst(whole, 1.5) == ([{"type": "message", "data": b"a"}, {"type": "message", "data": b"b"}], True)  # type: ignore[arg-type]
+    assert whole.timeouts == [1.5, BURST_GAP_S, BURST_GAP_S]
+    broken = Script([{"type": "message", "data": b"a"}, redis.TimeoutError("partial")])
+    assert read_burst(broken, 1.5) == ([{"type": "message", "data": b"a"}], False)  # type: ignore[arg-type]
+    assert read_burst(Script([None]), 0.1) == ([], True)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- cancelling

@@ -20,6 +20,7 @@ from mlxq.bench.arms import Arm
 from mlxq.bench.procs import ProcessSet, library_loaded, log_tail
 from mlxq.bench.workloads import Arrivals, BenchRequest, RequestRecord, Workload
 from producer import Client, WaitTimeout
+from producer.pubsub import read_burst
 from schemas import GenerationResult, keys
 
 JOB_TIMEOUT_S = 3600  # RQ's 180 s default could end long queued-then-slow jobs of a big sweep
@@ -177,12 +178,11 @@ def drive(cluster: MlxqCluster, workload: Workload, timeout_s: float,
                 break
             upcoming = arrivals.next_arrival()
             wait = 0.5 if upcoming is None else max(0.0, min(0.5, upcoming - (now - t0)))
-            message = pubsub.get_message(timeout=wait)
-            while message is not None:
+            messages, whole = read_burst(pubsub, wait)
+            for message in messages:
                 if message["type"] == "pmessage":
                     end(message["data"].decode())
-                message = pubsub.get_message(timeout=0.0)
-            if time.perf_counter() >= next_poll and inflight:
+            if (not whole or time.perf_counter() >= next_poll) and inflight:
                 pending = list(inflight)
                 for job_id, raw in zip(pending, conn.mget([keys.result_key(j) for j in pending])):
                     if raw is not None:

@@ -19,6 +19,7 @@ from rq.serializers import JSONSerializer
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
+from producer.pubsub import read_burst
 from schemas import GenerationResult, keys
 
 OUT_OF_VOCAB = 10_000_000  # beyond any model's vocabulary
@@ -91,11 +92,11 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
                                            result_ttl=JOB_TIMEOUT_S)
                 kinds[job_id] = job.kind
                 submitted += 1
-            message = pubsub.get_message(timeout=0.05)
-            while message is not None:
-                if message["type"] == "pmessage":
-                    done.add(message["data"].decode())
-                message = pubsub.get_message(timeout=0.0)
+            messages, whole = read_burst(pubsub, 0.05)
+            done.update(m["data"].decode() for m in messages if m["type"] == "pmessage")
+            if not whole:  # messages may be lost: the result keys say which jobs ended
+                waiting = [job_id for job_id in kinds if job_id not in done]
+                done.update(j for j, raw in zip(waiting, conn.mget([keys.result_key(j) for j in waiting])) if raw)
             if now >= next_sample:
                 samples.append(_sample(now - t0, process, conn, submitted, len(done & kinds.keys())))
                 next_sample = now + cfg.soak_sample_s
