@@ -164,6 +164,8 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     overhead = report["scenarios"]["overhead"]
     assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0
     assert overhead["throughput"]["jobs_per_s"] > 0
+    sustained = overhead["throughput"]["sustained"]
+    assert sustained["completed"] == sustained["jobs"] == 3 * 150 and sustained["jobs_per_s"] > 0
     assert overhead["publish"]["burst_finished"] == 24
     assert overhead["publish"]["publish_step_ms"] is not None
 

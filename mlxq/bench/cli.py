@@ -78,6 +78,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g = p.add_argument_group("scenarios")
     g.add_argument("--overhead-jobs", type=int, default=2000)
     g.add_argument("--overhead-tokens", type=int, default=1)
+    g.add_argument("--overhead-offered", type=float, default=3000.0,
+                   help="jobs/s offered in the sustained run (default: the target rate)")
     g.add_argument("--overhead-publish", type=int, default=256, help="results finishing in one step")
     g.add_argument("--overhead-step-ms", type=float, default=10.0, help="fake step cost for the publish test")
     g.add_argument("--late-long", type=int, default=31)
@@ -112,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         headline_concurrency=args.headline_concurrency, url=args.url, vllm_mlx_venv=args.vllm_mlx_venv,
         create_venv=args.create_venv, seed=args.seed, request_timeout_s=args.timeout,
         overhead_jobs=args.overhead_jobs, overhead_tokens=args.overhead_tokens,
+        overhead_offered_per_s=args.overhead_offered,
         overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
         late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
         late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,

@@ -20,6 +20,8 @@ from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
 from mlxq.bench.stats import distribution, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, Workload, all_at_once, make_prompts
+
+SUSTAINED_JOBS_PER_BURST_JOB = 3  # the sustained run is this many times --overhead-jobs
 from schemas import keys
 
 
@@ -54,6 +56,7 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
         cluster.warm(all_at_once(_fake_jobs(100, cfg.overhead_tokens, 7), "warmup"))
         workload = all_at_once(_fake_jobs(cfg.overhead_jobs, cfg.overhead_tokens), "overhead-jobs")
         records = drive(cluster, workload, cfg.request_timeout_s)
+        sustained = _sustained(cluster, cfg)
     finally:
         cluster.stop()
     summary = summarize(workload, records)
@@ -66,6 +69,7 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
         "jobs_per_s": summary["requests_per_s"],
         "worker_jobs_per_s": (summary["completed"] / worker_wall) if worker_wall else None,
         "e2e_s": summary["e2e_s"],
+        "sustained": sustained,
     }
 
     # Phase 2: step intervals while many results are published (fixed fake step cost).
@@ -93,6 +97,22 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
     return {"throughput": throughput, "publish": publish,
             "method": "FakeEngine worker (no model); jobs submitted at once with submit_many; jobs/s from the "
                       "first submit to the last mlxq:done message. Step intervals from the engine's own step log."}
+
+
+def _sustained(cluster: MlxqCluster, cfg: BenchConfig) -> dict[str, Any]:
+    """Jobs arrive at the offered rate (submitted as they fall due, a few per submit): the rate at
+    which results land over the middle 80% of the run is the offered rate if one worker keeps up,
+    and what it sustains with the producer beside it if not (not a burst's drain)."""
+    count, rate = SUSTAINED_JOBS_PER_BURST_JOB * cfg.overhead_jobs, cfg.overhead_offered_per_s
+    requests = [BenchRequest(i, r.prompt, r.max_tokens, client=i, arrival_s=i / rate)
+                for i, r in enumerate(_fake_jobs(count, cfg.overhead_tokens, 11))]
+    workload = Workload("open", "overhead-sustained", requests, rate=rate)
+    records = drive(cluster, workload, cfg.request_timeout_s)
+    finished = sorted(r.finished for r in records if r.finished is not None and r.error is None)
+    middle = finished[len(finished) // 10: len(finished) - len(finished) // 10]
+    span = middle[-1] - middle[0] if len(middle) > 1 else 0.0
+    return {"jobs": count, "offered_per_s": rate, "completed": len(finished),
+            "jobs_per_s": (len(middle) - 1) / span if span > 0 else None}
 
 
 def analyze_steps(steps: list[list[float]], burst: int) -> dict[str, Any]:
