@@ -13,7 +13,7 @@ import pytest
 from mlxq.bench.cli import config_from_args
 from mlxq.bench.scenarios import analyze_steps, stats_delta
 from mlxq.bench.stats import percentile, summarize
-from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop
+from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop, spread_lengths
 
 
 class WordTokenizer:
@@ -57,6 +57,17 @@ def test_closed_loop_releases_each_clients_next_request_after_the_previous() -> 
     (request, arrival), = arrivals.due(1.5)
     assert request.client == first[0][0].client and arrival == 1.5
     assert not arrivals.exhausted
+
+
+def test_spread_lengths_varies_max_tokens_within_the_spread_and_repeats() -> None:
+    workload = closed_loop(prompts(200), concurrency=20, rounds=10, max_tokens=64)
+    spread = spread_lengths(workload, 16, seed=3)
+    lengths = [r.max_tokens for r in spread.requests]
+    assert min(lengths) >= 48 and max(lengths) <= 80 and len(set(lengths)) > 10
+    assert [r.max_tokens for r in spread_lengths(workload, 16, seed=3).requests] == lengths
+    assert [(r.index, r.client, r.prompt) for r in spread.requests] == [(r.index, r.client, r.prompt)
+                                                                        for r in workload.requests]
+    assert spread_lengths(workload, 0, seed=3) is workload
 
 
 def test_open_loop_arrivals_follow_their_times() -> None:

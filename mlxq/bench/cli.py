@@ -60,6 +60,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--open-requests", type=int, default=32, help="requests per open-loop rate (default 32)")
     g.add_argument("--prompt-tokens", type=int, default=64)
     g.add_argument("--new-tokens", type=int, default=64)
+    g.add_argument("--new-tokens-spread", type=int, default=0,
+                   help="each request asks --new-tokens +- up to this many (uniform, seeded; default 0)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="decode batch limit for B, C, D, E (default 32)")
     g.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     g.add_argument("--workers", type=_list(int), default=(1, 2), help="mlxq worker processes for arm C (1,2)")
@@ -109,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         out=args.out, model=args.model, shape=args.shape, dtype=args.dtype, model_cache=args.model_cache,
         arms=tuple(a.upper() for a in args.arms), scenarios=args.scenario, concurrency=args.concurrency,
         rounds=args.rounds, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens, max_num_seqs=args.max_num_seqs, prefill_batch_size=args.prefill_batch_size,
+        new_tokens=args.new_tokens, new_tokens_spread=args.new_tokens_spread, max_num_seqs=args.max_num_seqs, prefill_batch_size=args.prefill_batch_size,
         workers=args.workers, a_max_concurrency=args.a_max_concurrency, warmup_tokens=args.warmup_tokens,
         headline_concurrency=args.headline_concurrency, url=args.url, vllm_mlx_venv=args.vllm_mlx_venv,
         create_venv=args.create_venv, seed=args.seed, request_timeout_s=args.timeout,

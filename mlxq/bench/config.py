@@ -33,6 +33,7 @@ class BenchConfig:
     open_requests: int = 32
     prompt_tokens: int = 64
     new_tokens: int = 64
+    new_tokens_spread: int = 0  # each request asks new_tokens +- up to this many
     max_num_seqs: int = 32
     prefill_batch_size: int = 8
     workers: tuple[int, ...] = (1, 2)
@@ -85,6 +86,8 @@ class BenchConfig:
                      "prefix_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.new_tokens_spread < self.new_tokens:
+            raise ValueError("--new-tokens-spread must be >= 0 and below --new-tokens")
         if any(n < 1 for n in self.concurrency) or any(w < 1 for w in self.workers):
             raise ValueError("--concurrency and --workers take positive integers")
         if any(r <= 0 for r in self.rates):

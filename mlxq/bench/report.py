@@ -89,7 +89,9 @@ def markdown(report: dict[str, Any]) -> str:
            if facts else ""),
         f"on {machine.get('cpu_model') or machine.get('machine')} ({machine.get('cpu_count')} CPUs); "
         f"{report['device']}; mlx-lm {report['versions'].get('mlx-lm')}; BLAS: {report['blas']}.",
-        f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']} new tokens, greedy, EOS ignored; "
+        f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']}"
+        + (f" +- {settings['new_tokens_spread']}" if settings.get("new_tokens_spread") else "")
+        + " new tokens, greedy, EOS ignored; "
         f"max_num_seqs {settings['max_num_seqs']} for every batching arm. Latencies in seconds, p50 / p95 / p99.",
         "",
     ]

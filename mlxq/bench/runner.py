@@ -17,7 +17,7 @@ from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_serv
                               interrupt_on_signals, versions)
 from mlxq.bench.report import headline, scenario_lines, time_split_line, write_all
 from mlxq.bench.stats import summarize
-from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop
+from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
 from mlxq.redis_server import existing_or_private
 
 
@@ -29,13 +29,15 @@ def build_workloads(cfg: BenchConfig, tokenizer: Tokenizer) -> list[tuple[Worklo
         prompts = make_prompts(tokenizer, n * cfg.rounds, cfg.prompt_tokens, seed=cfg.seed, salt=f"closed-{n}")
         warm_n = min(n, cfg.max_num_seqs)
         warm = make_prompts(tokenizer, warm_n, cfg.prompt_tokens, seed=cfg.seed, salt=f"warmup-{n}")
-        plan.append((closed_loop(prompts, n, cfg.rounds, cfg.new_tokens),
+        plan.append((spread_lengths(closed_loop(prompts, n, cfg.rounds, cfg.new_tokens), cfg.new_tokens_spread,
+                                    seed=cfg.seed),
                      closed_loop(warm, warm_n, 1, cfg.warmup_tokens, label=f"warmup-{n}")))
     for rate in cfg.rates:
         prompts = make_prompts(tokenizer, cfg.open_requests, cfg.prompt_tokens, seed=cfg.seed, salt=f"open-{rate:g}")
         warm_n = min(8, cfg.max_num_seqs)
         warm = make_prompts(tokenizer, warm_n, cfg.prompt_tokens, seed=cfg.seed, salt=f"warmup-open-{rate:g}")
-        plan.append((open_loop(prompts, rate, cfg.new_tokens, seed=cfg.seed),
+        plan.append((spread_lengths(open_loop(prompts, rate, cfg.new_tokens, seed=cfg.seed), cfg.new_tokens_spread,
+                                    seed=cfg.seed),
                      closed_loop(warm, warm_n, 1, cfg.warmup_tokens, label=f"warmup-open-{rate:g}")))
     return plan
 
@@ -76,7 +78,8 @@ class Runner:
             "versions": versions(),
             "model": model_info,
             "settings": {
-                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "max_num_seqs": cfg.max_num_seqs,
+                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+                "new_tokens_spread": cfg.new_tokens_spread, "max_num_seqs": cfg.max_num_seqs,
                 "prefill_batch_size": cfg.prefill_batch_size, "concurrency": list(cfg.concurrency),
                 "rounds": cfg.rounds, "rates": list(cfg.rates), "open_requests": cfg.open_requests,
                 "workers": list(cfg.workers), "warmup_tokens": cfg.warmup_tokens, "seed": cfg.seed,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Protocol
 
 # Plain words, so that the text round-trips through any tokenizer (real or the random test ones).
@@ -107,6 +107,16 @@ def closed_loop(prompts: list[Prompt], concurrency: int, rounds: int, max_tokens
         raise ValueError(f"closed loop needs {count} prompts, got {len(prompts)}")
     requests = [BenchRequest(i, prompts[i], max_tokens, client=i % concurrency) for i in range(count)]
     return Workload("closed", label or f"closed-{concurrency}", requests, concurrency=concurrency)
+
+
+def spread_lengths(workload: Workload, spread: int, *, seed: int) -> Workload:
+    """The same requests, each asking for `max_tokens` +- up to `spread` new tokens (uniform, seeded):
+    sequences then end at different steps, as real outputs do, in every arm alike."""
+    if spread <= 0:
+        return workload
+    rng = random.Random(f"{seed}/lengths/{workload.label}")
+    requests = [replace(r, max_tokens=r.max_tokens + rng.randint(-spread, spread)) for r in workload.requests]
+    return replace(workload, requests=requests)
 
 
 def open_loop(prompts: list[Prompt], rate: float, max_tokens: int, *, seed: int, label: str = "") -> Workload:
