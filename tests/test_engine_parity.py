@@ -163,3 +163,61 @@ def test_eager_joiners_draw_on_an_allowance_that_refills_with_decode_steps(model
     for _ in range(EAGER_REFILL_STEPS):
         scheduler.step()
     assert _first_token_in_joining_step(scheduler, ["c"]) == {"c": True}  # refilled by decode steps
+
+
+def test_joiners_past_the_allowance_wait_for_a_prefill_batch_and_match_alone(model_and_tokenizer):
+    """Once the eager allowance is spent, joiners of a decoding batch are handed to mlx-lm together:
+    when a prefill batch of them waits, or when the oldest has waited JOINER_HOLD_STEPS steps. A
+    held joiner can be cancelled, and every output is what the request gives alone."""
+    from worker.engines.text import EAGER_JOINERS_MAX, JOINER_HOLD_STEPS
+
+    model, tokenizer = model_and_tokenizer
+    engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=4)
+    scheduler = BatchScheduler(engine, max_num_seqs=32)
+    _decode_a_while(scheduler, ["long0"], steps=3)
+    _first_token_in_joining_step(scheduler, [f"eager{i}" for i in range(EAGER_JOINERS_MAX)])  # spends it
+
+    def body(i: int) -> dict:
+        return {"prompt_token_ids": [(k * 13 + i) % 500 + 3 for k in range(7)], "max_tokens": 12,
+                "ignore_eos": True, "stream": True, "temperature": 0}
+
+    first_step: dict[str, int] = {}
+    results: dict = {}
+    step = 0
+
+    def run_step() -> None:
+        nonlocal step
+        step += 1
+        results.update((ended.id, ended.result()) for ended in scheduler.step())
+        for delta in scheduler.take_stream_deltas():
+            if delta.token_ids:
+                first_step.setdefault(delta.job_id, step)
+
+    for job_id in ("few0", "few1", "gone"):
+        assert scheduler.admit(job_id, body(len(job_id) + ord(job_id[-1]))) is None
+    run_step()
+    cancelled = scheduler.cancel("gone")
+    assert cancelled is not None and cancelled.result().status == "cancelled"
+    for _ in range(JOINER_HOLD_STEPS - 1):
+        run_step()
+    assert "few0" not in first_step and "few1" not in first_step  # two are fewer than a prefill batch
+    held_at = step
+    for _ in range(4):
+        run_step()
+    assert held_at < first_step["few0"] == first_step["few1"] <= held_at + 4  # the oldest waited enough
+
+    batch = [f"full{i}" for i in range(4)]
+    for i, job_id in enumerate(batch):
+        assert scheduler.admit(job_id, body(100 + i)) is None
+    admitted_at = step
+    for _ in range(3):
+        run_step()
+    assert all(first_step[job_id] <= admitted_at + 3 for job_id in batch)  # a full batch goes at once
+
+    results.update(run_all(scheduler, {}))
+    bodies = {"few0": body(len("few0") + ord("0")), "few1": body(len("few1") + ord("1")),
+              **{job_id: body(100 + i) for i, job_id in enumerate(batch)}}
+    alone = run_all(BatchScheduler(TextEngine(model, tokenizer)), bodies)
+    for job_id in bodies:
+        assert results[job_id].choices[0].token_ids == alone[job_id].choices[0].token_ids, job_id
+    assert engine.num_active == 0
