@@ -186,7 +186,8 @@ def _overhead_line(o: dict[str, Any]) -> str:
     sustained = t.get("sustained") or {}
     return (f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
             f"jobs submitted at once, {_f(sustained.get('jobs_per_s'), 0)} jobs/s sustained while "
-            f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered (target >= 3,000); step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
+            f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered (target >= 3,000); "
+            f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
             f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms while they "
             f"were admitted (fake step cost {p['fake_step_ms']:g} ms)")
 

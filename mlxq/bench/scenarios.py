@@ -20,9 +20,9 @@ from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
 from mlxq.bench.stats import distribution, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, Workload, all_at_once, make_prompts
+from schemas import keys
 
 SUSTAINED_JOBS_PER_BURST_JOB = 3  # the sustained run is this many times --overhead-jobs
-from schemas import keys
 
 
 class ClusterFactory(Protocol):
