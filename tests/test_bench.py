@@ -96,7 +96,7 @@ def test_summarize_accounts_for_every_request() -> None:
 
 def test_analyze_steps_finds_the_publish_and_admit_intervals() -> None:
     steps = [[0.00, 4], [0.01, 4], [0.02, 4], [0.50, 36], [0.51, 36], [0.90, 4], [0.91, 4]]
-    found = analyze_steps(steps, 32)
+    found = analyze_steps(steps, 32, running=4)
     assert found["admit_step_ms"] == pytest.approx(480)
     assert found["publish_step_ms"] == pytest.approx(390)
     assert found["plain_step_ms"]["p50"] == pytest.approx(10)
@@ -177,7 +177,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert overhead["throughput"]["jobs_per_s"] > 0
     sustained = overhead["throughput"]["sustained"]
     assert sustained["completed"] == sustained["jobs"] == 3 * 150 and sustained["jobs_per_s"] > 0
-    assert overhead["publish"]["burst_finished"] == 24
+    assert overhead["publish"]["burst_finished"] == overhead["publish"]["joiners_finished"] == 24
     assert overhead["publish"]["publish_step_ms"] is not None
 
     # Where the time went: mlx-lm's own counters for B, the same plus the loop's sections for C.

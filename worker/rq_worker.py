@@ -54,6 +54,10 @@ CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_ca
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 GIL_SWITCH_INTERVAL_S = 0.0005
+# While sequences decode, a loop turn starts at most this many jobs: each costs the loop ~0.3 ms of
+# Python (rq's job objects, the request's validation), and 256 at once held the running sequences'
+# next token back by 60-100 ms. An idle worker still takes all it has room for.
+ADMIT_PER_TURN_WHILE_DECODING = 64
 
 
 class JobFailed(Exception):
@@ -208,6 +212,8 @@ class BatchWorker(SimpleWorker):
             self._liveness.beat_now()  # before any sweep can take our jobs for abandoned
         if self._health.up:
             room = 0 if self._stop_requested else self.scheduler_.free_slots
+            if self.scheduler_.decoding:
+                room = min(room, ADMIT_PER_TURN_WHILE_DECODING)
             room = room if jobs_left is None else min(room, jobs_left)
             taken = self._redis_call(self._poll, room) or 0
         clock.lap("poll")

@@ -152,6 +152,11 @@ class BatchScheduler:
         return max(0, self.max_num_seqs - self.num_sequences)
 
     @property
+    def decoding(self) -> bool:
+        """Whether a running job has produced tokens: its sequences wait on every step."""
+        return any(job.first_token_at is not None for job in self._jobs.values())
+
+    @property
     def job_ids(self) -> list[str]:
         return list(self._jobs)
 

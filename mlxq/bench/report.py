@@ -188,8 +188,8 @@ def _overhead_line(o: dict[str, Any]) -> str:
             f"jobs submitted at once, {_f(sustained.get('jobs_per_s'), 0)} jobs/s sustained while "
             f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered (target >= 3,000); "
             f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
-            f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms while they "
-            f"were admitted (fake step cost {p['fake_step_ms']:g} ms)")
+            f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms at most while "
+            f"they joined (fake step cost {p['fake_step_ms']:g} ms)")
 
 
 def _late_joiner_line(s: dict[str, Any]) -> str:
