@@ -137,6 +137,11 @@ class MlxqCluster:
             self.conn = None
 
 
+def with_result_keys(conn: redis.Redis, job_ids: list[str]) -> list[str]:
+    """Those of `job_ids` whose result key exists: the jobs that ended, whatever pub/sub missed."""
+    return [job_id for job_id, raw in zip(job_ids, conn.mget([keys.result_key(j) for j in job_ids])) if raw]
+
+
 def drive(cluster: MlxqCluster, workload: Workload, timeout_s: float,
           make_payload: Callable[[BenchRequest], dict[str, Any]] = payload) -> list[RequestRecord]:
     """Submit `workload` as its arrivals say, collect every result; times relative to the start."""
@@ -183,10 +188,8 @@ def drive(cluster: MlxqCluster, workload: Workload, timeout_s: float,
                 if message["type"] == "pmessage":
                     end(message["data"].decode())
             if (not whole or time.perf_counter() >= next_poll) and inflight:
-                pending = list(inflight)
-                for job_id, raw in zip(pending, conn.mget([keys.result_key(j) for j in pending])):
-                    if raw is not None:
-                        end(job_id)
+                for job_id in with_result_keys(conn, list(inflight)):
+                    end(job_id)
                 next_poll = time.perf_counter() + SAFETY_POLL_S
     finally:
         pubsub.close()

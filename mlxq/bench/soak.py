@@ -16,7 +16,7 @@ from typing import Any, Optional
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
+from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, with_result_keys
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
 from producer.pubsub import read_burst
@@ -95,8 +95,7 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
             messages, whole = read_burst(pubsub, 0.05)
             done.update(m["data"].decode() for m in messages if m["type"] == "pmessage")
             if not whole:  # messages may be lost: the result keys say which jobs ended
-                waiting = [job_id for job_id in kinds if job_id not in done]
-                done.update(j for j, raw in zip(waiting, conn.mget([keys.result_key(j) for j in waiting])) if raw)
+                done.update(with_result_keys(conn, [job_id for job_id in kinds if job_id not in done]))
             if now >= next_sample:
                 samples.append(_sample(now - t0, process, conn, submitted, len(done & kinds.keys())))
                 next_sample = now + cfg.soak_sample_s

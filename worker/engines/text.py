@@ -396,6 +396,7 @@ class TextEngine:
         if engine_uid is not None:
             self._live.pop(engine_uid, None)
 
+
 @dataclass
 class _Held:
     """A joiner waiting for the others of its prefill batch."""
