@@ -194,3 +194,69 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert (out / "plot.png").stat().st_size > 0
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all(len(json.loads(line)["records"]) == 4 for line in lines)
+
+
+class ScriptedArm:
+    """An arm whose every request takes the wall time the test gives for that repeat."""
+
+    methods: dict[str, str] = {}
+    time_split = None
+
+    def __init__(self, key: str, walls: list[float], log: list[str]) -> None:
+        self.key, self.walls, self.log, self.repeat = key, walls, log, 0
+
+    def start(self) -> None:
+        self.log.append(self.key)
+
+    def stop(self) -> None:
+        self.repeat += 1
+
+    def info(self) -> dict[str, object]:
+        return {}
+
+    def run_all(self, plan, on_outcome) -> None:  # type: ignore[no-untyped-def]
+        wall = self.walls[self.repeat]
+        for workload, _ in plan:
+            on_outcome(workload, [RequestRecord(r.index, 0.0, first_token=0.1, finished=wall, tokens=r.max_tokens)
+                                  for r in workload.requests])
+
+
+def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: Path, monkeypatch) -> None:
+    from mlxq.bench import runner as runner_module
+    from mlxq.bench.config import BenchConfig
+    from mlxq.bench.report import headline, markdown
+
+    log: list[str] = []
+    # B and C slow down together in repeat 2 (a noisy neighbour): C/B per repeat 0.8, 0.9, 0.5.
+    arms = [ScriptedArm("B", [1.0, 2.0, 1.0], log), ScriptedArm("C1", [1.25, 2.0 / 0.9, 2.0], log)]
+    cfg = BenchConfig(out=tmp_path, arms=("B", "C"), concurrency=(4,), rates=(), repeats=3, workers=(1,))
+    cfg.validate()
+    run = runner_module.Runner(cfg)
+    monkeypatch.setattr(run, "_arms", lambda procs, url: arms)
+    run.tokenizer = WordTokenizer()
+    run.local = type("Unloaded", (), {"unload": lambda self: None})()
+    run.report = {"settings": {"repeats": 3}, "arms": {}, "results": []}
+    run._throughput(None, "")  # type: ignore[arg-type]
+
+    assert log == ["B", "C1"] * 3
+    assert [(e["arm"], e["repeat"]) for e in run.report["results"]] == [("B", 0), ("C1", 0), ("B", 1), ("C1", 1),
+                                                                        ("B", 2), ("C1", 2)]
+    head = headline(run.report, 4)
+    assert head["ratios_each_repeat"]["C/B"] == pytest.approx([0.8, 0.9, 0.5])
+    assert head["ratios"]["C/B"] == pytest.approx(0.8)  # the median of the paired ratios
+    b_runs = sorted(e["metrics"]["tokens_per_s"] for e in run.report["results"] if e["arm"] == "B")
+    assert head["tokens_per_s"]["B"] == pytest.approx(b_runs[1])  # B's median run
+    run.report.update(headline=head, model={"path": "m"}, machine={}, device="cpu", blas="x",
+                      versions={}, settings={**run.report["settings"], "prompt_tokens": 64, "new_tokens": 64,
+                                             "max_num_seqs": 32})
+    table = markdown(run.report)
+    assert "| B #2 | 4 |" in table and "| C1 #3 | 4 |" in table
+    assert "| C/B | 0.80 | 0.80, 0.90, 0.50 | >= 0.9 |" in table
+
+
+def test_repeats_must_be_positive() -> None:
+    from mlxq.cli import build_parser
+
+    config = config_from_args(build_parser().parse_args(["bench", "--repeats", "0"]))
+    with pytest.raises(ValueError, match="--repeats"):
+        config.validate()

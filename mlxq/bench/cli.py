@@ -56,6 +56,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help=f"comma-separated subset of {','.join(SCENARIOS)}, or all (default throughput)")
     g.add_argument("--concurrency", type=_list(int), default=(1, 8, 32, 128), help="closed-loop clients (1,8,32,128)")
     g.add_argument("--rounds", type=int, default=1, help="requests per closed-loop client, sent in turn (default 1)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="run the arms this many times, interleaved (A B C, A B C, ...); ratios are then the median "
+                        "of each repeat's own ratio, so drift on a noisy machine hits every arm alike (default 1)")
     g.add_argument("--rates", type=_list(float), default=(1.0, 2.0), help="open-loop Poisson rates, requests/s (1,2)")
     g.add_argument("--open-requests", type=int, default=32, help="requests per open-loop rate (default 32)")
     g.add_argument("--prompt-tokens", type=int, default=64)
@@ -110,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         out=args.out, model=args.model, shape=args.shape, dtype=args.dtype, model_cache=args.model_cache,
         arms=tuple(a.upper() for a in args.arms), scenarios=args.scenario, concurrency=args.concurrency,
-        rounds=args.rounds, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
+        rounds=args.rounds, repeats=args.repeats, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, new_tokens_spread=args.new_tokens_spread, max_num_seqs=args.max_num_seqs,
         prefill_batch_size=args.prefill_batch_size,
         workers=args.workers, a_max_concurrency=args.a_max_concurrency, warmup_tokens=args.warmup_tokens,

@@ -29,6 +29,7 @@ class BenchConfig:
     scenarios: tuple[str, ...] = ("throughput",)
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
     rounds: int = 1  # closed loop: requests each client sends, one after the other
+    repeats: int = 1  # the arms run this many times, interleaved (A B C, A B C, ...)
     rates: tuple[float, ...] = ()  # open loop: Poisson arrival rates (requests/s)
     open_requests: int = 32
     prompt_tokens: int = 64
@@ -79,7 +80,7 @@ class BenchConfig:
         bad = [s for s in self.scenarios if s not in SCENARIOS]
         if bad:
             raise ValueError(f"--scenario: unknown scenario(s) {bad}; choose from {','.join(SCENARIOS)} or all")
-        for name in ("rounds", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs", "prefill_batch_size"):
+        for name in ("rounds", "repeats", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs", "prefill_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("prefix_requests", "prefix_shared_tokens", "prefix_suffix_tokens", "prefix_new_tokens",

@@ -16,16 +16,37 @@ def _order(arm: str) -> int:
     return ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER)
 
 
+def runs(report: dict[str, Any], arm: str, label: str) -> dict[int, dict[str, Any]]:
+    """{repeat: metrics} of every run of `arm` on workload `label` that completed."""
+    return {entry.get("repeat", 0): entry["metrics"] for entry in report["results"]
+            if entry["arm"] == arm and entry["workload"]["label"] == label and entry["status"] == "ok"}
+
+
 def find(report: dict[str, Any], arm: str, label: str) -> Optional[dict[str, Any]]:
-    for entry in report["results"]:
-        if entry["arm"] == arm and entry["workload"]["label"] == label and entry["status"] == "ok":
-            metrics: dict[str, Any] = entry["metrics"]
-            return metrics
-    return None
+    """The metrics of `arm` on workload `label`; with repeats, those of its median run by tokens/s."""
+    found = sorted(runs(report, arm, label).values(), key=lambda m: m["tokens_per_s"] or 0.0)
+    return found[(len(found) - 1) // 2] if found else None
+
+
+def paired_ratios(report: dict[str, Any], label: str, numerator: str, denominator: str) -> list[float]:
+    """numerator/denominator tokens/s within each repeat that both completed (interleaved runs
+    share that repeat's machine conditions)."""
+    top, bottom = runs(report, numerator, label), runs(report, denominator, label)
+    values = [ratio(top[r]["tokens_per_s"], bottom[r]["tokens_per_s"]) for r in sorted(top) if r in bottom]
+    return [v for v in values if v is not None]
+
+
+def _median(values: list[float]) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
-    """The issue's ratios at one closed-loop concurrency: mlxq with one worker against each arm."""
+    """The issue's ratios at one closed-loop concurrency: mlxq with one worker against each arm;
+    with repeats, the median of the repeats' own ratios, each repeat's listed."""
     label = f"closed-{concurrency}"
     c_arms = sorted({e["arm"] for e in report["results"] if e["arm"].startswith("C")}, key=_order)
     c_key = "C1" if "C1" in c_arms else (c_arms[0] if c_arms else "C1")
@@ -39,10 +60,9 @@ def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
         return metrics["ttft_s"]["p50"] if metrics and metrics["ttft_s"] else None
 
     arms = sorted({e["arm"] for e in report["results"]}, key=_order)
-    ratios = {f"C/{other}": ratio(tps(c_key), tps(other)) for other in ("B", "A", "D", "E")}
-    for extra in c_arms:
-        if extra != c_key:
-            ratios[f"{extra}/B"] = ratio(tps(extra), tps("B"))
+    pairs = [(c_key, other) for other in ("B", "A", "D", "E")] + [(extra, "B") for extra in c_arms if extra != c_key]
+    each = {f"C/{b}" if a == c_key else f"{a}/{b}": paired_ratios(report, label, a, b) for a, b in pairs}
+    ratios = {key: _median(values) for key, values in each.items()}
     return {
         "concurrency": concurrency,
         "c_arm": c_key,
@@ -50,6 +70,7 @@ def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
         "ttft_p50_s": {arm: ttft(arm) for arm in arms},
         "failed": {arm: (find(report, arm, label) or {}).get("failed") for arm in arms},
         "ratios": ratios,
+        "ratios_each_repeat": each,
         "targets": TARGETS,
         "met": {k: (v >= TARGETS[k]) if v is not None and k in TARGETS else None for k, v in ratios.items()},
     }
@@ -80,8 +101,13 @@ def _pcts(dist: Optional[dict[str, float]]) -> str:
     return " / ".join(f"{dist[p]:.2f}" for p in ("p50", "p95", "p99"))
 
 
+def _arm_cell(entry: dict[str, Any], repeats: int) -> str:
+    return f"{entry['arm']} #{entry.get('repeat', 0) + 1}" if repeats > 1 else str(entry["arm"])
+
+
 def markdown(report: dict[str, Any]) -> str:
     settings, model, machine = report["settings"], report["model"], report["machine"]
+    repeats = int(settings.get("repeats", 1))
     facts = model.get("facts", {})
     lines = [
         f"mlxq bench: {model.get('source', model['path'])}"
@@ -103,16 +129,18 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"### {title}", "",
                   f"| arm | {col} | gen tok/s | req/s | TTFT | end to end | queue p50 | failed |",
                   "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
-        rows.sort(key=lambda e: (_order(e["arm"]), e["workload"].get("concurrency") or e["workload"].get("rate") or 0))
+        rows.sort(key=lambda e: (_order(e["arm"]), e["workload"].get("concurrency") or e["workload"].get("rate") or 0,
+                                 e.get("repeat", 0)))
         for e in rows:
             w = e["workload"]
             x = w["concurrency"] if kind == "closed" else f"{w['rate']:g}"
             if e["status"] != "ok":
-                lines.append(f"| {e['arm']} | {x} | {e['status']}: {str(e.get('error') or '')[:70]} | | | | | |")
+                lines.append(f"| {_arm_cell(e, repeats)} | {x} | {e['status']}: {str(e.get('error') or '')[:70]} "
+                             "| | | | | |")
                 continue
             m = e["metrics"]
             queue = m["queue_s"]["p50"] if m["queue_s"] else None
-            lines.append(f"| {e['arm']} | {x} | {_f(m['tokens_per_s'])} | {_f(m['requests_per_s'], 2)} | "
+            lines.append(f"| {_arm_cell(e, repeats)} | {x} | {_f(m['tokens_per_s'])} | {_f(m['requests_per_s'], 2)} | "
                          f"{_pcts(m['ttft_s'])} | {_pcts(m['e2e_s'])} | {_f(queue, 2)} | "
                          f"{m['failed']}/{m['requests']} |")
         lines.append("")
@@ -123,11 +151,11 @@ def markdown(report: dict[str, Any]) -> str:
                   "mlxq's engine runs itself (own); the rest of the wall time is spent outside the engine.", "",
                   "| arm | workload | wall s | prefill s (calls, own) | decode s (steps, ms/step) | outside s |",
                   "| --- | --- | ---: | ---: | ---: | ---: |"]
-        for e in sorted(split_rows, key=lambda e: (e["workload"]["label"], _order(e["arm"]))):
+        for e in sorted(split_rows, key=lambda e: (e["workload"]["label"], _order(e["arm"]), e.get("repeat", 0))):
             t, wall = e["time_split"], e["metrics"]["wall_s"]
             steps = t.get("engine_decode_steps", 0)
             lines.append(
-                f"| {e['arm']} | {e['workload']['label']} | {_f(wall, 2)} | {_f(t.get('engine_prefill_s'), 2)} "
+                f"| {_arm_cell(e, repeats)} | {e['workload']['label']} | {_f(wall, 2)} | {_f(t.get('engine_prefill_s'), 2)} "
                 f"({t.get('engine_prefill_calls', 0):.0f}, {t.get('engine_own_prefills', 0):.0f}) | "
                 f"{_f(t.get('engine_decode_s'), 2)} ({steps:.0f}, {_f(1000 * t['engine_decode_s'] / steps if steps else None)}) | "
                 f"{_f(_outside(t, wall), 2)} |")
@@ -135,11 +163,17 @@ def markdown(report: dict[str, Any]) -> str:
     head = report.get("headline")
     if head and any(v is not None for v in head["ratios"].values()):
         workers = head["c_arm"][1:] or "?"
-        lines += [f"### Ratios at N = {head['concurrency']} (C = {head['c_arm']}: mlxq with {workers} worker(s))", "",
-                  "| ratio | value | target |", "| --- | ---: | ---: |"]
+        each = head.get("ratios_each_repeat", {})
+        title = f"### Ratios at N = {head['concurrency']} (C = {head['c_arm']}: mlxq with {workers} worker(s))"
+        if repeats > 1:
+            lines += [title + f", median of {repeats} interleaved repeats", "",
+                      "| ratio | median | each repeat | target |", "| --- | ---: | --- | ---: |"]
+        else:
+            lines += [title, "", "| ratio | value | target |", "| --- | ---: | ---: |"]
         for key, value in head["ratios"].items():
             target = head["targets"].get(key)
-            lines.append(f"| {key} | {_f(value, 2)} | {'>= ' + format(target, 'g') if target else ''} |")
+            runs_cell = f" {', '.join(_f(v, 2) for v in each.get(key, [])) or '—'} |" if repeats > 1 else ""
+            lines.append(f"| {key} | {_f(value, 2)} |{runs_cell} {'>= ' + format(target, 'g') if target else ''} |")
         lines.append("")
     found = scenario_lines(report.get("scenarios", {}))
     if found:
@@ -244,11 +278,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     closed = [e for e in report["results"] if e["workload"]["kind"] == "closed" and e["status"] == "ok"]
     arms = sorted({e["arm"] for e in closed}, key=_order)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    concurrency_of = {e["workload"]["label"]: e["workload"]["concurrency"] for e in closed}
+    labels = sorted(concurrency_of, key=concurrency_of.__getitem__)
     for arm in arms:
-        rows = sorted((e for e in closed if e["arm"] == arm), key=lambda e: e["workload"]["concurrency"])
-        xs = [e["workload"]["concurrency"] for e in rows]
-        axes[0].plot(xs, [e["metrics"]["tokens_per_s"] or 0 for e in rows], marker="o", label=arm)
-        ttft = [(e["metrics"]["ttft_s"] or {}) for e in rows]
+        medians = [(concurrency_of[label], m) for label in labels if (m := find(report, arm, label)) is not None]
+        xs = [x for x, _ in medians]
+        axes[0].plot(xs, [m["tokens_per_s"] or 0 for _, m in medians], marker="o", label=arm)
+        ttft = [(m["ttft_s"] or {}) for _, m in medians]
         line, = axes[1].plot(xs, [t.get("p50", float("nan")) for t in ttft], marker="o", label=f"{arm} p50")
         axes[1].plot(xs, [t.get("p99", float("nan")) for t in ttft], linestyle="--", color=line.get_color(),
                      label=f"{arm} p99")
@@ -269,8 +305,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[1].set_yscale("log")
     head = report.get("headline") or {}
     label = f"closed-{head.get('concurrency')}"
-    bars = [(e["arm"], e["metrics"]["e2e_s"]) for e in closed
-            if e["workload"]["label"] == label and e["metrics"]["e2e_s"]]
+    bars = [(arm, m["e2e_s"]) for arm in arms if (m := find(report, arm, label)) is not None and m["e2e_s"]]
     bars.sort(key=lambda b: _order(b[0]))
     width = 0.25
     for i, pct in enumerate(("p50", "p95", "p99")):

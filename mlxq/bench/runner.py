@@ -81,7 +81,8 @@ class Runner:
                 "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
                 "new_tokens_spread": cfg.new_tokens_spread, "max_num_seqs": cfg.max_num_seqs,
                 "prefill_batch_size": cfg.prefill_batch_size, "concurrency": list(cfg.concurrency),
-                "rounds": cfg.rounds, "rates": list(cfg.rates), "open_requests": cfg.open_requests,
+                "rounds": cfg.rounds, "repeats": cfg.repeats, "rates": list(cfg.rates),
+                "open_requests": cfg.open_requests,
                 "workers": list(cfg.workers), "warmup_tokens": cfg.warmup_tokens, "seed": cfg.seed,
                 "sampling": "greedy (temperature 0); EOS never ends a request (fixed lengths)",
                 "scenarios": list(cfg.scenarios), "arms": list(cfg.arms),
@@ -139,46 +140,60 @@ class Runner:
         return arms
 
     def _throughput(self, procs: ProcessSet, url: str) -> None:
+        """Every arm on every workload, `repeats` times over, interleaved: on a shared machine the
+        drift between one repeat and the next then hits every arm of that repeat alike."""
         plan = build_workloads(self.cfg, self.tokenizer)
         arms = self._arms(procs, url)
-        for position, arm in enumerate(arms):
-            label = ARM_LABELS[arm.key[0]] + (f", {arm.key[1:]} worker(s)" if arm.key.startswith("C") else "")
-            entry: dict[str, Any] = {"label": label, "status": "ok", "methods": arm.methods}
-            self.report["arms"][arm.key] = entry
-            print(f"\n== {label}", flush=True)
-            try:
-                arm.start()
-                todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
-                arm.run_all(todo, lambda workload, outcome: self._record(arm, workload, outcome))
-                entry["info"] = arm.info()
-            except ArmSkipped as exc:
-                entry.update(status="skipped", reason=str(exc))
-                print(f"   skipped: {exc}", flush=True)
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:
-                entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}"[:2000])
-                print(f"   failed: {exc}", flush=True)
-                traceback.print_exc()
-            finally:
-                arm.stop()
-                if not any(a.key in ("A", "B") for a in arms[position + 1:]):
+        repeats = self.cfg.repeats
+        for repeat in range(repeats):
+            for position, arm in enumerate(arms):
+                entry = self.report["arms"].get(arm.key)
+                if entry is not None and entry["status"] == "skipped":
+                    continue
+                self._run_arm(arm, plan, repeat)
+                later = arms[position + 1:] if repeat == repeats - 1 else arms
+                if not any(a.key in ("A", "B") for a in later):
                     self.local.unload()
         self.report["blas_checks"] = {
             key: entry.get("info", {}).get("blas_loaded") for key, entry in self.report["arms"].items()
             if key not in ("A", "B")  # A and B run in this process, whose BLAS is the report's `blas`
         }
 
+    def _run_arm(self, arm: Arm, plan: list[tuple[Workload, Workload]], repeat: int) -> None:
+        label = ARM_LABELS[arm.key[0]] + (f", {arm.key[1:]} worker(s)" if arm.key.startswith("C") else "")
+        entry: dict[str, Any] = self.report["arms"].setdefault(
+            arm.key, {"label": label, "status": "ok", "methods": arm.methods})
+        runs = f" (repeat {repeat + 1} of {self.cfg.repeats})" if self.cfg.repeats > 1 else ""
+        print(f"\n== {label}{runs}", flush=True)
+        try:
+            arm.start()
+            todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
+            arm.run_all(todo, lambda workload, outcome: self._record(arm, workload, outcome, repeat))
+            entry["info"] = arm.info()
+        except ArmSkipped as exc:
+            entry.update(status="skipped", reason=str(exc))
+            print(f"   skipped: {exc}", flush=True)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}"[:2000])
+            print(f"   failed: {exc}", flush=True)
+            traceback.print_exc()
+        finally:
+            arm.stop()
+
     def _wanted(self, arm: Arm, workload: Workload, entry: dict[str, Any]) -> bool:
         cap = self.cfg.a_max_concurrency
         if arm.key == "A" and workload.kind == "closed" and (workload.concurrency or 0) > cap:
+            if any(workload.label in note for note in entry.get("not_run", [])):
+                return False
             entry.setdefault("not_run", []).append(
                 f"{workload.label}: one job at a time, so N > {cap} only lengthens its queue (--a-max-concurrency)")
             return False
         return True
 
-    def _record(self, arm: Arm, workload: Workload, outcome: Any) -> None:
-        result: dict[str, Any] = {"arm": arm.key, "workload": workload.describe()}
+    def _record(self, arm: Arm, workload: Workload, outcome: Any, repeat: int) -> None:
+        result: dict[str, Any] = {"arm": arm.key, "workload": workload.describe(), "repeat": repeat}
         if isinstance(outcome, BaseException):
             result.update(status="failed", error=f"{type(outcome).__name__}: {outcome}"[:2000])
             print(f"   {workload.label:<14} failed: {outcome}", flush=True)
@@ -193,7 +208,7 @@ class Runner:
                 result["time_split"] = arm.time_split
                 print(f"   {'':<14} {time_split_line(arm.time_split, metrics['wall_s'])}", flush=True)
             with open(self.records_path, "a") as f:
-                f.write(json.dumps({"arm": arm.key, "workload": workload.label,
+                f.write(json.dumps({"arm": arm.key, "workload": workload.label, "repeat": repeat,
                                     "records": [r.to_json() for r in outcome]}) + "\n")
         self.report["results"].append(result)
 
