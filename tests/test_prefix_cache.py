@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from tests.reference import run_all
 from worker.engines.fake import FakeEngine
 from worker.engines.text import TextEngine
-from worker.prefix_cache import PrefixCache, unsupported_reason
+from worker.prefix_cache import SPECULATIVE_PROBATION, SPECULATIVE_SAMPLE, PrefixCache, unsupported_reason
 from worker.scheduler import BatchScheduler
 
 MIB = 1 << 20
@@ -139,6 +139,30 @@ def test_stats_count_lookups_hits_and_reused_tokens():
     assert (stats["lookups"], stats["hits"], stats["prompt_tokens"], stats["reused_tokens"]) == (2, 1, 150, 48)
     assert stats["hit_rate"] == pytest.approx(48 / 150)
     assert stats["entries"] == 1 and stats["bytes"] == sum(c.nbytes for c in kv(a))
+
+
+def test_speculative_stores_are_sampled_while_nothing_hits_and_resume_on_a_hit():
+    pc = PrefixCache(256 * MIB, min_match=16)
+    for i in range(SPECULATIVE_PROBATION):  # prompts that share nothing: every one kept at first
+        assert pc.store(seq(10_000 * (i + 1), 32), kv(seq(10_000 * (i + 1), 32)), speculative=True)
+    offered = [seq(10_000 * (i + 100), 32) for i in range(2 * SPECULATIVE_SAMPLE)]
+    kept = [pc.store(tokens, kv(tokens), speculative=True) for tokens in offered]
+    assert sum(kept) == 2 and pc.stats()["skipped_stores"] == 2 * SPECULATIVE_SAMPLE - 2
+    shared = seq(7, 40)  # stored on purpose (a prefix being prefilled for sharing): never skipped
+    assert pc.store(shared, kv(shared))
+    assert pc.lookup(shared[:20] + [0]) is not None  # the cache serves again: keep everything
+    fresh = seq(900_000, 32)
+    assert pc.store(fresh, kv(fresh), speculative=True) and pc.lookup(fresh + [1]) is not None
+
+
+def test_a_cache_that_keeps_being_hit_keeps_every_speculative_store():
+    pc = PrefixCache(256 * MIB, min_match=16)
+    system = seq(1, 32)
+    for i in range(3 * SPECULATIVE_PROBATION):  # each conversation's follow-up hits the shared start
+        turn = system + seq(10_000 * (i + 1), 16)
+        pc.lookup(turn + [0])
+        assert pc.store(turn, kv(turn), speculative=True)
+    assert pc.stats()["skipped_stores"] == 0
 
 
 def test_lookup_stays_cheap_with_many_long_entries():

@@ -23,6 +23,13 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cach
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 
+# Keeping a finished sequence's cache "in case" (a speculative store) copies its rows, which is pure
+# cost where prompts share nothing (on an H200 under churn, 3% of the worker's time). Once this many
+# speculative stores were kept with no lookup hitting since, only one in SPECULATIVE_SAMPLE is kept
+# (so a prefix that starts being shared still gets in), until a lookup hits again.
+SPECULATIVE_PROBATION = 64
+SPECULATIVE_SAMPLE = 16
+
 
 def unsupported_reason(cache: Sequence[Any]) -> Optional[str]:
     """Why caches like `cache` (a fresh `make_prompt_cache(model)`) cannot be reused; None if they can."""
@@ -58,6 +65,9 @@ class PrefixCache:
         self._next_key = 0
         self.bytes = 0
         self.lookups = self.hits = self.prompt_tokens = self.reused_tokens = self.evictions = 0
+        self.skipped_stores = 0
+        self._kept_since_hit = 0  # speculative stores kept since the last lookup that hit
+        self._offered_in_sampling = 0
 
     @property
     def enabled(self) -> bool:
@@ -78,6 +88,7 @@ class PrefixCache:
         if found is None or found[1] < self.min_match:
             return None
         entry, matched = found
+        self._kept_since_hit = 0
         self._entries.move_to_end(entry.key)
         cache = copy.deepcopy(entry.cache)  # new cache objects; MLX arrays are values, shared until written
         if matched < len(entry.tokens):
@@ -86,11 +97,17 @@ class PrefixCache:
         self.reused_tokens += matched
         return cache, matched
 
-    def store(self, tokens: Sequence[int], cache: Cache) -> bool:
+    def store(self, tokens: Sequence[int], cache: Cache, speculative: bool = False) -> bool:
         """Keep `cache`, which must hold exactly `tokens`; the caller must not touch it afterwards.
-        Returns whether it was kept (not when it is inconsistent, too big or already covered)."""
+        Returns whether it was kept (not when it is inconsistent, too big or already covered, nor a
+        `speculative` one skipped while the cache goes unused: see SPECULATIVE_PROBATION)."""
         if not self.enabled or len(tokens) < self.min_match or unsupported_reason(cache) is not None:
             return False
+        if speculative and self._kept_since_hit >= SPECULATIVE_PROBATION:
+            self._offered_in_sampling += 1
+            if self._offered_in_sampling % SPECULATIVE_SAMPLE:
+                self.skipped_stores += 1
+                return False
         if not can_trim_prompt_cache(cache) or any(c.size() != len(tokens) for c in cache):
             return False
         nbytes = sum(c.nbytes for c in cache)
@@ -116,6 +133,8 @@ class PrefixCache:
         if chain:
             self._ending.setdefault(chain[-1], set()).add(entry.key)
         self.bytes += nbytes
+        if speculative:
+            self._kept_since_hit += 1
         while self.bytes > self.max_bytes:
             self._remove(next(iter(self._entries.values())))
             self.evictions += 1
@@ -139,6 +158,7 @@ class PrefixCache:
             "reused_tokens": self.reused_tokens,
             "hit_rate": self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "evictions": self.evictions,
+            "skipped_stores": self.skipped_stores,
         }
 
     # --- the block index ---------------------------------------------------------------------

@@ -122,4 +122,4 @@ class FakeEngine:
         """The text engine's prefix-cache fields, for a cache this engine does not have."""
         return {"enabled": False, "disabled_reason": "fake engine", "entries": 0, "bytes": 0, "max_bytes": 0,
                 "min_match": 0, "lookups": 0, "hits": 0, "prompt_tokens": 0, "reused_tokens": 0,
-                "hit_rate": 0.0, "evictions": 0}
+                "hit_rate": 0.0, "evictions": 0, "skipped_stores": 0}

@@ -373,7 +373,7 @@ class TextEngine:
             return
         prompt = spec.prompt_token_ids
         if len(tokens) > len(prompt) and tokens[: len(prompt)] == prompt:
-            self._prefix.store(list(tokens), cache)
+            self._prefix.store(list(tokens), cache, speculative=True)
 
     def remove(self, uids: list[str]) -> None:
         if self._held:
