@@ -260,3 +260,13 @@ def test_repeats_must_be_positive() -> None:
     config = config_from_args(build_parser().parse_args(["bench", "--repeats", "0"]))
     with pytest.raises(ValueError, match="--repeats"):
         config.validate()
+
+
+def test_a_multi_worker_time_split_is_the_mean_worker() -> None:
+    from mlxq.bench.report import time_split_line
+
+    # Two workers, each 8 s in the engine during a 10 s run: summed, the engine would outlast the wall.
+    split = {"engine_prefill_s": 1.0, "engine_decode_s": 7.0, "engine_decode_steps": 300.0, "workers": 2}
+    line = time_split_line(split, 10.0)
+    assert "outside the engine 2.00 s" in line and line.endswith("(the mean of 2 workers)")
+    assert "mean" not in time_split_line({**split, "workers": 1}, 10.0)

@@ -148,7 +148,8 @@ def markdown(report: dict[str, Any]) -> str:
     if split_rows:
         lines += ["### Where the engine's time went", "",
                   "Prefill and decode are mlx-lm's own `BatchGenerator.stats()` counters, plus the prefills "
-                  "mlxq's engine runs itself (own); the rest of the wall time is spent outside the engine.", "",
+                  "mlxq's engine runs itself (own); the rest of the wall time is spent outside the engine. "
+                  "With several workers, the mean worker.", "",
                   "| arm | workload | wall s | prefill s (calls, own) | decode s (steps, ms/step) | outside s |",
                   "| --- | --- | ---: | ---: | ---: | ---: |"]
         for e in sorted(split_rows, key=lambda e: (e["workload"]["label"], _order(e["arm"]), e.get("repeat", 0))):
@@ -205,7 +206,8 @@ def time_split_line(split: dict[str, float], wall: Optional[float]) -> str:
     loop = {k[len("loop_"):-2]: v for k, v in split.items() if k.startswith("loop_")}
     if loop:
         line += "; loop: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in sorted(loop.items()))
-    return line
+    workers = int(split.get("workers", 1))
+    return line + (f" (the mean of {workers} workers)" if workers > 1 else "")
 
 
 def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
