@@ -145,13 +145,13 @@ def test_speculative_stores_are_sampled_while_nothing_hits_and_resume_on_a_hit()
     pc = PrefixCache(256 * MIB, min_match=16)
     for i in range(SPECULATIVE_PROBATION):  # prompts that share nothing: every one kept at first
         assert pc.store(seq(10_000 * (i + 1), 32), kv(seq(10_000 * (i + 1), 32)), speculative=True)
-    offered = [seq(10_000 * (i + 100), 32) for i in range(2 * SPECULATIVE_SAMPLE)]
+    offered = [seq(10_000 * (i + SPECULATIVE_PROBATION + 1), 32) for i in range(2 * SPECULATIVE_SAMPLE)]
     kept = [pc.store(tokens, kv(tokens), speculative=True) for tokens in offered]
     assert sum(kept) == 2 and pc.stats()["skipped_stores"] == 2 * SPECULATIVE_SAMPLE - 2
     shared = seq(7, 40)  # stored on purpose (a prefix being prefilled for sharing): never skipped
     assert pc.store(shared, kv(shared))
     assert pc.lookup(shared[:20] + [0]) is not None  # the cache serves again: keep everything
-    fresh = seq(900_000, 32)
+    fresh = seq(90_000_000, 32)
     assert pc.store(fresh, kv(fresh), speculative=True) and pc.lookup(fresh + [1]) is not None
 
 

@@ -27,7 +27,7 @@ Cache = list[Any]  # one mlx-lm cache object per layer
 # cost where prompts share nothing (on an H200 under churn, 3% of the worker's time). Once this many
 # speculative stores were kept with no lookup hitting since, only one in SPECULATIVE_SAMPLE is kept
 # (so a prefix that starts being shared still gets in), until a lookup hits again.
-SPECULATIVE_PROBATION = 64
+SPECULATIVE_PROBATION = 256
 SPECULATIVE_SAMPLE = 16
 
 
