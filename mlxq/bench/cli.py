@@ -113,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         out=args.out, model=args.model, shape=args.shape, dtype=args.dtype, model_cache=args.model_cache,
         arms=tuple(a.upper() for a in args.arms), scenarios=args.scenario, concurrency=args.concurrency,
-        rounds=args.rounds, repeats=args.repeats, rates=args.rates, open_requests=args.open_requests, prompt_tokens=args.prompt_tokens,
+        rounds=args.rounds, repeats=args.repeats, rates=args.rates, open_requests=args.open_requests,
+        prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, new_tokens_spread=args.new_tokens_spread, max_num_seqs=args.max_num_seqs,
         prefill_batch_size=args.prefill_batch_size,
         workers=args.workers, a_max_concurrency=args.a_max_concurrency, warmup_tokens=args.warmup_tokens,

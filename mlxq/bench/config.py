@@ -80,7 +80,8 @@ class BenchConfig:
         bad = [s for s in self.scenarios if s not in SCENARIOS]
         if bad:
             raise ValueError(f"--scenario: unknown scenario(s) {bad}; choose from {','.join(SCENARIOS)} or all")
-        for name in ("rounds", "repeats", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs", "prefill_batch_size"):
+        for name in ("rounds", "repeats", "open_requests", "prompt_tokens", "new_tokens", "max_num_seqs",
+                     "prefill_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("prefix_requests", "prefix_shared_tokens", "prefix_suffix_tokens", "prefix_new_tokens",

@@ -163,8 +163,8 @@ class Runner:
         label = ARM_LABELS[arm.key[0]] + (f", {arm.key[1:]} worker(s)" if arm.key.startswith("C") else "")
         entry: dict[str, Any] = self.report["arms"].setdefault(
             arm.key, {"label": label, "status": "ok", "methods": arm.methods})
-        runs = f" (repeat {repeat + 1} of {self.cfg.repeats})" if self.cfg.repeats > 1 else ""
-        print(f"\n== {label}{runs}", flush=True)
+        which = f" (repeat {repeat + 1} of {self.cfg.repeats})" if self.cfg.repeats > 1 else ""
+        print(f"\n== {label}{which}", flush=True)
         try:
             arm.start()
             todo = [(w, warm) for w, warm in plan if self._wanted(arm, w, entry)]
