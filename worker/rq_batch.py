@@ -9,9 +9,9 @@ queue.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
-from uuid import uuid4
 
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
@@ -44,9 +44,16 @@ class Registries:
         return self._built[key]
 
 
+def new_execution_id() -> str:
+    """32 random hex digits, like rq's `uuid4().hex`. uuid4 reads os.urandom, which lets go of the
+    GIL: with the bookkeeping thread busy, getting it back cost ~60 µs a call (4 µs alone), once per
+    started job. Execution ids must be unique, not secret; `random` is seeded from os.urandom."""
+    return f"{random.getrandbits(128):032x}"
+
+
 def create_execution(job: Job, ttl: int, batch: CommandBatch, worker_name: str, registries: Registries) -> Execution:
     """What `Execution.create` writes."""
-    execution = Execution(id=uuid4().hex, job_id=job.id, connection=job.connection, worker_name=worker_name)
+    execution = Execution(id=new_execution_id(), job_id=job.id, connection=job.connection, worker_name=worker_name)
     execution.save(ttl=ttl, pipeline=batch)
     ExecutionRegistry(job_id=job.id, connection=batch).add(execution=execution, ttl=ttl, pipeline=batch)
     registries.started(job.origin).add_execution(execution, pipeline=batch, ttl=ttl, xx=False)
