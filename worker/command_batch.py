@@ -86,7 +86,11 @@ class CommandBatch(CoreCommands):
         try:
             connection.send_packed_command([packed])
             return connection.read_response()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except redis.ResponseError:  # a whole error reply was read: the connection is in step
+            raise
+        except BaseException:
+            # Anything else (a lost connection; a signal's SystemExit between the send and the
+            # read) may leave the reply unread, for the connection's next user to take as its own.
             connection.disconnect()
             raise
         finally:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from types import FrameType
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import redis
@@ -58,6 +60,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # Python (rq's job objects, the request's validation), and 256 at once held the running sequences'
 # next token back by 60-100 ms. An idle worker still takes all it has room for.
 ADMIT_PER_TURN_WHILE_DECODING = 64
+IDLE_WAIT_ROUND_S = 1  # an idle worker's blocking dequeue returns this often to see a stop request
 
 
 class JobFailed(Exception):
@@ -109,6 +112,7 @@ class BatchWorker(SimpleWorker):
         self._poller = Poller(self.connection, self.name)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._clock = LoopClock()
+        self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
 
     # --- RQ hooks -------------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -121,11 +125,29 @@ class BatchWorker(SimpleWorker):
 
     @property
     def dequeue_timeout(self) -> int:
-        # An idle worker wakes this often for maintenance, which sweeps dead workers' jobs.
+        # rq sets the connection's socket timeout to this + 10 s (the idle wait uses shorter rounds).
         return max(1, int(self.settings.sweep_interval_s))
 
     def get_heartbeat_ttl(self, job: Job) -> int:
         return self.settings.heartbeat_ttl_s
+
+    def request_stop(self, signum: int, frame: Optional[FrameType]) -> None:
+        """First SIGTERM/SIGINT: warm shutdown. rq raises StopRequested from this signal handler when
+        the worker is not busy, wherever the main thread happens to be: inside a `try/except
+        Exception` the stop was lost (the worker never exited), and between a Redis command and
+        its reply the reply was left on a pooled connection for its next user (rq's
+        `register_death` then failed). Once the loop runs, the handler only sets the flag the loop
+        checks every turn; idle, the loop waits for jobs in rounds of IDLE_WAIT_ROUND_S."""
+        if not self._loop_started:
+            super().request_stop(signum, frame)
+            return
+        self._shutdown_requested_date = now()
+        signal.signal(signal.SIGINT, self.request_force_stop)
+        signal.signal(signal.SIGTERM, self.request_force_stop)
+        self.handle_warm_shutdown_request()
+        if self.scheduler:
+            self.stop_scheduler()
+        self._stop_requested = True
 
     def handle_payload(self, message: Any) -> None:
         """RQ's stop-job command only knows one current job: flag any of ours for the loop."""
@@ -170,6 +192,7 @@ class BatchWorker(SimpleWorker):
             self._clock = LoopClock()  # the loop's time, from here: not the model's loading
             self._liveness.start()
             self._bookkeeper.start()
+            self._loop_started = True
             while True:
                 if not self._inflight:
                     self.check_for_suspension(burst)
@@ -181,7 +204,7 @@ class BatchWorker(SimpleWorker):
                         if not self._poll(1):
                             break
                     else:
-                        dequeued = self.dequeue_job_and_maintain_ttl(self.dequeue_timeout, max_idle_time)
+                        dequeued = self._wait_for_job(max_idle_time)
                         if dequeued is None:
                             break
                         self._start(*dequeued)
@@ -201,6 +224,20 @@ class BatchWorker(SimpleWorker):
             self._liveness.stop()
             self.teardown()
         return taken > 0
+
+    def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[tuple[Job, Queue]]:
+        """rq's blocking dequeue (heartbeats and maintenance included), in rounds short enough to
+        see a stop request; None once stopped or after `max_idle_time` seconds without a job."""
+        waited = 0
+        while not self._stop_requested:
+            round_s = IDLE_WAIT_ROUND_S if max_idle_time is None else min(IDLE_WAIT_ROUND_S, max_idle_time - waited)
+            if round_s <= 0:
+                return None
+            dequeued = self.dequeue_job_and_maintain_ttl(round_s, max_idle_time=round_s)
+            if dequeued is not None:
+                return dequeued
+            waited += round_s
+        return None
 
     def _cycle(self, jobs_left: Optional[int]) -> int:
         """One turn of the busy loop: one round trip that takes jobs and finds cancellations,
