@@ -323,3 +323,18 @@ def test_an_idle_worker_stops_soon_after_a_warm_stop(redis_url):
     out = stop(worker)
     assert worker.returncode == 0, out
     assert time.monotonic() - started < 10, "an idle worker must not wait long to stop"
+
+
+def test_a_warm_stop_is_recorded_while_the_running_jobs_finish(redis_url):
+    client = Client(redis_url)
+    job_id = client.submit(long_request(90, 200))
+    worker = start_fake_worker(redis_url, name="stop-recorded", step_delay_s=0.03)
+    wait_for(lambda: client.status(job_id) == "started", what="the job started")
+    worker.send_signal(signal.SIGTERM)
+    conn = redis.Redis.from_url(redis_url)
+    wait_for(lambda: conn.hget("rq:worker:stop-recorded", "shutdown_requested_date") is not None, timeout=10,
+             what="the shutdown request in the worker's hash, as rq writes it")
+    assert client.status(job_id) == "started"  # warm: the running job goes on
+    out = stop(worker)
+    assert worker.returncode == 0, out
+    assert client.result(job_id).status == "finished" and len(client.result(job_id).choices[0].token_ids) == 200

@@ -113,6 +113,7 @@ class BatchWorker(SimpleWorker):
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._clock = LoopClock()
         self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
+        self._stop_recorded = False
 
     # --- RQ hooks -------------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -194,6 +195,7 @@ class BatchWorker(SimpleWorker):
             self._bookkeeper.start()
             self._loop_started = True
             while True:
+                self._record_stop_request()
                 if not self._inflight:
                     self.check_for_suspension(burst)
                     if self.should_run_maintenance_tasks:
@@ -222,8 +224,16 @@ class BatchWorker(SimpleWorker):
         finally:
             self._bookkeeper.stop()
             self._liveness.stop()
+            self._record_stop_request()
             self.teardown()
         return taken > 0
+
+    def _record_stop_request(self) -> None:
+        """Write the worker's `shutdown_requested_date` (what rq's handler writes for a busy worker),
+        once, from the loop: a Redis call inside the signal handler could interrupt another."""
+        if self._stop_requested and not self._stop_recorded and self._shutdown_requested_date is not None:
+            self._stop_recorded = True
+            self._redis_call(self.set_shutdown_requested_date)
 
     def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[tuple[Job, Queue]]:
         """rq's blocking dequeue (heartbeats and maintenance included), in rounds short enough to
