@@ -21,10 +21,10 @@ from rq.registry import (
     ScheduledJobRegistry,
     StartedJobRegistry,
 )
-from rq.serializers import JSONSerializer
 
 from producer.wire import resolve_url
 from schemas import keys
+from schemas.serializer import JSON_SERIALIZER
 
 REGISTRIES = {
     "started": StartedJobRegistry,
@@ -37,8 +37,8 @@ REGISTRIES = {
 
 
 def collect(connection: redis.Redis, queue_names: list[str], cleanup: bool) -> dict[str, Any]:
-    queues = [Queue(name, connection=connection, serializer=JSONSerializer) for name in queue_names] or \
-        Queue.all(connection=connection, serializer=JSONSerializer)
+    queues = [Queue(name, connection=connection, serializer=JSON_SERIALIZER) for name in queue_names] or \
+        Queue.all(connection=connection, serializer=JSON_SERIALIZER)
     swept: list[str] = []
     if cleanup:
         from worker.recovery import sweep_abandoned
@@ -48,10 +48,10 @@ def collect(connection: redis.Redis, queue_names: list[str], cleanup: bool) -> d
     for queue in queues:
         counts = {"queued": queue.count}
         for name, registry_class in REGISTRIES.items():
-            registry = registry_class(queue.name, connection=connection, serializer=JSONSerializer)
+            registry = registry_class(queue.name, connection=connection, serializer=JSON_SERIALIZER)
             counts[name] = registry.get_job_count(cleanup=cleanup)
         report["queues"][queue.name] = counts
-    for worker in Worker.all(connection=connection, serializer=JSONSerializer):
+    for worker in Worker.all(connection=connection, serializer=JSON_SERIALIZER):
         report["workers"].append({
             "name": worker.name,
             "state": str(worker.get_state()),

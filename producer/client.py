@@ -20,7 +20,6 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import EnqueueData
 from rq.registry import ScheduledJobRegistry
-from rq.serializers import JSONSerializer
 
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
 from producer.pubsub import read_burst
@@ -43,6 +42,8 @@ from producer.wire import (
     rq_status,
 )
 from schemas import GenerationResult, RequestLimits, keys
+from schemas.command_batch import CommandBatch
+from schemas.serializer import JSON_SERIALIZER
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client"]
 
@@ -139,7 +140,7 @@ class Client:
 
     def _queue(self, name: str) -> Queue:
         if name not in self._queues:
-            self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
+            self._queues[name] = Queue(name, connection=self.connection, serializer=JSON_SERIALIZER)
         return self._queues[name]
 
     def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
@@ -148,12 +149,14 @@ class Client:
         by_queue: dict[str, list[EnqueueData]] = {}
         for job in planned:
             by_queue.setdefault(job.queue, []).append(job.data)
-        # One MULTI/EXEC pipeline for every queue: one round trip, and all or nothing.
-        # (RQ reads the server version once per connection before the first enqueue.)
-        with broker_errors(), self.connection.pipeline() as pipe:
+        # One atomic call for every queue: one round trip, and all or nothing. A CommandBatch
+        # rather than a MULTI/EXEC pipeline: half the producer's CPU per job (8,000 jobs: 0.53 s
+        # against 1.0 s). (RQ reads the server version once per connection before the first enqueue.)
+        with broker_errors():
+            batch = CommandBatch(self.connection)
             for name, datas in by_queue.items():
-                self._queue(name).enqueue_many(datas, pipeline=pipe)
-            pipe.execute()
+                self._queue(name).enqueue_many(datas, pipeline=batch)
+            batch.execute()
 
     # -- reading
 
@@ -178,7 +181,7 @@ class Client:
         payload, enqueued_at, detail = None, None, None
         with broker_errors():
             try:
-                job = Job.fetch(state.job_id, connection=self.connection, serializer=JSONSerializer)
+                job = Job.fetch(state.job_id, connection=self.connection, serializer=JSON_SERIALIZER)
             except NoSuchJobError:
                 job = None
             if job is not None:
@@ -282,7 +285,7 @@ class Client:
         """
         with broker_errors():
             try:
-                job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                job = Job.fetch(job_id, connection=self.connection, serializer=JSON_SERIALIZER)
             except NoSuchJobError:
                 if self.connection.exists(keys.result_key(job_id)):
                     return False

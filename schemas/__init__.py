@@ -1,4 +1,5 @@
-"""Wire schemas and key names shared by producers and workers. Imports no MLX."""
+"""Wire schemas, key names, the rq serializer and batched Redis writes shared by producers and
+workers. Imports no MLX."""
 
 from schemas import keys
 from schemas.request import (

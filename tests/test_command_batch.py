@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 import redis
 
-from worker.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch
 
 
 def write_some(target: Any) -> None:
-    """A mix of what the worker writes: strings with TTLs, hashes with floats, sorted sets, a
-    stream, a read in the middle, a missing key, a set with many members."""
+    """A mix of what the worker writes: strings with TTLs, hashes with floats, ints and raw bytes,
+    sorted sets, a stream, a read in the middle, a missing key, a set with many members."""
     target.set("a", "1", ex=100)
     target.get("missing")
-    target.hset("h", mapping={"x": 1.5, "y": "zé", "n": 7})
+    target.hset("h", mapping={"x": 1.5, "y": "zé", "n": 7, "raw": b"\x00\xff\r\n", "big": 2**53 - 1, "neg": -3})
     target.hmget("h", ["x", "nope"])
     target.zadd("z", {"m1": 1764500000.123456, "m2": 2})
     target.zrem("z", "m2")
@@ -96,3 +96,23 @@ def test_runs_after_the_server_forgot_its_scripts(redis_conn: redis.Redis) -> No
     batch.set("k", "2")
     assert batch.execute() == [b"OK"]
     assert redis_conn.get("k") == b"2"
+
+
+def test_a_server_without_scripting_gets_the_same_writes_as_a_transaction(redis_conn: redis.Redis) -> None:
+    """fakeredis without lupa has no EVALSHA: producers' unit tests still enqueue through it."""
+    import fakeredis
+
+    with redis_conn.pipeline() as pipe:  # the reference: a MULTI/EXEC on the real server
+        write_some(pipe)
+        pipe.execute()
+    expected = state(redis_conn)
+
+    fake = fakeredis.FakeRedis()
+    batch = CommandBatch(fake)
+    write_some(batch)
+    batch.execute()
+    assert state(fake) == expected
+
+    batch.set("x", "1")
+    with pytest.raises(redis.ResponseError, match="unknown command"):  # guard keys need the script
+        batch.execute(unless_exists=["guard"])

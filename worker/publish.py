@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional
 import redis
 
 from schemas import GenerationResult, keys
-from worker.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch
 
 
 class Publication(NamedTuple):
@@ -17,6 +17,7 @@ class Publication(NamedTuple):
     ttl: Optional[int]  # seconds the key lives; None = forever
     write_key: bool = True  # False for a failed attempt that RQ will retry: the job has not ended
     ends_stream: bool = False
+    encoded: Optional[str] = None  # the result's JSON, when the caller has it already
 
 
 STATS_TTL_S = 3600  # a worker's stats hash outlives it by this much at most
@@ -43,7 +44,8 @@ def publish_results(connection: redis.Redis, publications: list[Publication], ru
         if not item.write_key:
             continue
         job_id = item.result.id
-        batch.set(keys.result_key(job_id), item.result.model_dump_json(), ex=item.ttl)
+        encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
+        batch.set(keys.result_key(job_id), encoded, ex=item.ttl)
         if item.ends_stream:
             end = {"event": "end", "status": item.result.status,
                    "finish_reasons": [c.finish_reason for c in item.result.choices]}

@@ -14,9 +14,9 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import StartedJobRegistry
-from rq.serializers import JSONSerializer
 
 from schemas import ErrorInfo, GenerationResult, Timings, keys
+from schemas.serializer import JSON_SERIALIZER
 from schemas.result import request_echo
 from worker.publish import Publication, publish_results
 
@@ -26,14 +26,14 @@ def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], skip: froz
     handled: list[str] = []
     now = time.time()
     for queue in queues:
-        registry = StartedJobRegistry(queue.name, connection=connection, serializer=JSONSerializer)
+        registry = StartedJobRegistry(queue.name, connection=connection, serializer=JSON_SERIALIZER)
         expired = [job_id for job_id in registry.get_expired_job_ids(now) if job_id not in skip]
         if not expired:
             continue
         results = []
         for job_id in expired:
             try:
-                job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+                job = Job.fetch(job_id, connection=connection, serializer=JSON_SERIALIZER)
             except NoSuchJobError:
                 continue
             if not job.should_retry:

@@ -20,7 +20,7 @@ from rq.results import Result
 from rq.utils import utcformat
 from rq.worker import BaseWorker
 
-from worker.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch
 
 
 class Registries:

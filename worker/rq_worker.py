@@ -14,6 +14,7 @@ it is per thread, and `_as_current` sets it around each call.
 from __future__ import annotations
 
 import contextlib
+import json
 import gc
 import logging
 import signal
@@ -31,15 +32,15 @@ from rq.command import parse_payload
 from rq.exceptions import DeserializationError, StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import now
 from rq.worker import WorkerStatus
 from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
+from schemas.serializer import JSON_SERIALIZER
 from worker.bookkeeping import Bookkeeper
-from worker.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch
 from worker.liveness import Liveness
 from worker.loop_clock import LoopClock
 from worker.poll import Poller
@@ -93,7 +94,7 @@ class BatchWorker(SimpleWorker):
         scheduler_factory: Optional[Callable[[WorkerSettings, str], Any]] = None,
         **kwargs: Any,
     ) -> None:
-        kwargs["serializer"] = JSONSerializer  # never pickle, whatever the command line said
+        kwargs["serializer"] = JSON_SERIALIZER  # never pickle, whatever the command line said
         self.settings = settings or WorkerSettings.from_env()
         if queues is None:
             queues = self.settings.default_queues()
@@ -434,16 +435,15 @@ class BatchWorker(SimpleWorker):
         stats = WorkerStats(keys.stats_key(self.name), self._stats())
         # Results are built by the first task that needs them (EndedJob.result builds once).
         self._bookkeeper.submit(lambda: publish_results(
-            self.connection, [self._publication(job.result(), inflight) for job, inflight in ending],
+            self.connection, [self._publication(job, inflight) for job, inflight in ending],
             running_key=self._poller.running_key, done_ids=done_ids, stats=stats))
         finished = [(job, inflight) for job, inflight in ending if job.status == "finished"]
 
         def end_finished() -> None:
-            built = [(job.result(), inflight) for job, inflight in finished]
-            self._finish_rq_successes([(result, inflight) for result, inflight in built if result.status == "finished"])
-            for result, inflight in built:
-                if result.status != "finished":  # its result could not be built
-                    self._finish_rq_failure(result, inflight)
+            self._finish_rq_successes([(job, inflight) for job, inflight in finished if job.result().status == "finished"])
+            for job, inflight in finished:
+                if job.result().status != "finished":  # its result could not be built
+                    self._finish_rq_failure(job.result(), inflight)
 
         if finished:
             self._bookkeeper.submit(end_finished)
@@ -467,23 +467,25 @@ class BatchWorker(SimpleWorker):
         if self._inflight.get(inflight.job.id) is inflight:
             del self._inflight[inflight.job.id]
 
-    def _publication(self, result: GenerationResult, inflight: InFlight) -> Publication:
-        job = inflight.job
+    def _publication(self, ended: EndedJob, inflight: InFlight) -> Publication:
+        job, result = inflight.job, ended.result()
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
-                           ends_stream=inflight.streams and not retried)
+                           ends_stream=inflight.streams and not retried, encoded=None if retried else ended.encoded())
 
-    def _finish_rq_successes(self, ending: list[tuple[GenerationResult, InFlight]]) -> None:
+    def _finish_rq_successes(self, ending: list[tuple[EndedJob, InFlight]]) -> None:
         """End finished RQ jobs the way `perform_job` would, after their result keys are written,
-        all in one transaction where rq allows it. Runs on the bookkeeping thread: callbacks get a
-        thread-safe timeout."""
+        all in one transaction where rq allows it. rq's return value is the result key's own JSON
+        text, not a second encoding. Runs on the bookkeeping thread: callbacks get a thread-safe
+        timeout."""
         successes = []
-        for result, inflight in ending:
+        for ended, inflight in ending:
             job = inflight.job
             job.ended_at = now()
-            return_value = result.model_dump(mode="json")
+            return_value = ended.encoded()
             try:
-                job.execute_success_callback(TimerDeathPenalty, return_value)
+                if job.success_callback:  # the callback gets the result as a dict, as before
+                    job.execute_success_callback(TimerDeathPenalty, json.loads(return_value))
             except Exception:
                 self.log.exception("Job %s: success callback failed", job.id)
             successes.append(Success(job, inflight.execution, return_value))

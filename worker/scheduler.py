@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, Timings, TopLogprob, Usage
 from schemas.request import InvalidRequestError, RequestLimits
 from schemas.result import request_echo
+from schemas.serializer import EncodedJSON
 from worker.detokenize import IncrementalDetokenizer
 from worker.engines.base import Engine, SamplingParams, SequenceSpec, TokenEvent
 
@@ -85,6 +86,7 @@ class EndedJob:
     status: str
     build: Callable[[], GenerationResult] = field(repr=False)
     _result: Optional[GenerationResult] = field(default=None, repr=False)
+    _encoded: Optional[EncodedJSON] = field(default=None, repr=False)
 
     @classmethod
     def built(cls, result: GenerationResult) -> "EndedJob":
@@ -100,6 +102,12 @@ class EndedJob:
                     id=self.id, status="failed",
                     error=ErrorInfo(type="ResultError", message=f"could not build the result: {exc!r}"))
         return self._result
+
+    def encoded(self) -> EncodedJSON:
+        """The result as JSON, encoded once: its result key and rq's return value are this text."""
+        if self._encoded is None:
+            self._encoded = EncodedJSON(self.result().model_dump_json())
+        return self._encoded
 
 
 @dataclass

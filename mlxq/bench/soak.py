@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rq import Queue
-from rq.serializers import JSONSerializer
 
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, with_result_keys
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, all_at_once, make_prompts
 from producer.pubsub import read_burst
 from schemas import GenerationResult, keys
+from schemas.serializer import JSON_SERIALIZER
 
 OUT_OF_VOCAB = 10_000_000  # beyond any model's vocabulary
 
@@ -72,7 +72,7 @@ def soak(cfg: BenchConfig, tokenizer: Optional[Tokenizer], cluster: MlxqCluster)
         assert conn is not None and client is not None
         cluster.warm(all_at_once([BenchRequest(0, Prompt("", prompt_ids[0]), cfg.warmup_tokens)], "warm"))
         process = psutil.Process(cluster.pids()[0])
-        raw_queue = Queue(cluster.queue, connection=conn, serializer=JSONSerializer)
+        raw_queue = Queue(cluster.queue, connection=conn, serializer=JSON_SERIALIZER)
         kinds: dict[str, str] = {}
         done: set[str] = set()
         samples: list[dict[str, float]] = []
