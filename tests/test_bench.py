@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxq.bench.cli import config_from_args
-from mlxq.bench.scenarios import analyze_steps, stats_delta
+from mlxq.bench.scenarios import SUSTAINED_JOBS_PER_BURST_JOB, analyze_steps, stats_delta
 from mlxq.bench.stats import percentile, summarize
 from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop, spread_lengths
 
@@ -176,7 +176,8 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0
     assert overhead["throughput"]["jobs_per_s"] > 0
     sustained = overhead["throughput"]["sustained"]
-    assert sustained["completed"] == sustained["jobs"] == 3 * 150 and sustained["jobs_per_s"] > 0
+    assert sustained["completed"] == sustained["jobs"] == SUSTAINED_JOBS_PER_BURST_JOB * 150
+    assert sustained["jobs_per_s"] > 0 and sustained["submitted_per_s"] > 0
     assert overhead["publish"]["burst_finished"] == overhead["publish"]["joiners_finished"] == 24
     assert overhead["publish"]["publish_step_ms"] is not None
 

@@ -176,8 +176,10 @@ def drive(cluster: MlxqCluster, workload: Workload, timeout_s: float,
             if due:
                 ids = client.submit_many([make_payload(r) for r, _ in due], queue=cluster.queue,
                                          timeout=JOB_TIMEOUT_S, result_ttl=JOB_TIMEOUT_S)
+                submitted = time.perf_counter() - t0
                 for job_id, (request, arrival) in zip(ids, due):
-                    inflight[job_id] = (request, RequestRecord(request.index, arrival, extra={"job_id": job_id}))
+                    inflight[job_id] = (request, RequestRecord(request.index, arrival,
+                                                               extra={"job_id": job_id, "submitted": submitted}))
             now = time.perf_counter()
             if now > deadline:
                 break

@@ -222,8 +222,10 @@ def _overhead_line(o: dict[str, Any]) -> str:
     plain = p["plain_step_ms"]["p50"] if p["plain_step_ms"] else None
     sustained = t.get("sustained") or {}
     return (f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
-            f"jobs submitted at once, {_f(sustained.get('jobs_per_s'), 0)} jobs/s sustained while "
-            f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered (target >= 3,000); "
+            f"jobs submitted at once (the worker itself {_f(t.get('worker_jobs_per_s'), 0)}), "
+            f"{_f(sustained.get('jobs_per_s'), 0)} jobs/s sustained while "
+            f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered and "
+            f"{_f(sustained.get('submitted_per_s'), 0)} submitted (target >= 3,000); "
             f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
             f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms at most while "
             f"they joined (fake step cost {p['fake_step_ms']:g} ms)")
