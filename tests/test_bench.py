@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxq.bench.cli import config_from_args
-from mlxq.bench.scenarios import SUSTAINED_JOBS_PER_BURST_JOB, analyze_steps, stats_delta
+from mlxq.bench.scenarios import PUBLISH_ROUNDS, SUSTAINED_JOBS_PER_BURST_JOB, analyze_steps, stats_delta
 from mlxq.bench.stats import percentile, summarize
 from mlxq.bench.workloads import Arrivals, Prompt, RequestRecord, closed_loop, make_prompts, open_loop, spread_lengths
 
@@ -178,7 +178,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     sustained = overhead["throughput"]["sustained"]
     assert sustained["completed"] == sustained["jobs"] == SUSTAINED_JOBS_PER_BURST_JOB * 150
     assert sustained["jobs_per_s"] > 0 and sustained["submitted_per_s"] > 0
-    assert overhead["publish"]["burst_finished"] == overhead["publish"]["joiners_finished"] == 24
+    assert overhead["publish"]["burst_finished"] == overhead["publish"]["joiners_finished"] == PUBLISH_ROUNDS * 24
     assert overhead["publish"]["publish_step_ms"] is not None
 
     # Where the time went: mlx-lm's own counters for B, the same plus the loop's sections for C.

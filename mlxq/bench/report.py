@@ -219,7 +219,7 @@ def scenario_lines(scenarios: dict[str, Any]) -> list[str]:
 
 def _overhead_line(o: dict[str, Any]) -> str:
     t, p = o["throughput"], o["publish"]
-    plain = p["plain_step_ms"]["p50"] if p["plain_step_ms"] else None
+    plain = p.get("plain_step_p50_ms")
     sustained = t.get("sustained") or {}
     return (f"- overhead (FakeEngine worker): {_f(t['jobs_per_s'], 0)} jobs/s end to end for {t['jobs']} "
             f"jobs submitted at once (the worker itself {_f(t.get('worker_jobs_per_s'), 0)}), "
@@ -228,7 +228,7 @@ def _overhead_line(o: dict[str, Any]) -> str:
             f"{_f(sustained.get('submitted_per_s'), 0)} submitted (target >= 3,000); "
             f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
             f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms at most while "
-            f"they joined (fake step cost {p['fake_step_ms']:g} ms)")
+            f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)")
 
 
 def _late_joiner_line(s: dict[str, Any]) -> str:
