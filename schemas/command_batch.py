@@ -11,10 +11,10 @@ atomic like MULTI/EXEC.
 The commands travel as one MessagePack array (the script's one argument, unpacked by Redis's
 built-in cmsgpack): msgpack packs a batch's ~40,000 arguments in ~1.3 ms where packing each as its
 own RESP argument (hiredis) took 6-11 ms, ~24 us per job, in one C call that held the GIL (and so
-the worker's decode loop) all along. Numbers reach the
-script as Lua numbers (doubles), which Redis writes back in shortest round-trip form (7.0 and
-later; 6.x writes 17 significant digits, the same double): integers must stay within +-2**53,
-as every rq and mlxq write does (TTLs, counts, Unix timestamps).
+the worker's decode loop) all along. Numbers reach the script as Lua numbers (doubles), which
+Redis writes back in shortest round-trip form (7.0 and later; 6.x writes 17 significant digits,
+the same double): integers must stay within +-2**53, as every rq and mlxq write does (TTLs,
+counts, Unix timestamps).
 
 Like MULTI/EXEC, a command that fails does not stop the ones after it; `execute` then raises the
 first error. Keys are not declared to the script, which Redis and Valkey allow (Redis Cluster

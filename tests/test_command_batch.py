@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import fakeredis
 import pytest
 import redis
 
@@ -100,8 +101,6 @@ def test_runs_after_the_server_forgot_its_scripts(redis_conn: redis.Redis) -> No
 
 def test_a_server_without_scripting_gets_the_same_writes_as_a_transaction(redis_conn: redis.Redis) -> None:
     """fakeredis without lupa has no EVALSHA: producers' unit tests still enqueue through it."""
-    import fakeredis
-
     with redis_conn.pipeline() as pipe:  # the reference: a MULTI/EXEC on the real server
         write_some(pipe)
         pipe.execute()

@@ -3,6 +3,7 @@ per-job path does, and keep rq's semantics: dependents, queue priority."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -62,6 +63,9 @@ def test_batched_endings_leave_redis_as_rq_does(redis_url):
     assert reference["status"] == JobStatus.FINISHED and reference["results"] == 1
     for job in ours:
         assert redis_state(conn, job) == reference
+        # rq's stored return value is the result key's own text, not a second encoding of it.
+        ((_, entry),) = conn.xrevrange(f"rq:results:{job.id}", count=1)
+        assert base64.b64decode(entry[b"return_value"]) == conn.get(keys.result_key(job.id))
     worker_keys = [k for k in conn.scan_iter(match="rq:worker:*") if conn.type(k) == b"hash"]
     counts = sorted(int(conn.hget(k, "successful_job_count") or 0) for k in worker_keys)
     assert len(ours) in counts

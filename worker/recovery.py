@@ -16,8 +16,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from schemas import ErrorInfo, GenerationResult, Timings, keys
-from schemas.serializer import JSON_SERIALIZER
 from schemas.result import request_echo
+from schemas.serializer import JSON_SERIALIZER
 from worker.publish import Publication, publish_results
 
 
