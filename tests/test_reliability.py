@@ -158,6 +158,36 @@ def test_cancel_and_stop_job_end_running_sequences_and_free_their_slots(redis_ur
     assert worker.returncode == 0, out
 
 
+def test_a_full_worker_looks_for_cancels_on_a_cadence_not_every_step(redis_url):
+    """With no room for another job, the loop's round trip would only look for cancel keys (the
+    poll script's SMEMBERS of the running set): that happens every CANCEL_CHECK_INTERVAL_S, not
+    every step, and a cancel still lands."""
+    from worker.rq_worker import CANCEL_CHECK_INTERVAL_S
+
+    client, conn = Client(redis_url), redis.Redis.from_url(redis_url)
+    worker = start_fake_worker(redis_url, "--max-num-seqs", "2", name="full", step_delay_s=0.002)
+
+    def polls() -> int:
+        return int(conn.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0))
+
+    try:
+        ids = [client.submit(long_request(84 + i, 4000)) for i in range(2)]
+        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="both jobs running")
+        started, before = time.monotonic(), polls()
+        time.sleep(1.0)
+        window_polls = polls() - before
+        for job_id in ids:
+            assert client.cancel(job_id)
+        results = [client.wait(job_id, timeout=30) for job_id in ids]
+        steps_per_s = len(results[0].choices[0].token_ids) / (time.monotonic() - started)
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+    assert all(r.status == "cancelled" for r in results)
+    assert steps_per_s > 100  # the loop turned far more often than it polled
+    assert window_polls <= 1.5 / CANCEL_CHECK_INTERVAL_S, window_polls
+
+
 def test_timeout_fails_only_that_sequence_with_partial_output(redis_url):
     client = Client(redis_url)
     slow = client.submit(long_request(90, 4000), timeout=2)
