@@ -14,8 +14,8 @@ it is per thread, and `_as_current` sets it around each call.
 from __future__ import annotations
 
 import contextlib
-import json
 import gc
+import json
 import logging
 import signal
 import sys
@@ -38,9 +38,9 @@ from rq.worker import WorkerStatus
 from rq.worker.base import DequeueStrategy
 
 from schemas import GenerationResult, keys
+from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
 from worker.bookkeeping import Bookkeeper
-from schemas.command_batch import CommandBatch
 from worker.liveness import Liveness
 from worker.loop_clock import LoopClock
 from worker.poll import Poller
@@ -296,12 +296,12 @@ class BatchWorker(SimpleWorker):
         """Take up to `room` waiting jobs without blocking and start them; end the running jobs
         that were cancelled or ran out of time. Returns how many jobs were taken."""
         queues = self._ordered_queues
-        now = time.monotonic()
-        check = bool(self._inflight) and (room > 0 or now >= self._next_cancel_check)
+        clock = time.monotonic()
+        check = bool(self._inflight) and (room > 0 or clock >= self._next_cancel_check)
         if room <= 0 and not check:
             return 0
         if check:
-            self._next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
+            self._next_cancel_check = clock + CANCEL_CHECK_INTERVAL_S
         poll = self._poller.poll([(queue.key, queue.intermediate_queue.key) for queue in queues], room,
                                  self.job_class.key_for(""), check_cancels=check)
         if poll.taken:

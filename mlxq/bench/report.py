@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from mlxq.bench.stats import ratio
+from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
 ARM_ORDER = ("A", "B", "C1", "C2", "C3", "C4", "D", "E")
@@ -36,14 +36,6 @@ def paired_ratios(report: dict[str, Any], label: str, numerator: str, denominato
     return [v for v in values if v is not None]
 
 
-def _median(values: list[float]) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
     """The issue's ratios at one closed-loop concurrency: mlxq with one worker against each arm;
     with repeats, the median of the repeats' own ratios, each repeat's listed."""
@@ -62,7 +54,7 @@ def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
     arms = sorted({e["arm"] for e in report["results"]}, key=_order)
     pairs = [(c_key, other) for other in ("B", "A", "D", "E")] + [(extra, "B") for extra in c_arms if extra != c_key]
     each = {f"C/{b}" if a == c_key else f"{a}/{b}": paired_ratios(report, label, a, b) for a, b in pairs}
-    ratios = {key: _median(values) for key, values in each.items()}
+    ratios = {key: median(values) for key, values in each.items()}
     return {
         "concurrency": concurrency,
         "c_arm": c_key,

@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, drive, payload
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
-from mlxq.bench.stats import distribution, summarize
+from mlxq.bench.stats import distribution, median, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, Workload, all_at_once, make_prompts
 from schemas import keys
 
@@ -73,9 +73,9 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
     }
 
     rounds = [_publish_round(cfg, url, procs, i) for i in range(PUBLISH_ROUNDS)]
-    publish = {name: _median([r[name] for r in rounds]) for name in ("publish_step_ms", "admit_step_ms",
+    publish = {name: median([r[name] for r in rounds]) for name in ("publish_step_ms", "admit_step_ms",
                                                                       "publish_stall_ms")}
-    publish.update(plain_step_p50_ms=_median([(r["plain_step_ms"] or {}).get("p50") for r in rounds]),
+    publish.update(plain_step_p50_ms=median([(r["plain_step_ms"] or {}).get("p50") for r in rounds]),
                    rounds=rounds, fake_step_ms=cfg.overhead_step_ms,
                    burst_jobs=rounds[0]["burst_jobs"], background_jobs=rounds[0]["background_jobs"],
                    burst_finished=sum(r["burst_finished"] for r in rounds),
@@ -84,11 +84,6 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
             "method": "FakeEngine worker (no model); jobs submitted at once with submit_many; jobs/s from the "
                       "first submit to the last mlxq:done message. Step intervals from the engine's own step log; "
                       f"the publish phase's figures are the median of {PUBLISH_ROUNDS} rounds, each on a fresh worker."}
-
-
-def _median(values: list[Optional[float]]) -> Optional[float]:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def _publish_round(cfg: BenchConfig, url: str, procs: ProcessSet, round_no: int) -> dict[str, Any]:

@@ -19,6 +19,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low))
 
 
+def median(values: Sequence[Optional[float]]) -> Optional[float]:
+    """The median of the values present (None ones skipped); None if there are none."""
+    present = sorted(v for v in values if v is not None)
+    return percentile(present, 50) if present else None
+
+
 def distribution(values: Sequence[Optional[float]]) -> Optional[dict[str, float]]:
     present = sorted(v for v in values if v is not None)
     if not present:
