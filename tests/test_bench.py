@@ -197,6 +197,30 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert len(lines) == 3 and all(len(json.loads(line)["records"]) == 4 for line in lines)
 
 
+def test_rl_scenario_shares_each_prompts_prefill_among_its_n_samples(tiny_model_dir: str, tmp_path: Path) -> None:
+    prompts, n, prompt_tokens, new_tokens = 2, 3, 16, 4
+    out = tmp_path / "rl"
+    argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out), "--arms", "",
+            "--scenario", "rl", "--rl-prompts", str(prompts), "--rl-n", str(n), "--rl-prompt-tokens",
+            str(prompt_tokens), "--rl-new-tokens", str(new_tokens), "--warmup-tokens", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    rl = json.loads((out / "report.json").read_text())["scenarios"]["rl"]
+    runs = {label: rl[label] for label in ("grouped", "independent", "independent_prefix_cache")}
+    for label, run in runs.items():
+        assert run["completed"] == run["requests"] and run["failed"] == 0, (label, run)
+        assert run["tokens"] == prompts * n * new_tokens, (label, run)
+    # n=3 requests prefill each prompt once; without the prefix cache, every independent request
+    # prefills its own copy (mlx-lm leaves the last prompt token to the first decode step).
+    assert runs["grouped"]["engine"]["prefill_tokens"] == prompts * prompt_tokens
+    assert runs["independent"]["engine"]["prefill_tokens"] == prompts * n * (prompt_tokens - 1)
+    # With the cache, identical prompts admitted together share one prefill, as the n choices do.
+    assert runs["independent_prefix_cache"]["engine"]["prefill_tokens"] == prompts * prompt_tokens
+    assert rl["engine_time_speedup"] > 0
+    assert "the speedup that engine time allows" in (out / "table.md").read_text()
+
+
 class ScriptedArm:
     """An arm whose every request takes the wall time the test gives for that repeat."""
 

@@ -234,7 +234,16 @@ def _rl_line(r: dict[str, Any]) -> str:
             f"{r['new_tokens']} new): n={r['n']} requests {_f(r['grouped']['tokens_per_s'])} tok/s vs "
             f"{r['prompts'] * r['n']} independent {_f(r['independent']['tokens_per_s'])} tok/s = "
             f"{_f(r['speedup'], 2)}x (target >= 2.5x); independent with the prefix cache "
-            f"{_f(r['independent_prefix_cache']['tokens_per_s'])} tok/s")
+            f"{_f(r['independent_prefix_cache']['tokens_per_s'])} tok/s. Engine time, n={r['n']} vs independent: "
+            f"prefill {_engine_pair(r, 'prefill_s')} s, decode {_engine_pair(r, 'decode_s')} s; the speedup "
+            f"that engine time allows: {_f(r.get('engine_time_speedup'), 2)}x")
+
+
+def _engine_pair(r: dict[str, Any], name: str) -> str:
+    def seconds(run: str) -> Optional[float]:
+        return r[run].get("engine", {}).get(name)  # reports before the split lack it
+
+    return f"{_f(seconds('grouped'), 1)} vs {_f(seconds('independent'), 1)}"
 
 
 def _prefix_cache_line(s: dict[str, Any]) -> str:
