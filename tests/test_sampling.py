@@ -3,6 +3,7 @@ computed from the model's own distribution (teacher forcing), not against copied
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -10,7 +11,9 @@ import worker  # noqa: F401  (OpenBLAS before MLX)
 from mlx_lm import load
 
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
+from worker.engines.base import SamplingParams
 from worker.engines.text import TextEngine
+from worker.sampling import SeededSampler, mix_seed, truncate
 from worker.scheduler import BatchScheduler
 
 PROMPT = [17, 93, 201, 44, 5, 388, 120]
@@ -183,6 +186,58 @@ def test_seeded_request_gives_the_same_ids_alone_and_in_a_crowd(scheduler, model
     assert ids(run_all(fresh, {"again": SEEDED})["again"]) == alone
     other_seed = ids(run_all(fresh, {"other": {**SEEDED, "seed": 4321}})["other"])
     assert other_seed != alone
+
+
+def seeded_crowd(count: int) -> dict[str, dict]:
+    """Seeded requests only, with settings that differ row to row."""
+    return {f"s{i}": {"prompt_token_ids": [(i * 11 + k) % 500 + 3 for k in range(4 + i % 7)], "max_tokens": 12,
+                      "temperature": [0.7, 1.0, 1.6][i % 3], "seed": 100 + i, "ignore_eos": True,
+                      **[{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.05}][i % 4]}
+            for i in range(count)}
+
+
+def test_a_batch_of_seeded_rows_is_sampled_in_one_call_and_each_row_as_alone(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    requests = seeded_crowd(12)
+    alone = {job_id: ids(run_all(BatchScheduler(TextEngine(model, tokenizer)), {job_id: r})[job_id])
+             for job_id, r in requests.items()}
+    rows_per_call: list[int] = []
+    sample = SeededSampler.__call__
+
+    def counting(self, logprobs):
+        rows_per_call.append(logprobs.shape[0])
+        return sample(self, logprobs)
+
+    monkeypatch.setattr(SeededSampler, "__call__", counting)
+    together = run_all(BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=16), max_num_seqs=16), requests)
+    assert {job_id: ids(result) for job_id, result in together.items()} == alone
+    assert max(rows_per_call) == 12, "the decode steps of 12 seeded rows should sample them in one call"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_seeded_sampler_draws_what_mlx_categorical_draws_for_each_row_alone(dtype):
+    """The batched draw against MLX's own per-row sampler (what mlxq called before batching)."""
+    vocab, settings = 300, []
+    for i in range(24):
+        settings.append(SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], seed=7 + i,
+                                       **[{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.1}][i % 4]))
+    logits = mx.random.normal((len(settings), vocab), key=mx.random.key(3)) * 3
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nothing_left = (mx.arange(len(settings)) == 5)[:, None]  # a row of -inf: uniform over all
+    logprobs = mx.where(nothing_left, -mx.inf, logprobs).astype(dtype)
+    for step in range(3):
+        sampler = SeededSampler()
+        sampler.begin()
+        for choice, params in enumerate(settings):
+            sampler.name_row(params, choice)(mx.array([]), logprobs[choice:choice + 1])
+        for _ in range(step):  # later tokens of the same rows: the key moves on with each draw
+            for row in sampler._named:
+                row.next_key()
+        batched = sampler(logprobs).tolist()
+        alone = [mx.random.categorical(truncate(logprobs[i:i + 1], p) * (1.0 / p.temperature),
+                                       key=mx.random.key(mix_seed(p.seed, i, step))).item()
+                 for i, p in enumerate(settings)]
+        assert batched == alone
 
 
 def test_unseeded_requests_are_random(scheduler):

@@ -234,9 +234,11 @@ class TextEngine:
         that sequence alone."""
         capture = _RawLogits() if _needs_raw_capture(spec) else None
         guard = _RowGuard()
-        sampler = guard.sampler(self._samplers.get(spec.sampling, spec.choice_index))
+        sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
         processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
-        return _Row(spec, capture, guard, sampler, processors)
+        if namer is not None:  # unguarded: it must run even after another processor of the row failed
+            processors.insert(0, namer)
+        return _Row(spec, capture, guard, guard.sampler(sampler), processors)
 
     def _start_now(self, prompt: list[int], rows: list["_Row"], cache: Optional[list[Any]], cached: int,
                    owned: bool) -> None:
@@ -250,6 +252,7 @@ class TextEngine:
             cache = copy.deepcopy(cache)
         logits = self._run(prompt[cached:], cache)
         context = mx.array(prompt)
+        self._samplers.seeded.begin()
         sampled = []
         with mx.stream(self._generator.stream):
             for row in rows:
@@ -336,6 +339,7 @@ class TextEngine:
         self._release_held()
         if not self._live:
             return []
+        self._samplers.seeded.begin()
         with self._generator.stats() as window:
             _, responses = self._generator.next()
         self._counters.add_generator_window(window)
