@@ -241,17 +241,28 @@ def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> 
     worker. Independent requests are run twice: with the prefix cache off (nothing is shared across
     requests: the baseline the n=8 speedup is measured against) and on (identical prompts admitted
     together share a prefill, as the n choices of one request do)."""
-    prompts = make_prompts(tokenizer, cfg.rl_prompts + 4, cfg.rl_prompt_tokens, seed=cfg.seed, salt="rl")
     n = cfg.rl_n
-    grouped = all_at_once([BenchRequest(i, prompts[i], cfg.rl_new_tokens, n=n, temperature=1.0, seed=i)
-                           for i in range(cfg.rl_prompts)], f"rl-n{n}")
-    independent = all_at_once([BenchRequest(i * n + j, prompts[i], cfg.rl_new_tokens, temperature=1.0, seed=i * n + j)
-                               for i in range(cfg.rl_prompts) for j in range(n)], "rl-independent")
-    warm = all_at_once([BenchRequest(i, prompts[cfg.rl_prompts + i], cfg.warmup_tokens, n=2, temperature=1.0, seed=i)
-                        for i in range(4)], "warm")
+    # Warm-ups of one full batch of the measured shape, on other prompts: a GPU backend compiles
+    # kernels for each new shape, and a shape's first run is far slower (notes/mlx.md).
+    wave = max(1, min(cfg.rl_prompts, cfg.max_num_seqs // n))
+    prompts = make_prompts(tokenizer, cfg.rl_prompts + wave, cfg.rl_prompt_tokens, seed=cfg.seed, salt="rl")
+
+    def as_n_requests(first: int, count: int, label: str) -> Workload:
+        return all_at_once([BenchRequest(i, prompts[first + i], cfg.rl_new_tokens, n=n, temperature=1.0, seed=i)
+                            for i in range(count)], label)
+
+    def as_independent(first: int, count: int, label: str) -> Workload:
+        return all_at_once([BenchRequest(i * n + j, prompts[first + i], cfg.rl_new_tokens, temperature=1.0,
+                                         seed=i * n + j) for i in range(count) for j in range(n)], label)
+
+    grouped = as_n_requests(0, cfg.rl_prompts, f"rl-n{n}")
+    independent = as_independent(0, cfg.rl_prompts, "rl-independent")
+    warm_grouped = as_n_requests(cfg.rl_prompts, wave, "warm")
+    warm_independent = as_independent(cfg.rl_prompts, wave, "warm")
     runs = {}
-    for label, workload, cache_mb in (("grouped", grouped, None), ("independent", independent, "0"),
-                                      ("independent_prefix_cache", independent, None)):
+    for label, workload, warm, cache_mb in (("grouped", grouped, warm_grouped, None),
+                                            ("independent", independent, warm_independent, "0"),
+                                            ("independent_prefix_cache", independent, warm_independent, None)):
         cluster = make_cluster(1, cfg.max_num_seqs, {"MLXQ_PREFIX_CACHE_MB": cache_mb} if cache_mb else None)
         cluster.start()
         try:
@@ -277,7 +288,8 @@ def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> 
         # The speedup the engine's own prefill and decode time allows, queue aside: when this is
         # under the target too, the target is out of reach on this machine.
         "engine_time_speedup": engine_s("independent") / engine_s("grouped") if engine_s("grouped") else None,
-        "method": "each run on a fresh worker after the same warm-up; independent = the same samples as "
+        "method": "each run on a fresh worker after a warm-up of one full batch in its own form, on other prompts; "
+                  "independent = the same samples as "
                   f"{cfg.rl_prompts * n} requests of n=1, with MLXQ_PREFIX_CACHE_MB=0 (no sharing across requests); "
                   "independent_prefix_cache = the same with the default prefix cache",
     }
