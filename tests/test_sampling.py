@@ -309,6 +309,28 @@ def test_n_choices_share_one_prefill(model_and_tokenizer):
     assert len(separately) == 4
 
 
+def test_choices_prefilled_here_enter_the_batch_together_and_prompts_a_prefill_batch_at_a_time(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=2)
+    scheduler = BatchScheduler(engine, max_num_seqs=32)
+    requests = {f"r{i}": {"prompt_token_ids": [(i * 13 + k) % 500 + 3 for k in range(12)], "max_tokens": 6, "n": 4,
+                          "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(8)}
+    results = run_all(scheduler, requests)
+    assert all(len(choice.token_ids) == 6 for result in results.values() for choice in result.choices)
+    # Each request's prompt is prefilled here and its first tokens sampled from it; its 4 rows then
+    # start from that cache, and all 32 rows enter mlx-lm's batch together: 5 decode steps, not the
+    # 16 more it took while mlx-lm let in a prefill batch (2) of them a step.
+    assert engine.time_stats()["decode_steps"] <= 6
+
+    before = engine.time_stats()
+    singles = {f"s{i}": {"prompt_token_ids": [(i * 17 + k) % 500 + 3 for k in range(12)], "max_tokens": 3,
+                         "temperature": 0, "ignore_eos": True} for i in range(8)}
+    run_all(scheduler, singles)
+    after = engine.time_stats()
+    assert after["prefill_calls"] - before["prefill_calls"] == 4, "8 prompts, a prefill batch of 2 at a time"
+    assert after["own_prefills"] == before["own_prefills"]
+
+
 def test_return_prompt_token_ids(scheduler, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     result = run_all(scheduler, {"p": {"prompt": "hello world", "max_tokens": 2, "return_prompt_token_ids": True}})["p"]

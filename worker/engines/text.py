@@ -78,7 +78,11 @@ class TextEngine:
         self._generator_options = dict(
             sampler=greedy,
             completion_batch_size=max_num_seqs,
-            prefill_batch_size=self._prefill_batch_size,
+            # mlx-lm's own cap would also meter sequences that start from a full cache (the n choices
+            # of a request, joiners prefilled here), which need no prefill: 32 requests of n=8 then
+            # entered one a step, and on an H200 their 64 tokens took 3x as long as with all 256
+            # rows entering at once. This engine meters the prompts that do need one (_feed_prefill).
+            prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
         )
         self._generator = BatchGenerator(model, **self._generator_options)
@@ -88,6 +92,8 @@ class TextEngine:
         self._eager_allowance = float(EAGER_JOINERS_MAX)  # joiners that may still be prefilled at admission
         self._eager_tokens = 0  # prompt tokens that may still be prefilled at admission in this add
         self._held: list[_Held] = []  # joiners waiting to be handed to mlx-lm as one prefill batch
+        self._to_prefill: deque[_Held] = deque()  # prompts waiting for room in mlx-lm's prefill
+        self._prefilling: set[int] = set()  # engine uids whose prompts mlx-lm has not finished
         self._decode_steps = 0
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
@@ -106,7 +112,7 @@ class TextEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._live) + len(self._held)
+        return len(self._live) + len(self._held) + len(self._to_prefill)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -119,6 +125,8 @@ class TextEngine:
         self._engine_uid.clear()
         self._early.clear()
         self._held.clear()
+        self._to_prefill.clear()
+        self._prefilling.clear()
         self._prefix.clear()  # after a failed step nothing it made is trusted
 
     def prefix_cache_stats(self) -> dict[str, Any]:
@@ -317,6 +325,37 @@ class TextEngine:
         all_tokens: Optional[list[list[int]]] = None,
         max_tokens: Optional[list[int]] = None,
     ) -> None:
+        """Hand sequences to mlx-lm: those with a one-token prompt (a full cache) at once, since
+        mlx-lm starts them without a prefill; the others in order, a prefill batch at a time."""
+        now = [i for i, prompt in enumerate(prompts) if len(prompt) <= 1]
+        for i, row in enumerate(rows):
+            if len(prompts[i]) > 1:
+                self._to_prefill.append(_Held(row, prompts[i], caches[i] if caches else None,
+                                              all_tokens[i] if all_tokens else [], self._decode_steps))
+        if now:
+            self._hand_over([rows[i] for i in now], [prompts[i] for i in now],
+                            [caches[i] for i in now] if caches else None,
+                            [all_tokens[i] for i in now] if all_tokens else None,
+                            [max_tokens[i] for i in now] if max_tokens else None)
+
+    def _feed_prefill(self) -> None:
+        """Keep at most a prefill batch of prompts in mlx-lm's prefill, as its own cap would."""
+        room = self._prefill_batch_size - len(self._prefilling)
+        if room <= 0 or not self._to_prefill:
+            return
+        batch = [self._to_prefill.popleft() for _ in range(min(room, len(self._to_prefill)))]
+        uids = self._hand_over([h.row for h in batch], [h.prompt for h in batch], [h.cache for h in batch],
+                               [h.cached_tokens for h in batch])
+        self._prefilling.update(uids)
+
+    def _hand_over(
+        self,
+        rows: list["_Row"],
+        prompts: list[list[int]],
+        caches: Optional[list[Optional[list[Any]]]] = None,
+        all_tokens: Optional[list[list[int]]] = None,
+        max_tokens: Optional[list[int]] = None,
+    ) -> list[int]:
         uids = self._generator.insert(
             prompts,
             max_tokens=max_tokens or [row.spec.max_tokens for row in rows],
@@ -329,6 +368,7 @@ class TextEngine:
         for engine_uid, row in zip(uids, rows):
             self._live[engine_uid] = row
             self._engine_uid[row.spec.uid] = engine_uid
+        return list(uids)
 
     def step(self) -> list[TokenEvent]:
         """The first tokens of sequences that just joined, if any (returned at once, so they reach
@@ -337,11 +377,15 @@ class TextEngine:
             events, self._early = self._early, []
             return events
         self._release_held()
+        self._feed_prefill()
         if not self._live:
             return []
         self._samplers.seeded.begin()
         with self._generator.stats() as window:
-            _, responses = self._generator.next()
+            progress, responses = self._generator.next()
+        for prompt in progress:
+            if prompt.end_of_prompt:
+                self._prefilling.discard(prompt.uid)
         self._counters.add_generator_window(window)
         self._decode_steps += 1
         self._eager_allowance = min(EAGER_JOINERS_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
@@ -380,9 +424,10 @@ class TextEngine:
             self._prefix.store(list(tokens), cache, speculative=True)
 
     def remove(self, uids: list[str]) -> None:
-        if self._held:
+        if self._held or self._to_prefill:
             gone = set(uids)
             self._held = [h for h in self._held if h.row.spec.uid not in gone]
+            self._to_prefill = deque(h for h in self._to_prefill if h.row.spec.uid not in gone)
         engine_uids = [self._engine_uid[u] for u in uids if u in self._engine_uid]
         if engine_uids:
             self._generator.remove(engine_uids)
@@ -399,11 +444,13 @@ class TextEngine:
         engine_uid = self._engine_uid.pop(uid, None)
         if engine_uid is not None:
             self._live.pop(engine_uid, None)
+            self._prefilling.discard(engine_uid)
 
 
 @dataclass
 class _Held:
-    """A joiner waiting for the others of its prefill batch."""
+    """A sequence not yet handed to mlx-lm: a joiner waiting for the others of its prefill batch,
+    or a prompt waiting for room in mlx-lm's prefill."""
 
     row: "_Row"
     prompt: list[int]  # the tokens still to prefill
