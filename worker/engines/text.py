@@ -80,8 +80,8 @@ class TextEngine:
             completion_batch_size=max_num_seqs,
             # mlx-lm's own cap would also meter sequences that start from a full cache (the n choices
             # of a request, joiners prefilled here), which need no prefill: 32 requests of n=8 then
-            # entered one a step, and on an H200 their 64 tokens took 3x as long as with all 256
-            # rows entering at once. This engine meters the prompts that do need one (_feed_prefill).
+            # entered one a step, and on an H200 their 64 tokens took 3x as long as with the cap at 64.
+            # This engine meters the prompts that do need a prefill itself (_feed_prefill).
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
         )
