@@ -28,6 +28,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_mb=args.prefix_cache_mb,
         blas=args.blas,
+        blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
     )
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
+    p.add_argument("--blas-threads", type=int,
+                   help="Linux CPU: that BLAS's threads (default one per core; several workers on a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
     p.add_argument("--name", help="worker name (default: RQ's)")

@@ -65,6 +65,48 @@ def test_preload_makes_mlx_use_openblas_in_a_fresh_process():
     assert "MLXQ_BLAS=off" in off and off.strip().endswith("False"), off
 
 
+def test_blas_threads_leave_a_platform_blas_alone(monkeypatch):
+    monkeypatch.setattr(plat.ctypes, "CDLL", lambda *a, **k: pytest.fail("must not load"))
+    assert plat.limit_blas_threads(1, plat.BlasChoice("platform default (Accelerate on macOS)")) is None
+
+
+def test_blas_threads_need_an_openblas():
+    with pytest.raises(RuntimeError, match="MLXQ_BLAS_THREADS=2: libc.so.6 has no openblas_set_num_threads"):
+        plat.limit_blas_threads(2, plat.BlasChoice("libc", "libc.so.6"))
+
+
+def test_blas_threads_setting_is_checked():
+    assert WorkerSettings.from_env({"MLXQ_BLAS_THREADS": "3"}).blas_threads == 3
+    with pytest.raises(ValueError, match="MLXQ_BLAS_THREADS must be >= 1"):
+        WorkerSettings.from_env({"MLXQ_BLAS_THREADS": "0"})
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is a Linux-only branch")
+def test_worker_caps_openblas_threads_in_a_fresh_process(tmp_path):
+    """`load_model` with MLXQ_BLAS_THREADS=1 leaves the preloaded OpenBLAS running one thread
+    (it starts with one per core)."""
+    from worker.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m")
+    code = textwrap.dedent(
+        f"""
+        import ctypes, worker
+        from worker.loading import load_model
+        from worker.platform import preload_blas
+        from worker.settings import WorkerSettings
+        get = ctypes.CDLL(preload_blas().path).openblas_get_num_threads
+        before = get()
+        load_model(WorkerSettings.from_env(model={str(model)!r}))
+        default = get()
+        load_model(WorkerSettings.from_env(model={str(model)!r}, blas_threads=1))
+        print(before, default, get())
+        """
+    )
+    env = {**__import__("os").environ, "OPENBLAS_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["2", "2", "1"], out
+
+
 class FakeMx:
     def __init__(self, metal: bool) -> None:
         self.calls: list[tuple[str, int]] = []

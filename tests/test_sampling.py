@@ -331,6 +331,30 @@ def test_choices_prefilled_here_enter_the_batch_together_and_prompts_a_prefill_b
     assert after["own_prefills"] == before["own_prefills"]
 
 
+def test_a_prefill_batchs_first_tokens_come_out_before_the_next_batch_is_prefilled(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=2)
+    scheduler = BatchScheduler(engine, max_num_seqs=32)
+    prefilled_when_first_token = {}
+    real_step = engine.step
+
+    def recording_step():
+        events = real_step()
+        for event in events:
+            prefilled_when_first_token.setdefault(event.uid, engine.time_stats()["prefill_tokens"])
+        return events
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    requests = {f"r{i}": {"prompt_token_ids": [(i * 29 + k) % 500 + 3 for k in range(12)], "max_tokens": 4,
+                          "temperature": 0, "ignore_eos": True} for i in range(4)}
+    run_all(scheduler, requests)
+    first_batch, _, second_batch, _ = sorted(prefilled_when_first_token.values())
+    # Four prompts, two a prefill batch: the first two have their first tokens while only their own
+    # prompts have been prefilled; the call that would have returned them also prefilled the next two.
+    assert sorted(prefilled_when_first_token.values()) == [first_batch, first_batch, second_batch, second_batch]
+    assert 0 < first_batch < second_batch == engine.time_stats()["prefill_tokens"]
+
+
 def test_return_prompt_token_ids(scheduler, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     result = run_all(scheduler, {"p": {"prompt": "hello world", "max_tokens": 2, "return_prompt_token_ids": True}})["p"]

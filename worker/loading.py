@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from worker.platform import apply_metal_limits, device_description, preload_blas
+from worker.platform import apply_metal_limits, device_description, limit_blas_threads, preload_blas
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
@@ -16,6 +16,7 @@ def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
     if not settings.model:
         raise RuntimeError("no model configured: set MLXQ_MODEL or pass --model (a local path or a hub id)")
     blas = preload_blas(settings.blas)
+    blas_threads = limit_blas_threads(settings.blas_threads, blas) if settings.blas_threads else None
     from mlx_lm import load
 
     model, tokenizer = load(
@@ -26,7 +27,7 @@ def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
         "loaded %s (%s); BLAS: %s%s",
         settings.model,
         device_description(),
-        blas.name,
+        blas.name + (f", {blas_threads}" if blas_threads else ""),
         f"; Metal {', '.join(limits)}" if limits else "",
     )
     return model, tokenizer

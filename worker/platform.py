@@ -69,6 +69,20 @@ def preload_blas(setting: str = "auto", platform: str = sys.platform) -> BlasCho
     return _blas_choice
 
 
+def limit_blas_threads(threads: int, choice: BlasChoice) -> Optional[str]:
+    """Cap the threads of the BLAS that `preload_blas` loaded (OpenBLAS starts one per core).
+    Several workers on one CPU host each want a share of the cores: with all of them per worker,
+    their BLAS threads contend. Returns what it set; None where mlxq loaded no BLAS (macOS, MLX's
+    bundled one), which it leaves alone."""
+    if choice.path is None:
+        return None
+    set_threads = getattr(ctypes.CDLL(choice.path, mode=ctypes.RTLD_GLOBAL), "openblas_set_num_threads", None)
+    if set_threads is None:
+        raise RuntimeError(f"MLXQ_BLAS_THREADS={threads}: {choice.path} has no openblas_set_num_threads")
+    set_threads(ctypes.c_int(threads))
+    return f"{threads} BLAS thread{'s' if threads != 1 else ''}"
+
+
 def apply_metal_limits(wired_limit_mb: Optional[int], cache_limit_mb: Optional[int]) -> list[str]:
     """Apply Metal memory limits when running on a Mac GPU; a no-op elsewhere. Returns what it set."""
     import mlx.core as mx

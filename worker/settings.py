@@ -31,6 +31,8 @@ class WorkerSettings:
     engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
     fake_step_delay_s: float = 0.0
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
+    # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
+    blas_threads: Optional[int] = None
     metal_wired_limit_mb: Optional[int] = None  # macOS Metal only
     metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
     trust_remote_code: bool = False
@@ -54,6 +56,8 @@ class WorkerSettings:
                      "prefill_batch_size", "prefill_step_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.blas_threads is not None and self.blas_threads < 1:
+            raise ValueError(f"MLXQ_BLAS_THREADS must be >= 1, got {self.blas_threads}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"MLXQ_PREFIX_CACHE_MB must be >= 0 (0 turns the cache off), got {self.prefix_cache_mb}")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -43,7 +43,11 @@ def payload(request: BenchRequest) -> dict[str, Any]:
 
 class MlxqCluster:
     """W worker processes on one Redis. Worker i also listens on its own warm-up queue first, so a
-    warm-up pass reaches every worker; measured jobs go to one shared bench queue."""
+    warm-up pass reaches every worker; measured jobs go to one shared bench queue.
+
+    `max_num_seqs` is the cluster's, as it is B's and D's: each worker gets its share. With several
+    workers and a preloaded BLAS (Linux CPU), each also gets its share of the cores for BLAS threads,
+    as a CPU host running several workers should (`MLXQ_BLAS_THREADS`)."""
 
     def __init__(self, url: str, model: str, workers: int, max_num_seqs: int, prefill_batch_size: int,
                  procs: ProcessSet, *, blas_path: Optional[str] = None,
@@ -53,6 +57,8 @@ class MlxqCluster:
         self.model = model
         self.workers = workers
         self.max_num_seqs = max_num_seqs
+        self.seqs_per_worker = -(-max_num_seqs // workers)
+        self.blas_threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 and blas_path else None
         self.prefill_batch_size = prefill_batch_size
         self.procs = procs
         self.blas_path = blas_path
@@ -73,9 +79,11 @@ class MlxqCluster:
             queues = [self.warm_queues[i], self.queue]
             argv = (self.worker_argv(self.names[i], queues) if self.worker_argv else
                     [sys.executable, "-m", "mlxq", "worker", "--url", self.url, "--model", self.model,
-                     "--max-num-seqs", str(self.max_num_seqs), "--name", self.names[i], "--log-level", "WARNING",
+                     "--max-num-seqs", str(self.seqs_per_worker), "--name", self.names[i], "--log-level", "WARNING",
                      *queues])
             env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size), **self.env}
+            if self.blas_threads:
+                env["MLXQ_BLAS_THREADS"] = str(self.blas_threads)
             self._procs.append(self.procs.start(self.names[i], argv, env))
         # Readiness: one tiny job through each worker's own queue (it loads the model first).
         probe = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
@@ -247,6 +255,8 @@ class MlxqArm(Arm):
 
     def info(self) -> dict[str, Any]:
         return {"workers": self.cluster.workers, "max_num_seqs": self.cluster.max_num_seqs,
+                "max_num_seqs_per_worker": self.cluster.seqs_per_worker,
+                "blas_threads_per_worker": self.cluster.blas_threads,
                 "prefill_batch_size": self.cluster.prefill_batch_size, "blas_loaded": self.cluster.blas_loaded()}
 
     def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
