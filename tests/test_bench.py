@@ -253,8 +253,10 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
 
     log: list[str] = []
     # B and C slow down together in repeat 2 (a noisy neighbour): C/B per repeat 0.8, 0.9, 0.5.
-    arms = [ScriptedArm("B", [1.0, 2.0, 1.0], log), ScriptedArm("C1", [1.25, 2.0 / 0.9, 2.0], log)]
-    cfg = BenchConfig(out=tmp_path, arms=("B", "C"), concurrency=(4,), rates=(), repeats=3, workers=(1,))
+    # Two workers (C2) and D: the extra worker count is held to C's targets against B, D and E.
+    arms = [ScriptedArm("B", [1.0, 2.0, 1.0], log), ScriptedArm("C1", [1.25, 2.0 / 0.9, 2.0], log),
+            ScriptedArm("C2", [1.0, 1.0, 1.0], log), ScriptedArm("D", [1.5, 1.0, 1.2], log)]
+    cfg = BenchConfig(out=tmp_path, arms=("B", "C", "D"), concurrency=(4,), rates=(), repeats=3, workers=(1, 2))
     cfg.validate()
     run = runner_module.Runner(cfg)
     monkeypatch.setattr(run, "_arms", lambda procs, url: arms)
@@ -263,12 +265,16 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
     run.report = {"settings": {"repeats": 3}, "arms": {}, "results": []}
     run._throughput(None, "")  # type: ignore[arg-type]
 
-    assert log == ["B", "C1"] * 3
-    assert [(e["arm"], e["repeat"]) for e in run.report["results"]] == [("B", 0), ("C1", 0), ("B", 1), ("C1", 1),
-                                                                        ("B", 2), ("C1", 2)]
+    assert log == ["B", "C1", "C2", "D"] * 3
+    assert [(e["arm"], e["repeat"]) for e in run.report["results"] if e["arm"] in ("B", "C1")] == [
+        ("B", 0), ("C1", 0), ("B", 1), ("C1", 1), ("B", 2), ("C1", 2)]
     head = headline(run.report, 4)
     assert head["ratios_each_repeat"]["C/B"] == pytest.approx([0.8, 0.9, 0.5])
     assert head["ratios"]["C/B"] == pytest.approx(0.8)  # the median of the paired ratios
+    assert head["ratios_each_repeat"]["C2/D"] == pytest.approx([1.5, 1.0, 1.2])
+    assert head["ratios"]["C2/D"] == pytest.approx(1.2) and head["targets"]["C2/D"] == 1.2
+    assert head["met"]["C2/D"] is True and head["met"]["C2/B"] is True and head["met"]["C/D"] is False
+    assert head["ratios"]["C2/E"] is None and head["met"]["C2/E"] is None
     b_runs = sorted(e["metrics"]["tokens_per_s"] for e in run.report["results"] if e["arm"] == "B")
     assert head["tokens_per_s"]["B"] == pytest.approx(b_runs[1])  # B's median run
     run.report.update(headline=head, model={"path": "m"}, machine={}, device="cpu", blas="x",
