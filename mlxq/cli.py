@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--blas-threads", type=int,
-                   help="Linux CPU: that BLAS's threads (default one per core; several workers on a host: a share each)")
+                   help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
     p.add_argument("--name", help="worker name (default: RQ's)")

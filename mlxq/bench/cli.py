@@ -65,10 +65,12 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--new-tokens", type=int, default=64)
     g.add_argument("--new-tokens-spread", type=int, default=0,
                    help="each request asks --new-tokens +- up to this many (uniform, seeded; default 0)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="decode batch limit for B, C, D, E; C's workers share it (default 32)")
+    g.add_argument("--max-num-seqs", type=int, default=32,
+                   help="decode batch limit for B, C, D, E; C's workers share it (default 32)")
     g.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
-    g.add_argument("--workers", type=_list(int), default=(1, 2), help="mlxq worker processes for arm C (1,2); with a preloaded BLAS (Linux CPU) "
-                   "each gets cores / workers BLAS threads")
+    g.add_argument("--workers", type=_list(int), default=(1, 2),
+                   help="mlxq worker processes for arm C (1,2); with a preloaded BLAS (Linux CPU) "
+                        "each gets cores / workers BLAS threads")
     g.add_argument("--a-max-concurrency", type=int, default=32,
                    help="run arm A only up to this N: it is sequential (default 32)")
     g.add_argument("--warmup-tokens", type=int, default=8, help="new tokens per warm-up request (default 8)")

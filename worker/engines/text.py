@@ -344,8 +344,8 @@ class TextEngine:
         """Keep at most a prefill batch of prompts in mlx-lm's prefill, as its own cap would, and
         start none while the last batch's first tokens are still to come out: mlx-lm returns those
         from the call after their prefill, and that call would also run the next batch's prefill,
-        holding them back by a whole prefill (on a CPU, 32 prompts in batches of 8 got their first
-        tokens a batch late: 14 s instead of 7 for the first eight)."""
+        holding them back by a whole prefill (on a CPU, 16 prompts in batches of 8 all got their first
+        tokens after both prefills, ~14 s, where the first eight can have theirs after ~7 s)."""
         room = self._prefill_batch_size - len(self._prefilling)
         if room <= 0 or not self._to_prefill or self._awaiting_first:
             return
