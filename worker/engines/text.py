@@ -293,8 +293,9 @@ class TextEngine:
         self._early.extend(events)
         if going_on:
             caches = _handed_out(cache, len(going_on), owned=True)
-            self._insert([row for row, _ in going_on], [[first] for _, first in going_on], caches,
-                         [list(prompt) for _ in going_on], max_tokens=[row.spec.max_tokens - 1 for row, _ in going_on])
+            # They start from a full cache (a one-token prompt), so they need no prefill batch.
+            self._hand_over([row for row, _ in going_on], [[first] for _, first in going_on], caches,
+                            [list(prompt) for _ in going_on], [row.spec.max_tokens - 1 for row, _ in going_on])
 
     def _insert_or_hold(self, joining: bool, rows: list["_Row"], prompts: list[list[int]],
                         caches: Optional[list[list[Any]]] = None, all_tokens: Optional[list[list[int]]] = None
@@ -325,7 +326,6 @@ class TextEngine:
         prompts: list[list[int]],
         caches: Optional[list[list[Any]]] = None,
         all_tokens: Optional[list[list[int]]] = None,
-        max_tokens: Optional[list[int]] = None,
     ) -> None:
         """Hand sequences to mlx-lm: those with a one-token prompt (a full cache) at once, since
         mlx-lm starts them without a prefill; the others in order, a prefill batch at a time."""
@@ -337,8 +337,7 @@ class TextEngine:
         if now:
             self._hand_over([rows[i] for i in now], [prompts[i] for i in now],
                             [caches[i] for i in now] if caches else None,
-                            [all_tokens[i] for i in now] if all_tokens else None,
-                            [max_tokens[i] for i in now] if max_tokens else None)
+                            [all_tokens[i] for i in now] if all_tokens else None)
 
     def _feed_prefill(self) -> None:
         """Keep at most a prefill batch of prompts in mlx-lm's prefill, as its own cap would, and
