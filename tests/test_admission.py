@@ -23,7 +23,7 @@ def _largest_joins(steps: list[list[float]]) -> tuple[int, int]:
     """The most jobs that joined between two steps: into an idle engine, and into a decoding one."""
     into_idle = into_decoding = 0
     steps = [[0.0, 0], *steps]  # before its first step the engine was idle
-    for (_, active), (_, active_next) in zip(steps, steps[1:]):
+    for (_, active, *_), (_, active_next, *_) in zip(steps, steps[1:]):
         joined = active_next - active
         if active == 0:
             into_idle = max(into_idle, joined)

@@ -95,10 +95,14 @@ def test_summarize_accounts_for_every_request() -> None:
 
 
 def test_analyze_steps_finds_the_publish_and_admit_intervals() -> None:
-    steps = [[0.00, 4], [0.01, 4], [0.02, 4], [0.50, 36], [0.51, 36], [0.90, 4], [0.91, 4]]
+    steps = [[0.00, 4, False], [0.01, 4, False], [0.02, 4, False], [0.50, 36, False], [0.51, 36, False],
+             [0.90, 4, True], [0.93, 4, True], [0.95, 4, False], [0.96, 4, False]]
     found = analyze_steps(steps, 32, running=4)
     assert found["admit_step_ms"] == pytest.approx(480)
     assert found["publish_step_ms"] == pytest.approx(390)
+    # steps of the same batch while bookkeeping wrote the burst's results: 30 and 20 ms
+    assert found["publishing_step_ms"] == pytest.approx(30) and found["publishing_steps"] == 2
+    assert found["burst_batch_step_ms"]["p50"] == pytest.approx(10)  # the one plain step at 36 active
     assert found["plain_step_ms"]["p50"] == pytest.approx(10)
 
 
@@ -180,6 +184,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert sustained["jobs_per_s"] > 0 and sustained["submitted_per_s"] > 0
     assert overhead["publish"]["burst_finished"] == overhead["publish"]["joiners_finished"] == PUBLISH_ROUNDS * 24
     assert overhead["publish"]["publish_step_ms"] is not None
+    assert all(r["publishing_steps"] > 0 for r in overhead["publish"]["rounds"])
 
     # Where the time went: mlx-lm's own counters for B, the same plus the loop's sections for C.
     for arm in ("B", "C1"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
@@ -74,18 +74,22 @@ class Success:
     return_value: Any
 
 
-def end_successes(worker: BaseWorker, successes: list[Success], registries: Registries) -> list[Success]:
+def end_successes(worker: BaseWorker, successes: list[Success], registries: Registries,
+                  pause: Callable[[], None] = lambda: None) -> list[Success]:
     """What `handle_job_success` writes, for every success in one atomic call, unless one of the
     jobs has dependents (or repeats): those need rq's own path, which enqueues the dependents
-    under its own WATCH, so then all are handed back for `handle_job_success` one at a time."""
+    under its own WATCH, so then all are handed back for `handle_job_success` one at a time.
+    `pause` is called before each job's writes are built and before the call."""
     if not successes:
         return []
     if any(s.job.repeats_left for s in successes):
         return successes
     batch = CommandBatch(worker.connection)
     for success in successes:
+        pause()
         _write_success(worker, success, batch, registries)
     worker.set_current_job_id(None, pipeline=batch)
+    pause()
     if batch.execute(unless_exists=[s.job.dependents_key for s in successes]) is None:
         return successes
     for success in successes:

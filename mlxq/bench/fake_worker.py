@@ -1,7 +1,8 @@
 """`python -m mlxq.bench.fake_worker --url U --max-num-seqs N QUEUE...`: a real BatchWorker whose
 engine is mlxq's zero-cost FakeEngine, optionally given a fixed cost per step (a sleep standing in
-for a decode step). It logs the start time and active count of every engine step, written as JSON
-to --step-log when the worker stops (SIGTERM: RQ's warm shutdown).
+for a decode step). It logs the start time, the active count and whether the worker's bookkeeping
+(result keys, RQ's job endings) was still busy at every engine step, written as JSON to --step-log
+when the worker stops (SIGTERM: RQ's warm shutdown).
 
 What it measures is the queue's own cost: RQ bookkeeping, result publishing, admission.
 """
@@ -12,7 +13,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 
@@ -26,10 +27,11 @@ class TimedFakeEngine(FakeEngine):
     def __init__(self, step_s: float) -> None:
         super().__init__()
         self.step_s = step_s
-        self.log: list[tuple[float, int]] = []
+        self.log: list[tuple[float, int, bool]] = []
+        self.bookkeeping_busy: Callable[[], bool] = lambda: False
 
     def step(self) -> list[TokenEvent]:
-        self.log.append((time.perf_counter(), self.num_active))
+        self.log.append((time.perf_counter(), self.num_active, self.bookkeeping_busy()))
         if self.step_s > 0:
             time.sleep(self.step_s)
         return super().step()
@@ -53,6 +55,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     worker = BatchWorker(args.queues, connection=redis.Redis.from_url(args.url), settings=settings,
                          scheduler_factory=scheduler_factory, name=args.name)
+    engine.bookkeeping_busy = lambda: not worker.bookkeeping_idle
     try:
         worker.work(logging_level="WARNING")
     finally:

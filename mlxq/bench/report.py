@@ -221,8 +221,10 @@ def _overhead_line(o: dict[str, Any]) -> str:
             f"{_f(sustained.get('jobs_per_s'), 0)} jobs/s sustained while "
             f"{_f(sustained.get('offered_per_s'), 0)} jobs/s were offered and "
             f"{_f(sustained.get('submitted_per_s'), 0)} submitted (target >= 3,000); "
-            f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms "
-            f"while {p['burst_jobs']} results were published, {_f(p['admit_step_ms'])} ms at most while "
+            f"step interval {_f(plain)} ms plain, {_f(p['publish_step_ms'])} ms in the step that ended "
+            f"{p['burst_jobs']} jobs (their batch's plain steps {_f(p.get('burst_batch_step_p50_ms'))} ms), "
+            f"{_f(p.get('publishing_step_ms'))} ms at most in the steps while their "
+            f"results were published, {_f(p['admit_step_ms'])} ms at most while "
             f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)")
 
 

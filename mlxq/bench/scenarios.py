@@ -73,9 +73,10 @@ def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
     }
 
     rounds = [_publish_round(cfg, url, procs, i) for i in range(PUBLISH_ROUNDS)]
-    publish = {name: median([r[name] for r in rounds]) for name in ("publish_step_ms", "admit_step_ms",
-                                                                      "publish_stall_ms")}
+    publish = {name: median([r[name] for r in rounds])
+               for name in ("publish_step_ms", "publishing_step_ms", "admit_step_ms", "publish_stall_ms")}
     publish.update(plain_step_p50_ms=median([(r["plain_step_ms"] or {}).get("p50") for r in rounds]),
+                   burst_batch_step_p50_ms=median([(r["burst_batch_step_ms"] or {}).get("p50") for r in rounds]),
                    rounds=rounds, fake_step_ms=cfg.overhead_step_ms,
                    burst_jobs=rounds[0]["burst_jobs"], background_jobs=rounds[0]["background_jobs"],
                    burst_finished=sum(r["burst_finished"] for r in rounds),
@@ -141,27 +142,45 @@ def _middle_rate(times: list[float]) -> Optional[float]:
     return (len(middle) - 1) / span if span > 0 else None
 
 
-def analyze_steps(steps: list[list[float]], burst: int, running: int) -> dict[str, Any]:
-    """Intervals between engine steps: ordinary ones (same batch), the one in which `burst` jobs
-    ended (results published) and the longest in which jobs joined the `running` ones mid-decode
-    (the worker starts at most ADMIT_PER_TURN_WHILE_DECODING a turn, so a burst joins over a few)."""
-    plain, publish, admit = [], [], []
-    for (t, active), (t_next, active_next) in zip(steps, steps[1:]):
+def analyze_steps(steps: list[list[Any]], burst: int, running: int) -> dict[str, Any]:
+    """Intervals between engine steps, each step logged as (start, active, bookkeeping busy):
+    ordinary ones (same batch, bookkeeping idle), the one in which `burst` jobs ended (the engine
+    and scheduler end them; their results are handed to bookkeeping), the ones right after it, of
+    the same batch, while bookkeeping was still writing those results and ending their RQ jobs,
+    and the longest in which jobs joined the `running` ones mid-decode (the worker starts at most
+    ADMIT_PER_TURN_WHILE_DECODING a turn, so a burst joins over a few)."""
+    plain, ending, publishing, admit = [], [], [], []
+    plain_by_size: dict[int, list[float]] = {}
+    ending_size = None
+    after_ending = False  # in the steps that follow the burst's ending, while its results are written
+    for (t, active, *busy), (t_next, active_next, *_) in zip(steps, steps[1:]):
         interval, change = (t_next - t) * 1000, active_next - active
+        busy_now = bool(busy and busy[0])
+        after_ending = after_ending and busy_now and change == 0
         if change == 0 and active > 0:
-            plain.append(interval)
+            if after_ending:
+                publishing.append(interval)
+            elif not busy_now:
+                plain.append(interval)
+                plain_by_size.setdefault(active, []).append(interval)
         elif change <= -burst * 0.9:
-            publish.append(interval)
+            ending.append(interval)
+            ending_size = active
+            after_ending = True
         elif change > 0 and active >= running:
             admit.append(interval)
     base = statistics.median(plain) if plain else None
-    worst_publish = max(publish) if publish else None
+    worst_ending = max(ending) if ending else None
     return {
         "steps": len(steps),
         "plain_step_ms": distribution(plain),
-        "publish_step_ms": worst_publish,
+        "publish_step_ms": worst_ending,
+        # the plain steps of the batch the burst ended from: the engine's per-sequence work grows with it
+        "burst_batch_step_ms": distribution(plain_by_size.get(ending_size, [])) if ending_size else None,
+        "publishing_step_ms": max(publishing) if publishing else None,
+        "publishing_steps": len(publishing),
         "admit_step_ms": max(admit) if admit else None,
-        "publish_stall_ms": (worst_publish - base) if worst_publish is not None and base is not None else None,
+        "publish_stall_ms": (worst_ending - base) if worst_ending is not None and base is not None else None,
     }
 
 
