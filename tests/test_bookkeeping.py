@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from worker.bookkeeping import LoopGate
+from worker.loop_clock import StepRhythm
 
 
 def _waiter(gate: LoopGate) -> threading.Event:
@@ -65,3 +68,29 @@ def test_a_gate_left_closed_holds_bookkeeping_once_then_no_more_in_that_phase() 
     gate.step_started(10.0)
     gate.step_ended()  # a new phase holds again
     assert not _waiter(gate).wait(0.01)
+
+
+def test_the_loop_gates_bookkeeping_only_while_steps_are_long_and_off_its_cpu() -> None:
+    now, cpu = [0.0], [0.0]
+    rhythm = StepRhythm(min_step_s=0.002, step_to_turn=4, keep=4, clock=lambda: now[0], cpu_clock=lambda: cpu[0])
+
+    def turn(step_s: float, turn_s: float, step_cpu_s: float = 0.0) -> tuple[object, bool]:
+        expected = rhythm.step_started()
+        now[0] += step_s
+        cpu[0] += step_cpu_s
+        gated = rhythm.step_ended()
+        now[0] += turn_s
+        cpu[0] += turn_s
+        return expected, gated
+
+    # near-free steps (an engine that is all Python): the loop is mostly turns, never gated
+    assert [turn(0.001, 0.003, 0.001) for _ in range(6)] == [(None, False)] * 6
+    # 10 ms steps with 0.3 ms turns: gated once the short steps have left the window of four
+    results = [turn(0.010, 0.0003) for _ in range(6)]
+    assert [gated for _, gated in results] == [False, False, False, True, True, True]
+    assert results[-1][0] == pytest.approx(0.010)  # the next step is expected to last as long as the shortest
+    # a step that runs long does not lengthen the expectation; a long turn alone does not ungate
+    assert turn(0.050, 0.005) == (pytest.approx(0.010), True)
+    assert turn(0.010, 0.0003) == (pytest.approx(0.010), True)
+    # a step the loop's thread spends mostly on its CPU (host-bound) ungates at once
+    assert turn(0.020, 0.0003, step_cpu_s=0.015) == (pytest.approx(0.010), False)

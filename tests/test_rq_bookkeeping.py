@@ -53,7 +53,7 @@ def redis_state(conn: redis.Redis, job: Job) -> dict:
 def test_batched_endings_leave_redis_as_rq_does(redis_url):
     conn = redis.Redis.from_url(redis_url)
     # 256 end in one step: several Redis calls' worth of endings (RQ_ENDS_PER_CALL, RESULTS_PER_CALL)
-    ours = enqueue(conn, "bk-batch", [request(i) for i in range(300)], result_ttl=keys.DEFAULT_RESULT_TTL)
+    ours = enqueue(conn, "bk-batch", [request(i, max_tokens=12) for i in range(300)], result_ttl=keys.DEFAULT_RESULT_TTL)
     stock = enqueue(conn, "bk-stock", [request(0)], result_ttl=keys.DEFAULT_RESULT_TTL)
     done = run_rq_worker(redis_url, "worker.BatchWorker", ["bk-batch"], {**FAKE, "MLXQ_MAX_NUM_SEQS": "256"})
     assert done.returncode == 0, done.stderr

@@ -51,12 +51,16 @@ class LoopGate:
         self._between = False  # the loop is between two steps
         self._hold_from = math.inf  # inside a step: when its expected end is near
         self._free_phase = -1  # a phase in which a wait timed out
+        # Whether the loop keeps bookkeeping out of its turns at all: only then is it worth cutting
+        # bookkeeping's Redis calls short, at the cost of more of them.
+        self.in_force = False
 
     def step_started(self, expected_s: Optional[float]) -> None:
-        """The loop enters a step expected to last `expected_s` (None: no guess)."""
+        """The loop enters a step expected to last `expected_s` (None: no gating in this step)."""
         hold_from = math.inf
         if expected_s:
             hold_from = time.perf_counter() + expected_s - min(END_MARGIN_S, expected_s / 4)
+        self.in_force = expected_s is not None
         self._move(between=False, hold_from=hold_from)
 
     def step_ended(self) -> None:
@@ -65,6 +69,7 @@ class LoopGate:
 
     def release(self) -> None:
         """No step to keep out of the way of (the loop is idle, or waits for bookkeeping)."""
+        self.in_force = False
         self._move(between=False, hold_from=math.inf)
 
     def wait(self) -> None:

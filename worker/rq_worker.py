@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from types import FrameType
@@ -43,7 +42,7 @@ from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
 from worker.bookkeeping import Bookkeeper
 from worker.liveness import Liveness
-from worker.loop_clock import LoopClock
+from worker.loop_clock import LoopClock, StepRhythm
 from worker.poll import Poller
 from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas
 from worker.recovery import sweep_abandoned
@@ -67,12 +66,17 @@ IDLE_WAIT_ROUND_S = 1  # an idle worker's blocking dequeue returns this often to
 # it does that this often instead (at 256 in flight on an H200 the poll was ~4% of the loop).
 CANCEL_CHECK_INTERVAL_S = 0.05
 # Bookkeeping waits while the loop is between two steps (worker/bookkeeping.py, LoopGate) only
-# after steps at least this long: with near-free steps (the fake engine) the loop is almost all
-# round trips, and holding bookkeeping off them would starve it.
+# while steps are long against the loop's turns between them (at least MIN_GATED_STEP_S, and
+# GATED_STEP_TO_TURN times the shortest recent turn) and spent mostly off the loop's CPU (see
+# StepRhythm). With near-free steps (the zero-cost fake engine) the loop is mostly turns, and
+# holding bookkeeping off them starved it: on an H200 host one worker sustained 1,993-2,222 jobs/s
+# against 2,950-2,984 when any step of 2 ms or more closed the gate.
 MIN_GATED_STEP_S = 0.002
-# Jobs ended per Redis call. Redis runs one call at a time, so the loop's poll can wait behind a
-# bookkeeping script: 256 rq endings in one script ran 7-8 ms on the 2-core CPU (~1 ms per 32),
-# 256 result keys ~1.7 ms (~0.9 ms per 128).
+GATED_STEP_TO_TURN = 4
+# Jobs ended per Redis call while the gate is in force. Redis runs one call at a time, so the
+# loop's poll can wait behind a bookkeeping script: 256 rq endings in one script ran 7-8 ms on the
+# 2-core CPU (~1 ms per 32), 256 result keys ~1.7 ms (~0.9 ms per 128). Otherwise one call takes
+# all: fewer round trips keep up bookkeeping's throughput when the loop is busy with its turns.
 RQ_ENDS_PER_CALL = 32
 RESULTS_PER_CALL = 128
 
@@ -124,7 +128,7 @@ class BatchWorker(SimpleWorker):
         self._health = RedisHealth(self.connection)
         self._last_sweep = time.monotonic()
         self._next_cancel_check = 0.0
-        self._recent_steps_s: deque[float] = deque(maxlen=4)
+        self._rhythm = StepRhythm(MIN_GATED_STEP_S, GATED_STEP_TO_TURN)
         self._poller = Poller(self.connection, self.name)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._clock = LoopClock()
@@ -336,10 +340,7 @@ class BatchWorker(SimpleWorker):
         if not len(self.scheduler_):
             return
         gate = self._bookkeeper.gate
-        # The shortest of the last few steps: one that ended many jobs (or prefilled) runs long.
-        expected = min(self._recent_steps_s, default=0.0)
-        gate.step_started(expected if expected >= MIN_GATED_STEP_S else None)
-        started = time.perf_counter()
+        gate.step_started(self._rhythm.step_started())
         try:
             with self._liveness.step():
                 ended = self.scheduler_.step()
@@ -347,9 +348,7 @@ class BatchWorker(SimpleWorker):
             self.log.exception("Worker %s: engine step failed", self.name)
             self._recover_from_engine_failure(exc)
             return
-        took = time.perf_counter() - started
-        self._recent_steps_s.append(took)
-        if took >= MIN_GATED_STEP_S:
+        if self._rhythm.step_ended():
             gate.step_ended()
         self._clock.lap("step")
         self._end_many(ended, self.scheduler_.take_stream_deltas())
@@ -492,12 +491,12 @@ class BatchWorker(SimpleWorker):
 
     def _publish(self, pending: list[tuple[EndedJob, InFlight]], stats: WorkerStats) -> None:
         """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL
-        a round trip. `pending` shrinks as they are written, so a retry after a lost connection
-        writes only the rest."""
+        a round trip while the gate is in force. `pending` shrinks as they are written, so a
+        retry after a lost connection writes only the rest."""
         gate = self._bookkeeper.gate
         first = True
         while pending:
-            chunk = pending[:RESULTS_PER_CALL]
+            chunk = pending[:RESULTS_PER_CALL] if gate.in_force else list(pending)
             publications = []
             for ended, inflight in chunk:
                 gate.wait()
@@ -509,10 +508,10 @@ class BatchWorker(SimpleWorker):
             del pending[:len(chunk)]
 
     def _end_finished(self, pending: list[tuple[EndedJob, InFlight]]) -> None:
-        """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip (`pending`
-        shrinks as they end, as in `_publish`)."""
+        """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is
+        in force (`pending` shrinks as they end, as in `_publish`)."""
         while pending:
-            chunk = pending[:RQ_ENDS_PER_CALL]
+            chunk = pending[:RQ_ENDS_PER_CALL] if self._bookkeeper.gate.in_force else list(pending)
             self._finish_rq_successes([(ended, inflight) for ended, inflight in chunk
                                        if ended.result().status == "finished"])
             for ended, inflight in chunk:
