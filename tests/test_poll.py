@@ -37,3 +37,19 @@ def test_it_finds_exactly_the_running_jobs_that_have_a_cancel_key_among_many(red
     assert poller.poll([], 0, "rq:job:", check_cancels=False).cancelled == set()
     other = Poller(redis_conn, "other-worker")  # each worker looks at its own running set only
     assert other.poll([], 0, "rq:job:", check_cancels=True).cancelled == set()
+
+
+def test_ended_jobs_leave_the_running_set_with_the_next_poll_before_its_cancel_check(redis_conn):
+    poller = Poller(redis_conn, "w")
+    running = [f"job-{i}" for i in range(1500)]  # more than one SREM chunk of the script
+    redis_conn.sadd(poller.running_key, *running)
+    for job_id in running:
+        redis_conn.set(keys.cancel_key(job_id), 1)
+    poller.ended(running[:1400])
+    poller.started(["job-5"])  # taken again after it ended: running, whatever its last attempt left
+    assert poller.poll([], 0, "rq:job:", check_cancels=True).cancelled == {"job-5", *running[1400:]}
+    assert redis_conn.scard(poller.running_key) == 101
+    poller.ended(["job-5"])
+    assert poller.poll([], 0, "rq:job:", check_cancels=False).cancelled == set()
+    assert not redis_conn.sismember(poller.running_key, "job-5")
+    assert poller.poll([], 0, "rq:job:", check_cancels=True).cancelled == set(running[1400:])

@@ -3,9 +3,9 @@
 One server-side script does both, so a loop turn costs a single short round trip however many
 queues the worker listens on and however many sequences run:
 - the running jobs' ids are kept in a set (`mlxq:running:<worker>`, added as jobs start, removed
-  as they end); the script looks for their cancel keys (`mlxq:cancel:<id>`), with one EXISTS per
-  512 ids and per-id calls only when one exists (256 single EXISTS calls per turn made this the
-  costliest part of a turn at 256 in flight);
+  by the first poll after they end); the script looks for their cancel keys (`mlxq:cancel:<id>`),
+  with one EXISTS per 512 ids and per-id calls only when one exists (256 single EXISTS calls per
+  turn made this the costliest part of a turn at 256 in flight);
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
   whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
@@ -13,6 +13,7 @@ queues the worker listens on and however many sequences run:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import redis
@@ -20,6 +21,9 @@ import redis
 from schemas import keys
 
 POLL_SCRIPT = """
+for first = 4, #ARGV, 1000 do
+  redis.call('SREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
 local cancelled = {}
 if ARGV[3] ~= '' then
   local ids = redis.call('SMEMBERS', KEYS[1])
@@ -71,6 +75,17 @@ class Poller:
     def __init__(self, connection: redis.Redis, worker_name: str) -> None:
         self.running_key = keys.running_key(worker_name)
         self._script = connection.register_script(POLL_SCRIPT)
+        # Ended jobs still in the running set. The next poll removes them before it looks for
+        # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
+        # for the poll right after (written later, in the next step), which scanned them all.
+        self._ended: set[str] = set()
+
+    def ended(self, job_ids: Iterable[str]) -> None:
+        self._ended.update(job_ids)
+
+    def started(self, job_ids: Iterable[str]) -> None:
+        """Jobs (re)started: running again, whatever an earlier attempt left to remove."""
+        self._ended.difference_update(job_ids)
 
     def poll(self, queue_pairs: list[tuple[str, str]], room: int, job_key_prefix: str,
              check_cancels: bool) -> Poll:
@@ -78,7 +93,10 @@ class Poller:
         `check_cancels`, also the running jobs that have a cancel key."""
         script_keys = [self.running_key] + [key for pair in queue_pairs for key in pair]
         cancel_prefix = keys.cancel_key("") if check_cancels else ""
-        cancelled, flat = self._script(keys=script_keys, args=[max(0, room), job_key_prefix, cancel_prefix])
+        ended = list(self._ended)
+        cancelled, flat = self._script(keys=script_keys,
+                                       args=[max(0, room), job_key_prefix, cancel_prefix, *ended])
+        self._ended.difference_update(ended)
         taken = [TakenJob(int(index), job_id.decode(), dict(zip(fields[::2], fields[1::2])))
                  for index, job_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
         return Poll(taken, {job_id.decode() for job_id in cancelled})

@@ -28,18 +28,16 @@ class WorkerStats(NamedTuple):
     counters: dict[str, Any]
 
 
-def publish_results(connection: redis.Redis, publications: list[Publication], running_key: Optional[str] = None,
-                    done_ids: Optional[list[str]] = None, stats: Optional[WorkerStats] = None) -> None:
-    """Result keys (and stream ends, and done nudges) in one round trip; the ended jobs leave the
-    worker's running set, and the worker's engine counters are refreshed, in the same one."""
+def publish_results(connection: redis.Redis, publications: list[Publication],
+                    stats: Optional[WorkerStats] = None) -> None:
+    """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
+    are refreshed in the same one."""
     if not publications:
         return
     batch = CommandBatch(connection)
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
-    if running_key and done_ids:
-        batch.srem(running_key, *done_ids)
     for item in publications:
         if not item.write_key:
             continue

@@ -222,7 +222,7 @@ class BatchWorker(SimpleWorker):
             while True:
                 self._record_stop_request()
                 if not self._inflight:
-                    self._bookkeeper.gate.release()  # no step to come: nothing to keep out of the way of
+                    self._bookkeeper.release()  # no step to come: nothing to keep out of the way of
                     self.check_for_suspension(burst)
                     if self.should_run_maintenance_tasks:
                         self.run_maintenance_tasks()
@@ -339,8 +339,7 @@ class BatchWorker(SimpleWorker):
     def _step(self) -> None:
         if not len(self.scheduler_):
             return
-        gate = self._bookkeeper.gate
-        gate.step_started(self._rhythm.step_started())
+        self._bookkeeper.step_started(self._rhythm.step_started())
         try:
             with self._liveness.step():
                 ended = self.scheduler_.step()
@@ -349,7 +348,7 @@ class BatchWorker(SimpleWorker):
             self._recover_from_engine_failure(exc)
             return
         if self._rhythm.step_ended():
-            gate.step_ended()
+            self._bookkeeper.step_ended()
         self._clock.lap("step")
         self._end_many(ended, self.scheduler_.take_stream_deltas())
         self._clock.lap("hand_off")
@@ -382,6 +381,7 @@ class BatchWorker(SimpleWorker):
             timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
             self._inflight[job.id] = InFlight(job, queue, execution, deadline)
+        self._poller.started(job.id for job, _ in jobs)
         batch.sadd(self._poller.running_key, *(job.id for job, _ in jobs))
         self.set_state(WorkerStatus.BUSY, pipeline=batch)
         self.set_current_job_id(jobs[-1][0].id, pipeline=batch)
@@ -463,6 +463,7 @@ class BatchWorker(SimpleWorker):
         ending = [(e if isinstance(e, EndedJob) else EndedJob.built(e), self._inflight[e.id]) for e in ended]
         for _, inflight in ending:
             inflight.ending = True
+        self._poller.ended(job.id for job, _ in ending)
         stats = WorkerStats(keys.stats_key(self.name), self._stats())
         unpublished = list(ending)
         self._bookkeeper.submit(lambda: self._publish(unpublished, stats))
@@ -502,8 +503,7 @@ class BatchWorker(SimpleWorker):
                 gate.wait()
                 publications.append(self._publication(ended, inflight))
             gate.wait()
-            publish_results(self.connection, publications, running_key=self._poller.running_key,
-                            done_ids=[ended.id for ended, _ in chunk], stats=stats if first else None)
+            publish_results(self.connection, publications, stats=stats if first else None)
             first = False
             del pending[:len(chunk)]
 
