@@ -53,3 +53,6 @@ def test_ended_jobs_leave_the_running_set_with_the_next_poll_before_its_cancel_c
     assert poller.poll([], 0, "rq:job:", check_cancels=False).cancelled == set()
     assert not redis_conn.sismember(poller.running_key, "job-5")
     assert poller.poll([], 0, "rq:job:", check_cancels=True).cancelled == set(running[1400:])
+    poller.ended(running[1400:1450])
+    poller.remove_ended()  # a stopping worker's, without a poll
+    assert redis_conn.scard(poller.running_key) == 50

@@ -74,6 +74,7 @@ class Poll(NamedTuple):
 class Poller:
     def __init__(self, connection: redis.Redis, worker_name: str) -> None:
         self.running_key = keys.running_key(worker_name)
+        self._connection = connection
         self._script = connection.register_script(POLL_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
@@ -86,6 +87,12 @@ class Poller:
     def started(self, job_ids: Iterable[str]) -> None:
         """Jobs (re)started: running again, whatever an earlier attempt left to remove."""
         self._ended.difference_update(job_ids)
+
+    def remove_ended(self) -> None:
+        """Remove the ended jobs now, without a poll (the loop is stopping)."""
+        if self._ended:
+            self._connection.srem(self.running_key, *self._ended)
+            self._ended.clear()
 
     def poll(self, queue_pairs: list[tuple[str, str]], room: int, job_key_prefix: str,
              check_cancels: bool) -> Poll:

@@ -249,6 +249,7 @@ class BatchWorker(SimpleWorker):
             raise
         finally:
             self._bookkeeper.stop()
+            self._redis_call(self._poller.remove_ended)
             self._liveness.stop()
             self._record_stop_request()
             self.teardown()
