@@ -491,34 +491,38 @@ class BatchWorker(SimpleWorker):
         if self._inflight.get(inflight.job.id) is inflight:
             del self._inflight[inflight.job.id]
 
-    def _publish(self, pending: list[tuple[EndedJob, InFlight]], stats: WorkerStats) -> None:
-        """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL
-        a round trip while the gate is in force. `pending` shrinks as they are written, so a
-        retry after a lost connection writes only the rest."""
-        gate = self._bookkeeper.gate
-        first = True
+    def _per_call(self, pending: list[tuple[EndedJob, InFlight]], size: int
+                  ) -> Iterator[list[tuple[EndedJob, InFlight]]]:
+        """`pending` a Redis call's worth at a time: `size` jobs while the gate is in force, else
+        all. Each is dropped from `pending` once the caller is done with it, so a task retried
+        after a lost connection goes on with the rest."""
         while pending:
-            chunk = pending[:RESULTS_PER_CALL] if gate.in_force else list(pending)
+            chunk = pending[:size] if self._bookkeeper.gate.in_force else list(pending)
+            yield chunk
+            del pending[:len(chunk)]
+
+    def _publish(self, pending: list[tuple[EndedJob, InFlight]], stats: Optional[WorkerStats]) -> None:
+        """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL
+        a round trip while the gate is in force; the stats go with the first."""
+        gate = self._bookkeeper.gate
+        for chunk in self._per_call(pending, RESULTS_PER_CALL):
             publications = []
             for ended, inflight in chunk:
                 gate.wait()
                 publications.append(self._publication(ended, inflight))
             gate.wait()
-            publish_results(self.connection, publications, stats=stats if first else None)
-            first = False
-            del pending[:len(chunk)]
+            publish_results(self.connection, publications, stats=stats)
+            stats = None
 
     def _end_finished(self, pending: list[tuple[EndedJob, InFlight]]) -> None:
         """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is
-        in force (`pending` shrinks as they end, as in `_publish`)."""
-        while pending:
-            chunk = pending[:RQ_ENDS_PER_CALL] if self._bookkeeper.gate.in_force else list(pending)
+        in force."""
+        for chunk in self._per_call(pending, RQ_ENDS_PER_CALL):
             self._finish_rq_successes([(ended, inflight) for ended, inflight in chunk
                                        if ended.result().status == "finished"])
             for ended, inflight in chunk:
                 if ended.result().status != "finished":  # its result could not be built
                     self._finish_rq_failure(ended.result(), inflight)
-            del pending[:len(chunk)]
 
     def _publication(self, ended: EndedJob, inflight: InFlight) -> Publication:
         job, result = inflight.job, ended.result()
