@@ -331,9 +331,12 @@ def test_choices_prefilled_here_enter_the_batch_together_and_prompts_a_prefill_b
     assert after["own_prefills"] == before["own_prefills"]
 
 
-def test_a_prefill_batchs_first_tokens_come_out_before_the_next_batch_is_prefilled(model_and_tokenizer, monkeypatch):
+def _prefilled_tokens_when_first_token(model_and_tokenizer, monkeypatch, hold: bool) -> tuple[list[int], int]:
+    """Four prompts, two a prefill batch, with the pacing rule forced to `hold`: for each request,
+    the prompt tokens prefilled when its first token came out, and the total."""
     model, tokenizer = model_and_tokenizer
     engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=2)
+    monkeypatch.setattr(engine._pacing, "hold_for_first_tokens", lambda waiting_batches: hold)
     scheduler = BatchScheduler(engine, max_num_seqs=32)
     prefilled_when_first_token = {}
     real_step = engine.step
@@ -348,11 +351,23 @@ def test_a_prefill_batchs_first_tokens_come_out_before_the_next_batch_is_prefill
     requests = {f"r{i}": {"prompt_token_ids": [(i * 29 + k) % 500 + 3 for k in range(12)], "max_tokens": 4,
                           "temperature": 0, "ignore_eos": True} for i in range(4)}
     run_all(scheduler, requests)
-    first_batch, _, second_batch, _ = sorted(prefilled_when_first_token.values())
-    # Four prompts, two a prefill batch: the first two have their first tokens while only their own
-    # prompts have been prefilled; the call that would have returned them also prefilled the next two.
-    assert sorted(prefilled_when_first_token.values()) == [first_batch, first_batch, second_batch, second_batch]
-    assert 0 < first_batch < second_batch == engine.time_stats()["prefill_tokens"]
+    return sorted(prefilled_when_first_token.values()), engine.time_stats()["prefill_tokens"]
+
+
+def test_held_a_prefill_batchs_first_tokens_come_out_before_the_next_batch_is_prefilled(model_and_tokenizer,
+                                                                                         monkeypatch):
+    seen, total = _prefilled_tokens_when_first_token(model_and_tokenizer, monkeypatch, hold=True)
+    first_batch, _, second_batch, _ = seen
+    # The first two have their first tokens while only their own prompts have been prefilled; the
+    # call that would have returned them also prefilled the next two.
+    assert seen == [first_batch, first_batch, second_batch, second_batch]
+    assert 0 < first_batch < second_batch == total
+
+
+def test_unheld_the_next_batch_is_prefilled_in_the_call_that_returns_the_first_tokens(model_and_tokenizer,
+                                                                                      monkeypatch):
+    seen, total = _prefilled_tokens_when_first_token(model_and_tokenizer, monkeypatch, hold=False)
+    assert seen == [total] * 4  # the second batch got in a call sooner, the first batch's tokens after it
 
 
 def test_return_prompt_token_ids(scheduler, model_and_tokenizer):

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.engines.base import SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
+from worker.engines.prefill_pacing import PrefillPacing
 from worker.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
 from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
 
@@ -99,6 +100,7 @@ class TextEngine:
         self._engine_uid: dict[str, int] = {}
         self._samplers = SamplerPool()
         self._counters = EngineCounters()
+        self._pacing = PrefillPacing()
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
@@ -341,12 +343,14 @@ class TextEngine:
 
     def _feed_prefill(self) -> None:
         """Keep at most a prefill batch of prompts in mlx-lm's prefill, as its own cap would, and
-        start none while the last batch's first tokens are still to come out: mlx-lm returns those
-        from the call after their prefill, and that call would also run the next batch's prefill,
-        holding them back by a whole prefill (on a CPU, 16 prompts in batches of 8 all got their first
-        tokens after both prefills, ~14 s, where the first eight can have theirs after ~7 s)."""
+        start none while the last batch's first tokens are still to come out where a prefill outlasts
+        a decode step (see prefill_pacing.py): the call that returns them would run that prefill first
+        (on a CPU, 16 prompts in batches of 8 all got their first tokens after both prefills, ~14 s,
+        where the first eight can have theirs after ~7 s)."""
         room = self._prefill_batch_size - len(self._prefilling)
-        if room <= 0 or not self._to_prefill or self._awaiting_first:
+        if room <= 0 or not self._to_prefill:
+            return
+        if self._awaiting_first and self._pacing.hold_for_first_tokens(len(self._to_prefill) / self._prefill_batch_size):
             return
         batch = [self._to_prefill.popleft() for _ in range(min(room, len(self._to_prefill)))]
         uids = self._hand_over([h.row for h in batch], [h.prompt for h in batch], [h.cache for h in batch],
@@ -393,6 +397,7 @@ class TextEngine:
                 self._prefilling.discard(prompt.uid)
                 self._awaiting_first.add(prompt.uid)
         self._counters.add_generator_window(window)
+        self._pacing.note(window)
         self._decode_steps += 1
         self._eager_allowance = min(EAGER_JOINERS_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
         events: list[TokenEvent] = []
