@@ -191,6 +191,7 @@ def test_a_full_worker_looks_for_cancels_on_a_cadence_not_every_step(redis_url):
 def test_timeout_fails_only_that_sequence_with_partial_output(redis_url):
     client = Client(redis_url)
     slow = client.submit(long_request(90, 4000), timeout=2)
+    slower = client.submit(long_request(92, 4000), timeout=4)  # the next deadline, found by the scan at the first
     neighbour = client.submit(long_request(91, 60))
     worker = start_fake_worker(redis_url, name="timer", step_delay_s=0.05)
     try:
@@ -199,6 +200,9 @@ def test_timeout_fails_only_that_sequence_with_partial_output(redis_url):
         assert timed_out.choices[0].finish_reason == "timeout" and timed_out.choices[0].token_ids
         assert client.wait(neighbour, timeout=60).status == "finished"
         assert rq_ends_as(redis_url, slow, JobStatus.FAILED)
+        later = client.wait(slower, timeout=60)
+        assert later.status == "failed" and later.choices[0].finish_reason == "timeout"
+        assert len(later.choices[0].token_ids) > len(timed_out.choices[0].token_ids)
     finally:
         stop(worker)
 

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -121,6 +122,7 @@ class BatchWorker(SimpleWorker):
         self._scheduler_factory = scheduler_factory
         self.scheduler_: Any = None  # rq's BaseWorker already uses `self.scheduler`
         self._inflight: dict[str, InFlight] = {}
+        self._earliest_deadline = math.inf  # no running job's deadline is earlier
         self._bookkeeper = Bookkeeper()
         self._registries = Registries(self)
         self._stop_job_ids: set[str] = set()
@@ -381,6 +383,8 @@ class BatchWorker(SimpleWorker):
             extra[job.id] = (len(batch) - 2, len(batch) - 1)
             timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+            if deadline is not None:
+                self._earliest_deadline = min(self._earliest_deadline, deadline)
             self._inflight[job.id] = InFlight(job, queue, execution, deadline)
         self._poller.started(job.id for job, _ in jobs)
         batch.sadd(self._poller.running_key, *(job.id for job, _ in jobs))
@@ -642,12 +646,18 @@ class BatchWorker(SimpleWorker):
         cancelled = (requested | stop_ids) & set(running)
         ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
         clock = time.monotonic()
-        for job_id in running:
-            deadline = self._inflight[job_id].deadline
-            if job_id not in cancelled and deadline is not None and clock > deadline:
-                result = self.scheduler_.cancel(job_id, "timeout")
-                if result is not None:
-                    ending.append(result)
+        if clock > self._earliest_deadline:  # else no running job is past its deadline: skip the scan
+            self._earliest_deadline = math.inf
+            for job_id in running:
+                deadline = self._inflight[job_id].deadline
+                if job_id in cancelled or deadline is None:
+                    continue
+                if clock > deadline:
+                    result = self.scheduler_.cancel(job_id, "timeout")
+                    if result is not None:
+                        ending.append(result)
+                    continue
+                self._earliest_deadline = min(self._earliest_deadline, deadline)
         self._end_many(ending, self.scheduler_.take_stream_deltas())
 
     def _beat(self) -> None:
