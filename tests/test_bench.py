@@ -145,7 +145,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
 
     out = tmp_path / "bench"
     argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out),
-            "--arms", "A,B,C", "--workers", "1", "--concurrency", "4", "--rates", "", "--prompt-tokens", "16",
+            "--arms", "A,B,C,S", "--workers", "1", "--concurrency", "4", "--rates", "", "--prompt-tokens", "16",
             "--new-tokens", "6", "--warmup-tokens", "2", "--headline-concurrency", "4",
             "--scenario", "throughput,overhead", "--overhead-jobs", "150", "--overhead-publish", "24",
             "--overhead-step-ms", "5"]
@@ -161,7 +161,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert report["versions"]["mlx"] and report["versions"]["mlx-lm"]
     assert report["model"]["path"] == tiny_model_dir
     by_arm = {e["arm"]: e for e in report["results"]}
-    assert set(by_arm) == {"A", "B", "C1"}
+    assert set(by_arm) == {"A", "B", "C1", "S"}
     for arm, entry in by_arm.items():
         assert entry["status"] == "ok", entry
         m = entry["metrics"]
@@ -175,6 +175,10 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert all(report["arms"][arm]["status"] == "ok" for arm in by_arm)
     ratios = report["headline"]["ratios"]
     assert ratios["C/B"] is not None and ratios["C/A"] is not None and ratios["C/D"] is None
+    # S splits C's gap to B: mlxq's engine wrapper (S/B) and the queue around it (C/S); no targets
+    assert ratios["S/B"] is not None and ratios["C/S"] is not None
+    assert ratios["S/B"] * ratios["C/S"] == pytest.approx(ratios["C/B"])
+    assert "S/B" not in report["headline"]["targets"] and set(report["headline"]["met"]) == set(report["headline"]["targets"])
 
     overhead = report["scenarios"]["overhead"]
     assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0
@@ -187,7 +191,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert all(r["publishing_steps"] > 0 for r in overhead["publish"]["rounds"])
 
     # Where the time went: mlx-lm's own counters for B, the same plus the loop's sections for C.
-    for arm in ("B", "C1"):
+    for arm in ("B", "S", "C1"):
         split = by_arm[arm]["time_split"]
         assert split["engine_decode_tokens"] == 4 * 6, (arm, split)
         # mlx-lm prefills a prompt but its last token, which its first decode step runs
@@ -199,7 +203,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert table.count("| C1 | 4 |") == 1 and table.count("| C1 | closed-4 |") == 1
     assert (out / "plot.png").stat().st_size > 0
     lines = (out / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and all(len(json.loads(line)["records"]) == 4 for line in lines)
+    assert len(lines) == 4 and all(len(json.loads(line)["records"]) == 4 for line in lines)
 
 
 def test_rl_scenario_shares_each_prompts_prefill_among_its_n_samples(tiny_model_dir: str, tmp_path: Path) -> None:

@@ -17,25 +17,26 @@ from worker.engines.counters import EngineCounters
 
 
 class LocalModel:
-    """One loaded copy of the model, shared by A and B and dropped after them."""
+    """One loaded copy of the model (and its tokenizer), shared by A, B and S and dropped after them."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.model: Any = None
+        self.tokenizer: Any = None
 
     def load(self) -> Any:
         if self.model is None:
             import worker  # noqa: F401  (same BLAS as the mlxq worker, before mlx loads)
             from mlx_lm import load
 
-            self.model = load(self.path)[0]
+            self.model, self.tokenizer = load(self.path)
         return self.model
 
     def unload(self) -> None:
         if self.model is not None:
             import mlx.core as mx
 
-            self.model = None
+            self.model = self.tokenizer = None
             gc.collect()
             mx.clear_cache()
 
@@ -167,4 +168,88 @@ class EngineBoundArm(Arm):
         finally:
             generator.close()
         self.time_split = {f"engine_{name}": float(value) for name, value in counters.as_dict().items()}
+        return records
+
+
+class SchedulerArm(Arm):
+    """mlxq's own BatchScheduler and TextEngine driven in this process: what the worker runs, with
+    no Redis, RQ or worker loop around it. Against B it prices mlxq's engine wrapper; against C,
+    the queue."""
+
+    key = "S"
+    methods = {
+        "queue": "none: a request is admitted the moment it arrives",
+        "ttft": "arrival to the first token, from the result's timings (started_at + ttft_s)",
+        "e2e": "arrival to the end of the scheduler step that ended the job",
+        "eos": "requests carry ignore_eos: true",
+    }
+
+    def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:
+        self.local = local
+        self.max_num_seqs = max_num_seqs
+        self.prefill_batch_size = prefill_batch_size
+
+    def start(self) -> None:
+        self.local.load()
+
+    def info(self) -> dict[str, Any]:
+        return {"max_num_seqs": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size,
+                "prefix_cache_mb": self._settings().prefix_cache_mb}
+
+    def _settings(self) -> Any:
+        from worker.settings import WorkerSettings
+
+        return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size)
+
+    def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
+        if warmup is not None:
+            self._run(warmup)
+        return self._run(workload)
+
+    def _run(self, workload: Workload) -> list[RequestRecord]:
+        from mlxq.bench.arm_mlxq import payload
+        from worker.engines.text import TextEngine
+        from worker.scheduler import BatchScheduler
+
+        settings = self._settings()
+        engine = TextEngine(self.local.load(), self.local.tokenizer, max_num_seqs=settings.max_num_seqs,
+                            prefill_batch_size=settings.prefill_batch_size,
+                            prefill_step_size=settings.prefill_step_size,
+                            prefix_cache_bytes=settings.prefix_cache_bytes)
+        scheduler = BatchScheduler(engine, max_num_seqs=settings.max_num_seqs,
+                                   default_max_tokens=settings.default_max_tokens, limits=settings.limits,
+                                   kv_budget_bytes=settings.kv_budget_bytes)
+        arrivals = Arrivals(workload)
+        live: dict[str, tuple[BenchRequest, RequestRecord]] = {}
+        records: list[RequestRecord] = []
+        t0_wall, t0 = time.time(), time.perf_counter()
+
+        def end(job_id: str, result: Any, now: float) -> None:
+            request, record = live.pop(job_id)
+            record.finished = now
+            record.tokens = result.usage.completion_tokens
+            if result.timings.ttft_s is not None and result.timings.started_at is not None:
+                record.first_token = result.timings.started_at + result.timings.ttft_s - t0_wall
+            if result.status != "finished":
+                record.error = f"{result.status}: {result.error.message if result.error else ''}"
+            records.append(record)
+            arrivals.completed(request, now)
+
+        while True:
+            for request, arrival in arrivals.due(time.perf_counter() - t0):
+                job_id = f"s{request.index}"
+                live[job_id] = (request, RequestRecord(request.index, arrival, started=time.perf_counter() - t0))
+                refused = scheduler.admit(job_id, payload(request))
+                if refused is not None:
+                    end(job_id, refused, time.perf_counter() - t0)
+            if not len(scheduler):
+                if arrivals.exhausted:
+                    break
+                _sleep_until(t0, arrivals.next_arrival())
+                continue
+            ended = scheduler.step()
+            now = time.perf_counter() - t0
+            for job in ended:
+                end(job.id, job.result(), now)
+        self.time_split = {f"engine_{name}": float(value) for name, value in engine.time_stats().items()}
         return records

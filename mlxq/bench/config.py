@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-ARMS = ("A", "B", "C", "D", "E")
+ARMS = ("A", "B", "C", "D", "E", "S")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak")
 
 ARM_LABELS = {
@@ -15,6 +15,7 @@ ARM_LABELS = {
     "C": "C: mlxq end to end (producer -> Redis -> BatchWorker -> result keys)",
     "D": "D: mlx_lm.server (HTTP, continuous batching), concurrent streaming clients",
     "E": "E: vllm-mlx BatchedEngine, driven in process by concurrent asyncio clients",
+    "S": "S: mlxq's BatchScheduler and TextEngine in process (no Redis, RQ or worker loop)",
 }
 
 

@@ -20,6 +20,8 @@ from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
 from mlxq.redis_server import existing_or_private
 
+IN_PROCESS = ("A", "B", "S")  # arms that run in this process, on its one loaded model
+
 
 def build_workloads(cfg: BenchConfig, tokenizer: Tokenizer) -> list[tuple[Workload, Workload]]:
     """(workload, its warm-up pass) pairs; warm-ups use their own prompts, so no prompt cache of a
@@ -114,7 +116,7 @@ class Runner:
 
     # --- the arms -------------------------------------------------------------------------
     def _arms(self, procs: ProcessSet, url: str) -> list[Arm]:
-        from mlxq.bench.arm_local import EngineBoundArm, LocalModel, SequentialArm
+        from mlxq.bench.arm_local import EngineBoundArm, LocalModel, SchedulerArm, SequentialArm
         from mlxq.bench.arm_mlxq import MlxqArm, MlxqCluster
         from mlxq.bench.arm_server import ServerArm
         from mlxq.bench.arm_vllm_mlx import VllmMlxArm
@@ -127,6 +129,8 @@ class Runner:
                 arms.append(SequentialArm(self.local))
             elif key == "B":
                 arms.append(EngineBoundArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size))
+            elif key == "S":
+                arms.append(SchedulerArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size))
             elif key == "C":
                 arms += [MlxqArm(MlxqCluster(url, self.model, w, cfg.max_num_seqs, cfg.prefill_batch_size, procs,
                                              blas_path=blas_path), cfg.request_timeout_s) for w in cfg.workers]
@@ -152,11 +156,11 @@ class Runner:
                     continue
                 self._run_arm(arm, plan, repeat)
                 later = arms[position + 1:] if repeat == repeats - 1 else arms
-                if not any(a.key in ("A", "B") for a in later):
+                if not any(a.key in IN_PROCESS for a in later):
                     self.local.unload()
         self.report["blas_checks"] = {
             key: entry.get("info", {}).get("blas_loaded") for key, entry in self.report["arms"].items()
-            if key not in ("A", "B")  # A and B run in this process, whose BLAS is the report's `blas`
+            if key not in IN_PROCESS  # they run in this process, whose BLAS is the report's `blas`
         }
 
     def _run_arm(self, arm: Arm, plan: list[tuple[Workload, Workload]], repeat: int) -> None:
