@@ -46,14 +46,8 @@ def _sleep_until(t0: float, when: Optional[float]) -> None:
         time.sleep(max(0.0, min(when - (time.perf_counter() - t0), 0.5)))
 
 
-class SequentialArm(Arm):
-    key = "A"
-    methods = {
-        "queue": "arrival to the start of its generation (requests wait their turn in FIFO order)",
-        "ttft": "arrival to the first token yielded by mlx_lm.generate.generate_step",
-        "e2e": "arrival to its last token",
-        "eos": "generate_step has no EOS check (stream_generate would stop there)",
-    }
+class _LocalArm(Arm):
+    """An arm that runs in the bench's process on the shared model: a warm-up pass, then the run."""
 
     def __init__(self, local: LocalModel) -> None:
         self.local = local
@@ -65,6 +59,26 @@ class SequentialArm(Arm):
         if warmup is not None:
             self._run(warmup)
         return self._run(workload)
+
+    def _run(self, workload: Workload) -> list[RequestRecord]:
+        raise NotImplementedError
+
+
+class _BatchingArm(_LocalArm):
+    def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:
+        super().__init__(local)
+        self.max_num_seqs = max_num_seqs
+        self.prefill_batch_size = prefill_batch_size
+
+
+class SequentialArm(_LocalArm):
+    key = "A"
+    methods = {
+        "queue": "arrival to the start of its generation (requests wait their turn in FIFO order)",
+        "ttft": "arrival to the first token yielded by mlx_lm.generate.generate_step",
+        "e2e": "arrival to its last token",
+        "eos": "generate_step has no EOS check (stream_generate would stop there)",
+    }
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         import mlx.core as mx
@@ -96,7 +110,7 @@ class SequentialArm(Arm):
         return records
 
 
-class EngineBoundArm(Arm):
+class EngineBoundArm(_BatchingArm):
     key = "B"
     methods = {
         "queue": "arrival to the end of the BatchGenerator step that returned its first prefill progress",
@@ -105,21 +119,8 @@ class EngineBoundArm(Arm):
         "eos": "BatchGenerator built without stop tokens",
     }
 
-    def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:
-        self.local = local
-        self.max_num_seqs = max_num_seqs
-        self.prefill_batch_size = prefill_batch_size
-
-    def start(self) -> None:
-        self.local.load()
-
     def info(self) -> dict[str, Any]:
         return {"completion_batch_size": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size}
-
-    def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
-        if warmup is not None:
-            self._run(warmup)
-        return self._run(workload)
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         from mlx_lm.generate import BatchGenerator
@@ -171,7 +172,7 @@ class EngineBoundArm(Arm):
         return records
 
 
-class SchedulerArm(Arm):
+class SchedulerArm(_BatchingArm):
     """mlxq's own BatchScheduler and TextEngine driven in this process: what the worker runs, with
     no Redis, RQ or worker loop around it. Against B it prices mlxq's engine wrapper; against C,
     the queue."""
@@ -184,14 +185,6 @@ class SchedulerArm(Arm):
         "eos": "requests carry ignore_eos: true",
     }
 
-    def __init__(self, local: LocalModel, max_num_seqs: int, prefill_batch_size: int) -> None:
-        self.local = local
-        self.max_num_seqs = max_num_seqs
-        self.prefill_batch_size = prefill_batch_size
-
-    def start(self) -> None:
-        self.local.load()
-
     def info(self) -> dict[str, Any]:
         return {"max_num_seqs": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size,
                 "prefix_cache_mb": self._settings().prefix_cache_mb}
@@ -200,11 +193,6 @@ class SchedulerArm(Arm):
         from worker.settings import WorkerSettings
 
         return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size)
-
-    def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
-        if warmup is not None:
-            self._run(warmup)
-        return self._run(workload)
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         from mlxq.bench.arm_mlxq import payload
