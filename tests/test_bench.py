@@ -178,7 +178,8 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     # S splits C's gap to B: mlxq's engine wrapper (S/B) and the queue around it (C/S); no targets
     assert ratios["S/B"] is not None and ratios["C/S"] is not None
     assert ratios["S/B"] * ratios["C/S"] == pytest.approx(ratios["C/B"])
-    assert "S/B" not in report["headline"]["targets"] and set(report["headline"]["met"]) == set(report["headline"]["targets"])
+    head = report["headline"]
+    assert "S/B" not in head["targets"] and set(head["met"]) == set(head["targets"])
 
     overhead = report["scenarios"]["overhead"]
     assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0

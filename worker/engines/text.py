@@ -350,7 +350,8 @@ class TextEngine:
         room = self._prefill_batch_size - len(self._prefilling)
         if room <= 0 or not self._to_prefill:
             return
-        if self._awaiting_first and self._pacing.hold_for_first_tokens(len(self._to_prefill) / self._prefill_batch_size):
+        waiting_batches = len(self._to_prefill) / self._prefill_batch_size
+        if self._awaiting_first and self._pacing.hold_for_first_tokens(waiting_batches):
             return
         batch = [self._to_prefill.popleft() for _ in range(min(room, len(self._to_prefill)))]
         uids = self._hand_over([h.row for h in batch], [h.prompt for h in batch], [h.cache for h in batch],
