@@ -196,7 +196,7 @@ class SchedulerArm(_BatchingArm):
         return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size)
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
-        from mlxq.bench.arm_mlxq import payload
+        from mlxq.bench.arm_mlxq import fill_from_result, payload
         from worker.engines.text import TextEngine
         from worker.scheduler import BatchScheduler
 
@@ -216,18 +216,14 @@ class SchedulerArm(_BatchingArm):
         def end(job_id: str, result: Any, now: float) -> None:
             request, record = live.pop(job_id)
             record.finished = now
-            record.tokens = result.usage.completion_tokens
-            if result.timings.ttft_s is not None and result.timings.started_at is not None:
-                record.first_token = result.timings.started_at + result.timings.ttft_s - t0_wall
-            if result.status != "finished":
-                record.error = f"{result.status}: {result.error.message if result.error else ''}"
+            fill_from_result(record, result, t0_wall)
             records.append(record)
             arrivals.completed(request, now)
 
         while True:
             for request, arrival in arrivals.due(time.perf_counter() - t0):
                 job_id = f"s{request.index}"
-                live[job_id] = (request, RequestRecord(request.index, arrival, started=time.perf_counter() - t0))
+                live[job_id] = (request, RequestRecord(request.index, arrival))
                 refused = scheduler.admit(job_id, payload(request))
                 if refused is not None:
                     end(job_id, refused, time.perf_counter() - t0)

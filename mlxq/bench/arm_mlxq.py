@@ -221,16 +221,23 @@ def _fill_from_results(conn: redis.Redis, ended: dict[str, RequestRecord], t0_wa
                 record.error = "result key missing"
                 continue
             result = GenerationResult.model_validate_json(raw)
-            timings = result.timings
-            if timings.started_at is not None:
-                record.started = timings.started_at - t0_wall
-                if timings.ttft_s is not None:
-                    record.first_token = timings.started_at + timings.ttft_s - t0_wall
-            record.tokens = result.usage.completion_tokens
-            record.extra.update(worker=result.worker, worker_finished=(timings.finished_at or t0_wall) - t0_wall)
-            if result.status != "finished":
-                error = result.error
-                record.error = f"{result.status}: {error.type}: {error.message}" if error else result.status
+            fill_from_result(record, result, t0_wall)
+            record.extra.update(worker=result.worker,
+                                worker_finished=(result.timings.finished_at or t0_wall) - t0_wall)
+
+
+def fill_from_result(record: RequestRecord, result: GenerationResult, t0_wall: float) -> None:
+    """A request's start, first token, tokens and error from its result (times on the wall clock,
+    made relative to `t0_wall`)."""
+    timings = result.timings
+    if timings.started_at is not None:
+        record.started = timings.started_at - t0_wall
+        if timings.ttft_s is not None:
+            record.first_token = timings.started_at + timings.ttft_s - t0_wall
+    record.tokens = result.usage.completion_tokens
+    if result.status != "finished":
+        error = result.error
+        record.error = f"{result.status}: {error.type}: {error.message}" if error else result.status
 
 
 class MlxqArm(Arm):
