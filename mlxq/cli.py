@@ -6,11 +6,14 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from mlxq import info, producer_commands
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
+
+if TYPE_CHECKING:
+    from worker.settings import WorkerSettings
 
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.blas:
@@ -33,10 +36,38 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metal_cache_limit_mb=args.metal_cache_limit_mb,
     )
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
+    processes = _processes(args)
+    if processes > 1:
+        return _run_worker_group(args, settings, processes)
     connection = redis.Redis.from_url(resolve_url(args.url))
     worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
     worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     return 0
+
+
+def _processes(args: argparse.Namespace) -> int:
+    if args.processes is not None:
+        return int(args.processes)
+    raw = os.environ.get("MLXQ_PROCESSES", "").strip()
+    try:
+        return int(raw) if raw else 1
+    except ValueError:
+        raise SystemExit(f"MLXQ_PROCESSES: cannot parse {raw!r} as an integer") from None
+
+
+def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, processes: int) -> int:
+    from worker.platform import preload_blas
+    from worker.process_group import WorkerGroup, child_settings
+
+    try:
+        shares = child_settings(settings, processes, os.cpu_count() or 1,
+                                split_blas_threads=preload_blas(settings.blas).path is not None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    worker_args = ["--log-level", args.log_level, *(["--burst"] if args.burst else []),
+                   *(["--max-jobs", str(args.max_jobs)] if args.max_jobs is not None else []),
+                   *(["--", *args.queues] if args.queues else [])]
+    return WorkerGroup(shares, resolve_url(args.url), worker_args, name=args.name).run()
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -83,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
-    p.add_argument("--name", help="worker name (default: RQ's)")
+    p.add_argument("--processes", type=int, help=(
+        "worker processes on this host (default 1). Above 1, --max-num-seqs, --prefix-cache-mb, "
+        "--blas-threads and MLXQ_KV_BUDGET_MB are the host's totals, shared out; --max-jobs is per process"))
+    p.add_argument("--name", help="worker name (default: RQ's; with --processes, NAME-1, NAME-2, ...)")
     p.add_argument("--burst", action="store_true", help="quit when the queues are empty")
     p.add_argument("--max-jobs", type=int, help="quit after taking this many jobs")
     p.add_argument("--log-level", default="INFO")

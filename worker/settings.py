@@ -51,6 +51,22 @@ class WorkerSettings:
         settings.validate()
         return settings
 
+    def to_env(self) -> dict[str, str]:
+        """These settings as the `MLXQ_*` variables `from_env` reads back (unset fields left out)."""
+        env = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "1" if value else "0"
+            elif isinstance(value, tuple):
+                text = ",".join(value)
+            else:
+                text = str(value)
+            env[f"MLXQ_{f.name.upper()}"] = text
+        return env
+
     def validate(self) -> None:
         for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
                      "prefill_batch_size", "prefill_step_size"):

@@ -22,6 +22,11 @@ from mlxq.bench.workloads import Arrivals, BenchRequest, RequestRecord, Workload
 from producer import Client, WaitTimeout
 from producer.pubsub import read_burst
 from schemas import GenerationResult, keys
+from worker.process_group import child_settings
+from worker.settings import WorkerSettings
+
+# What one worker of several gets a share of, as under `mlxq worker --processes W`.
+SHARED_SETTINGS = ("MLXQ_MAX_NUM_SEQS", "MLXQ_KV_BUDGET_MB", "MLXQ_PREFIX_CACHE_MB", "MLXQ_BLAS_THREADS")
 
 JOB_TIMEOUT_S = 3600  # RQ's 180 s default could end long queued-then-slow jobs of a big sweep
 SAFETY_POLL_S = 2.0  # re-read result keys this often in case a done message was missed
@@ -57,13 +62,15 @@ class MlxqCluster:
         self.model = model
         self.workers = workers
         self.max_num_seqs = max_num_seqs
-        self.seqs_per_worker = -(-max_num_seqs // workers)
-        self.blas_threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 and blas_path else None
+        # Several workers share the host's settings out as `mlxq worker --processes W` does.
+        self.env = dict(env or {})  # extra environment for the worker processes (MLXQ_* settings)
+        host = WorkerSettings.from_env(self.env, max_num_seqs=max_num_seqs)
+        self.shares = (child_settings(host, workers, os.cpu_count() or 1, split_blas_threads=bool(blas_path))
+                       if workers > 1 else [host])
         self.prefill_batch_size = prefill_batch_size
         self.procs = procs
         self.blas_path = blas_path
         self.worker_argv = worker_argv
-        self.env = dict(env or {})  # extra environment for the worker processes (MLXQ_* settings)
         tag = f"{os.getpid()}-{time.time_ns() % 10**9}"
         self.queue = f"mlxq-bench-{tag}"
         self.warm_queues = [f"mlxq-bench-warm-{tag}-{i}" for i in range(workers)]
@@ -79,11 +86,9 @@ class MlxqCluster:
             queues = [self.warm_queues[i], self.queue]
             argv = (self.worker_argv(self.names[i], queues) if self.worker_argv else
                     [sys.executable, "-m", "mlxq", "worker", "--url", self.url, "--model", self.model,
-                     "--max-num-seqs", str(self.seqs_per_worker), "--name", self.names[i], "--log-level", "WARNING",
-                     *queues])
-            env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size), **self.env}
-            if self.blas_threads:
-                env["MLXQ_BLAS_THREADS"] = str(self.blas_threads)
+                     "--name", self.names[i], "--log-level", "WARNING", *queues])
+            env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size), **self.env,
+                   **{name: value for name, value in self.shares[i].to_env().items() if name in SHARED_SETTINGS}}
             self._procs.append(self.procs.start(self.names[i], argv, env))
         # Readiness: one tiny job through each worker's own queue (it loads the model first).
         probe = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
@@ -262,8 +267,8 @@ class MlxqArm(Arm):
 
     def info(self) -> dict[str, Any]:
         return {"workers": self.cluster.workers, "max_num_seqs": self.cluster.max_num_seqs,
-                "max_num_seqs_per_worker": self.cluster.seqs_per_worker,
-                "blas_threads_per_worker": self.cluster.blas_threads,
+                "max_num_seqs_per_worker": [share.max_num_seqs for share in self.cluster.shares],
+                "blas_threads_per_worker": self.cluster.shares[0].blas_threads,
                 "prefill_batch_size": self.cluster.prefill_batch_size, "blas_loaded": self.cluster.blas_loaded()}
 
     def run(self, workload: Workload, warmup: Optional[Workload]) -> list[RequestRecord]:
