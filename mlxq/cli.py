@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -61,7 +62,8 @@ def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, proces
 
     try:
         shares = child_settings(settings, processes, os.cpu_count() or 1,
-                                split_blas_threads=preload_blas(settings.blas).path is not None)
+                                split_blas_threads=preload_blas(settings.blas).path is not None,
+                                group=args.name or f"{socket.gethostname()}.{os.getpid()}")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     worker_args = ["--log-level", args.log_level, *(["--burst"] if args.burst else []),

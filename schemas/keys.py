@@ -48,6 +48,12 @@ def running_key(worker_name: str) -> str:
     return f"{PREFIX}running:{worker_name}"
 
 
+def group_key(group: str) -> str:
+    """The names of the workers of one process group (`mlxq worker --processes N`), which share
+    waiting jobs out among themselves."""
+    return f"{PREFIX}group:{group}"
+
+
 def stats_key(worker_name: str) -> str:
     """A hash of a worker's engine counters (its prefix cache's `stats()` fields, as strings)."""
     return f"{PREFIX}stats:{worker_name}"

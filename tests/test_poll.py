@@ -56,3 +56,31 @@ def test_ended_jobs_leave_the_running_set_with_the_next_poll_before_its_cancel_c
     poller.ended(running[1400:1450])
     poller.remove_ended()  # a stopping worker's, without a poll
     assert redis_conn.scard(poller.running_key) == 50
+
+
+def test_workers_of_a_group_share_a_burst_out_and_the_least_loaded_takes_what_waits(redis_conn):
+    queue = _queue(redis_conn, "q", [f"j{i}" for i in range(10)])
+    first, second = Poller(redis_conn, "w1", group="g"), Poller(redis_conn, "w2", group="g")
+    second.stay_in_group()  # idle, blocked in rq's dequeue: still counted
+    assert len(first.poll([queue], 10, "rq:job:", check_cancels=False).taken) == 5
+    assert redis_conn.scard(first.running_key) == 5  # counted by the sibling's very next poll
+    assert len(second.poll([queue], 10, "rq:job:", check_cancels=False).taken) == 5
+
+    more = _queue(redis_conn, "q", ["k1", "k2", "k3"])
+    second.ended(["j5", "j6", "j7", "j8"])  # the second worker's jobs ended: it has room to spare
+    second.poll([], 0, "rq:job:", check_cancels=False)  # (they leave its running set with its next poll)
+    assert first.poll([more], 10, "rq:job:", check_cancels=False).taken == []  # 5 running: over its share
+    assert [t.job_id for t in second.poll([more], 10, "rq:job:", check_cancels=False).taken] == ["k1", "k2", "k3"]
+
+
+def test_a_member_that_stopped_polling_leaves_the_group_and_one_that_stops_leaves_at_once(redis_conn):
+    queue = _queue(redis_conn, "q", [f"j{i}" for i in range(6)])
+    redis_conn.hset(keys.group_key("g"), "gone", int(redis_conn.time()[0]) - 60)  # a killed worker's entry
+    leaving = Poller(redis_conn, "leaving", group="g")
+    leaving.stay_in_group()
+    leaving.leave_group()
+    worker = Poller(redis_conn, "w", group="g", member_ttl_s=20)
+    assert len(worker.poll([queue], 10, "rq:job:", check_cancels=False).taken) == 6
+    assert redis_conn.hkeys(keys.group_key("g")) == [b"w"]
+    alone = Poller(redis_conn, "alone")  # no group: as many as it has room for
+    assert len(alone.poll([_queue(redis_conn, "r", ["x", "y"])], 10, "rq:job:", check_cancels=False).taken) == 2

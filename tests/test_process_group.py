@@ -98,13 +98,15 @@ FAKE = {"MLXQ_ENGINE": "fake", "MLXQ_FAKE_STEP_DELAY_S": "0.02", "MLXQ_HEARTBEAT
 
 
 @pytest.mark.slow
-def test_group_shares_the_batch_restarts_a_killed_process_and_stops_warm(redis_url, redis_conn):
-    group = start_group(redis_url, "--processes", "2", "--name", "g", "--max-num-seqs", "4", env=FAKE)
+def test_group_shares_a_burst_restarts_a_killed_process_and_stops_warm(redis_url, redis_conn):
+    group = start_group(redis_url, "--processes", "2", "--name", "g", "--max-num-seqs", "16", env=FAKE)
     out = ""
     try:
-        wait_for(lambda: set(registered(redis_conn)) == {"g-1", "g-2"}, timeout=30, what="both processes")
+        wait_for(lambda: set(redis_conn.hkeys(keys.group_key("g"))) == {b"g-1", b"g-2"}, timeout=30,
+                 what="both processes ready, in their group")
         client = Client(redis_url)
-        requests = [{"prompt_token_ids": [100 + i, 7], "max_tokens": 60, "temperature": 0} for i in range(12)]
+        # 8 jobs at once, 8 slots each: one idle process could take them all; the group shares them out.
+        requests = [{"prompt_token_ids": [100 + i, 7], "max_tokens": 60, "temperature": 0} for i in range(8)]
         ids = client.submit_many(requests)
         most = {"g-1": 0, "g-2": 0}
 
@@ -114,7 +116,7 @@ def test_group_shares_the_batch_restarts_a_killed_process_and_stops_warm(redis_u
             return all(client.status(j) in ("finished", "failed") for j in ids)
 
         wait_for(sample_running, timeout=60, interval=0.01, what="the jobs")
-        assert most == {"g-1": 2, "g-2": 2}  # each process holds its half of --max-num-seqs 4
+        assert most == {"g-1": 4, "g-2": 4}
         results = client.wait_many(ids, timeout=10)
         for job_id, request in zip(ids, requests):
             assert results[job_id].status == "finished"
@@ -140,7 +142,7 @@ def test_group_shares_the_batch_restarts_a_killed_process_and_stops_warm(redis_u
         if group.poll() is None:
             group.kill()
             out, _ = group.communicate()
-    assert "worker process 1/2" in out and "2 sequences" in out
+    assert "worker process 1/2" in out and "8 sequences" in out  # half of --max-num-seqs 16
 
 
 @pytest.mark.slow

@@ -6,6 +6,11 @@ queues the worker listens on and however many sequences run:
   by the first poll after they end); the script looks for their cancel keys (`mlxq:cancel:<id>`),
   with one EXISTS per 512 ids and per-id calls only when one exists (256 single EXISTS calls per
   turn made this the costliest part of a turn at 256 in flight);
+- in a process group (`mlxq worker --processes N`), `room` is first cut to the worker's fair share:
+  the running and waiting jobs of the group over its live workers, less what it runs itself. An
+  idle worker would otherwise take a whole burst that its siblings could share (on an H200 one of
+  two workers took all 128 jobs of a wave while the other idled). Taken ids enter the running set in
+  the same script, so a sibling's next poll counts them;
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
   whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
@@ -14,15 +19,36 @@ queues the worker listens on and however many sequences run:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import redis
 
 from schemas import keys
 
 POLL_SCRIPT = """
-for first = 4, #ARGV, 1000 do
+for first = 8, #ARGV, 1000 do
   redis.call('SREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+local room = tonumber(ARGV[1])
+if ARGV[4] ~= '' then
+  local now = tonumber(redis.call('TIME')[1])
+  redis.call('HSET', ARGV[4], ARGV[7], now)
+  redis.call('EXPIRE', ARGV[4], 86400)
+  if room > 0 then
+    local live, load = 0, 0
+    local members = redis.call('HGETALL', ARGV[4])
+    for i = 1, #members, 2 do
+      if now - tonumber(members[i + 1]) <= tonumber(ARGV[5]) then
+        live = live + 1
+        load = load + redis.call('SCARD', ARGV[6] .. members[i])
+      else
+        redis.call('HDEL', ARGV[4], members[i])
+      end
+    end
+    for q = 2, #KEYS, 2 do load = load + redis.call('LLEN', KEYS[q]) end
+    local share = math.ceil(load / live) - redis.call('SCARD', KEYS[1])
+    room = math.max(0, math.min(room, share))
+  end
 end
 local cancelled = {}
 if ARGV[3] ~= '' then
@@ -40,7 +66,7 @@ if ARGV[3] ~= '' then
     end
   end
 end
-local taken, room = {}, tonumber(ARGV[1])
+local taken = {}
 for q = 2, #KEYS, 2 do
   while room > 0 do
     local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
@@ -52,11 +78,19 @@ for q = 2, #KEYS, 2 do
       taken[#taken + 1] = (q - 2) / 2
       taken[#taken + 1] = id
       taken[#taken + 1] = job
+      redis.call('SADD', KEYS[1], id)
       room = room - 1
     end
   end
 end
 return {cancelled, taken}
+"""
+
+
+# An idle worker, blocked in rq's dequeue, says it is still in its group once a round.
+TOUCH_SCRIPT = """
+redis.call('HSET', KEYS[1], ARGV[1], redis.call('TIME')[1])
+redis.call('EXPIRE', KEYS[1], 86400)
 """
 
 
@@ -72,14 +106,28 @@ class Poll(NamedTuple):
 
 
 class Poller:
-    def __init__(self, connection: redis.Redis, worker_name: str) -> None:
+    def __init__(self, connection: redis.Redis, worker_name: str, group: Optional[str] = None,
+                 member_ttl_s: int = 20) -> None:
         self.running_key = keys.running_key(worker_name)
+        self._name = worker_name
+        self._group_key = keys.group_key(group) if group else ""
+        self._member_ttl_s = member_ttl_s  # a member that has not polled for this long has left its group
         self._connection = connection
         self._script = connection.register_script(POLL_SCRIPT)
+        self._touch = connection.register_script(TOUCH_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.
         self._ended: set[str] = set()
+
+    def stay_in_group(self) -> None:
+        """Be counted in the group's shares while idle (a worker joins with every poll)."""
+        if self._group_key:
+            self._touch(keys=[self._group_key], args=[self._name])
+
+    def leave_group(self) -> None:
+        if self._group_key:
+            self._connection.hdel(self._group_key, self._name)
 
     def ended(self, job_ids: Iterable[str]) -> None:
         self._ended.update(job_ids)
@@ -102,7 +150,8 @@ class Poller:
         cancel_prefix = keys.cancel_key("") if check_cancels else ""
         ended = list(self._ended)
         cancelled, flat = self._script(keys=script_keys,
-                                       args=[max(0, room), job_key_prefix, cancel_prefix, *ended])
+                                       args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key,
+                                             self._member_ttl_s, keys.running_key(""), self._name, *ended])
         self._ended.difference_update(ended)
         taken = [TakenJob(int(index), job_id.decode(), dict(zip(fields[::2], fields[1::2])))
                  for index, job_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]

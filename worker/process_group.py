@@ -37,11 +37,12 @@ def share(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def child_settings(host: WorkerSettings, processes: int, cpu_count: int, split_blas_threads: bool
-                   ) -> list[WorkerSettings]:
+def child_settings(host: WorkerSettings, processes: int, cpu_count: int, split_blas_threads: bool,
+                   group: Optional[str] = None) -> list[WorkerSettings]:
     """Each process's settings. The host's sequences, KV budget and prefix cache are its totals,
     shared out, so N processes together hold what one would; with `split_blas_threads` (mlxq loaded
-    the BLAS: Linux CPU) each process also gets its share of the BLAS threads (default: the cores)."""
+    the BLAS: Linux CPU) each process also gets its share of the BLAS threads (default: the cores).
+    Processes of one `group` share waiting jobs out among themselves (worker/poll.py)."""
     if processes < 1:
         raise ValueError(f"MLXQ_PROCESSES must be >= 1, got {processes}")
     if processes > host.max_num_seqs:
@@ -54,7 +55,7 @@ def child_settings(host: WorkerSettings, processes: int, cpu_count: int, split_b
     return [replace(host, max_num_seqs=share(host.max_num_seqs, processes, i),
                     kv_budget_mb=share(kv_budget_mb, processes, i),
                     prefix_cache_mb=host.prefix_cache_mb // processes,
-                    blas_threads=blas_threads)
+                    blas_threads=blas_threads, group=group)
             for i in range(processes)]
 
 

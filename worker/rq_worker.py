@@ -131,7 +131,7 @@ class BatchWorker(SimpleWorker):
         self._last_sweep = time.monotonic()
         self._next_cancel_check = 0.0
         self._rhythm = StepRhythm(MIN_GATED_STEP_S, GATED_STEP_TO_TURN)
-        self._poller = Poller(self.connection, self.name)
+        self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._clock = LoopClock()
         self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
@@ -252,6 +252,7 @@ class BatchWorker(SimpleWorker):
         finally:
             self._bookkeeper.stop()
             self._redis_call(self._poller.remove_ended)
+            self._redis_call(self._poller.leave_group)
             self._liveness.stop()
             self._record_stop_request()
             self.teardown()
@@ -272,6 +273,7 @@ class BatchWorker(SimpleWorker):
             round_s = IDLE_WAIT_ROUND_S if max_idle_time is None else min(IDLE_WAIT_ROUND_S, max_idle_time - waited)
             if round_s <= 0:
                 return None
+            self._redis_call(self._poller.stay_in_group)
             dequeued = self.dequeue_job_and_maintain_ttl(round_s, max_idle_time=round_s)
             if dequeued is not None:
                 return dequeued

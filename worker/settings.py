@@ -28,6 +28,8 @@ class WorkerSettings:
     # tokens of a 0.5B model or ~8k of an 8B one: a few long system prompts and recent conversations,
     # small next to the weights and the KV budget on the machines we target (16 GB and up).
     prefix_cache_mb: int = 1024
+    # Set by `mlxq worker --processes N` for its processes: they share waiting jobs out fairly.
+    group: Optional[str] = None
     engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
     fake_step_delay_s: float = 0.0
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library

@@ -26,7 +26,7 @@ from worker.process_group import child_settings
 from worker.settings import WorkerSettings
 
 # What one worker of several gets a share of, as under `mlxq worker --processes W`.
-SHARED_SETTINGS = ("MLXQ_MAX_NUM_SEQS", "MLXQ_KV_BUDGET_MB", "MLXQ_PREFIX_CACHE_MB", "MLXQ_BLAS_THREADS")
+SHARED_SETTINGS = ("MLXQ_MAX_NUM_SEQS", "MLXQ_KV_BUDGET_MB", "MLXQ_PREFIX_CACHE_MB", "MLXQ_BLAS_THREADS", "MLXQ_GROUP")
 
 JOB_TIMEOUT_S = 3600  # RQ's 180 s default could end long queued-then-slow jobs of a big sweep
 SAFETY_POLL_S = 2.0  # re-read result keys this often in case a done message was missed
@@ -62,16 +62,18 @@ class MlxqCluster:
         self.model = model
         self.workers = workers
         self.max_num_seqs = max_num_seqs
-        # Several workers share the host's settings out as `mlxq worker --processes W` does.
         self.env = dict(env or {})  # extra environment for the worker processes (MLXQ_* settings)
+        tag = f"{os.getpid()}-{time.time_ns() % 10**9}"
+        # Several workers share the host's settings and its waiting jobs out as `mlxq worker
+        # --processes W` does.
         host = WorkerSettings.from_env(self.env, max_num_seqs=max_num_seqs)
-        self.shares = (child_settings(host, workers, os.cpu_count() or 1, split_blas_threads=bool(blas_path))
+        self.shares = (child_settings(host, workers, os.cpu_count() or 1, split_blas_threads=bool(blas_path),
+                                      group=f"bench-{tag}")
                        if workers > 1 else [host])
         self.prefill_batch_size = prefill_batch_size
         self.procs = procs
         self.blas_path = blas_path
         self.worker_argv = worker_argv
-        tag = f"{os.getpid()}-{time.time_ns() % 10**9}"
         self.queue = f"mlxq-bench-{tag}"
         self.warm_queues = [f"mlxq-bench-warm-{tag}-{i}" for i in range(workers)]
         self.names = [f"bench-{tag}-{i}" for i in range(workers)]
