@@ -49,8 +49,8 @@ def running_key(worker_name: str) -> str:
 
 
 def group_key(group: str) -> str:
-    """The names of the workers of one process group (`mlxq worker --processes N`), which share
-    waiting jobs out among themselves."""
+    """A hash of the live workers of one group (`mlxq worker --processes N`), name -> Redis time of
+    its last poll: they share waiting jobs out among themselves."""
     return f"{PREFIX}group:{group}"
 
 

@@ -128,7 +128,7 @@ class WorkerGroup:
             time.sleep(WATCH_INTERVAL_S)
         return 0 if not self._gave_up and all(c.returncode == 0 for c in self._children) else 1
 
-    def process_name(self, child: _Child) -> Optional[str]:
+    def _process_name(self, child: _Child) -> Optional[str]:
         """`NAME-i`, then `NAME-i.k` for its k-th restart (rq refuses a name whose worker key is
         still alive, and a killed worker's key outlives it)."""
         if self._name is None:
@@ -137,7 +137,7 @@ class WorkerGroup:
         return base if child.starts == 0 else f"{base}.{child.starts}"
 
     def _spawn(self, child: _Child) -> None:
-        name = self.process_name(child)
+        name = self._process_name(child)
         argv = [sys.executable, "-m", "mlxq", "worker", *(["--name", name] if name else []), *self._worker_args]
         env = {**os.environ, **child.settings.to_env(), "MLXQ_PROCESSES": "1", "MLXQ_REDIS_URL": self._url}
         child.proc = subprocess.Popen(argv, env=env, start_new_session=True,
