@@ -86,11 +86,16 @@ def registered(conn: redis.Redis) -> dict[str, int]:
 
 
 def alive(pid: int) -> bool:
+    """Running (an exited child whose parent is gone may linger as a zombie until init reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not sys.platform.startswith("linux")  # no /proc: kill(0) is all there is
 
 
 FAKE = {"MLXQ_ENGINE": "fake", "MLXQ_FAKE_STEP_DELAY_S": "0.02", "MLXQ_HEARTBEAT_INTERVAL_S": "1",
@@ -170,3 +175,41 @@ def test_group_on_the_tiny_model_serves_a_burst_and_exits(redis_url, tiny_model_
     assert {results[j].status for j in ids} == {"finished"}
     assert len({tuple(results[j].choices[0].token_ids) for j in ids}) == 1  # greedy: one answer, whoever served
     client.close()
+
+
+@pytest.mark.parametrize("platform, expect_hook", [("linux", True), ("darwin", False)])
+def test_the_parent_death_signal_is_asked_for_on_linux_only(monkeypatch, platform, expect_hook):
+    import worker.process_group as pg
+
+    seen = {}
+
+    class FakePopen:
+        pid = 4242
+
+        def __init__(self, argv, **kwargs):
+            seen.update(kwargs, argv=argv)
+
+    monkeypatch.setattr(pg.sys, "platform", platform)
+    monkeypatch.setattr(pg.subprocess, "Popen", FakePopen)
+    group = pg.WorkerGroup([WorkerSettings(max_num_seqs=2)], "redis://x", ["--burst"], name="n")
+    group._spawn(group._children[0])
+    assert (seen["preexec_fn"] is pg._die_with_parent) is expect_hook
+    assert seen["start_new_session"] is True
+    assert seen["argv"][-3:] == ["--name", "n-1", "--burst"]
+    assert seen["env"]["MLXQ_MAX_NUM_SEQS"] == "2" and seen["env"]["MLXQ_PROCESSES"] == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_processes_stop_when_their_parent_is_killed(redis_url, redis_conn):
+    group = start_group(redis_url, "--processes", "2", "--name", "orphan", env=FAKE)
+    try:
+        wait_for(lambda: set(redis_conn.hkeys(keys.group_key("orphan"))) == {b"orphan-1", b"orphan-2"},
+                 timeout=30, what="both processes ready")
+        pids = registered(redis_conn).values()
+        group.kill()  # SIGKILL: the parent cannot pass anything on
+        group.wait()
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=20, what="the orphans to stop")
+    finally:
+        if group.poll() is None:
+            group.kill()

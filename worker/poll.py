@@ -9,8 +9,8 @@ queues the worker listens on and however many sequences run:
 - in a process group (`mlxq worker --processes N`), `room` is first cut to the worker's fair share:
   the running and waiting jobs of the group over its live workers, less what it runs itself. An
   idle worker would otherwise take a whole burst that its siblings could share (on an H200 one of
-  two workers took 127 of a wave of 128 jobs while the other ran one). Taken ids enter the running set in
-  the same script, so a sibling's next poll counts them;
+  two workers took 127 of a wave of 128 jobs while the other ran one). In a group, taken ids enter
+  the running set in the same script, so a sibling's next poll counts them;
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
   whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
@@ -78,7 +78,7 @@ for q = 2, #KEYS, 2 do
       taken[#taken + 1] = (q - 2) / 2
       taken[#taken + 1] = id
       taken[#taken + 1] = job
-      redis.call('SADD', KEYS[1], id)
+      if ARGV[4] ~= '' then redis.call('SADD', KEYS[1], id) end
       room = room - 1
     end
   end
