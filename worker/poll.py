@@ -87,13 +87,6 @@ return {cancelled, taken}
 """
 
 
-# An idle worker, blocked in rq's dequeue, says it is still in its group once a round.
-TOUCH_SCRIPT = """
-redis.call('HSET', KEYS[1], ARGV[1], redis.call('TIME')[1])
-redis.call('EXPIRE', KEYS[1], 86400)
-"""
-
-
 class TakenJob(NamedTuple):
     queue_index: int  # into the queue pairs given to `poll`
     job_id: str
@@ -114,16 +107,16 @@ class Poller:
         self._member_ttl_s = member_ttl_s  # a member that has not polled for this long has left its group
         self._connection = connection
         self._script = connection.register_script(POLL_SCRIPT)
-        self._touch = connection.register_script(TOUCH_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.
         self._ended: set[str] = set()
 
     def stay_in_group(self) -> None:
-        """Be counted in the group's shares while idle (a worker joins with every poll)."""
+        """Be counted in the group's shares while idle, blocked in rq's dequeue: a poll that takes
+        nothing (a worker joins with every poll)."""
         if self._group_key:
-            self._touch(keys=[self._group_key], args=[self._name])
+            self.poll([], 0, "", check_cancels=False)
 
     def leave_group(self) -> None:
         if self._group_key:

@@ -91,10 +91,6 @@ class _Child:
     returncode: Optional[int] = None  # of its last run
     policy: RestartPolicy = field(default_factory=RestartPolicy)
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
 
 class WorkerGroup:
     """Runs one `mlxq worker` process per entry of `settings` until every one has stopped.
@@ -111,7 +107,6 @@ class WorkerGroup:
         self._worker_args = worker_args  # the non-settings flags and the queues, for every process
         self._name = name
         self._stopping = False
-        self._gave_up = False
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._forward)
@@ -126,7 +121,7 @@ class WorkerGroup:
             if not any(c.proc is not None or c.start_at is not None for c in self._children):
                 break
             time.sleep(WATCH_INTERVAL_S)
-        return 0 if not self._gave_up and all(c.returncode == 0 for c in self._children) else 1
+        return 0 if all(c.returncode == 0 for c in self._children) else 1
 
     def _process_name(self, child: _Child) -> Optional[str]:
         """`NAME-i`, then `NAME-i.k` for its k-th restart (rq refuses a name whose worker key is
@@ -165,18 +160,16 @@ class WorkerGroup:
         elif child.returncode != 0:
             log.error("worker process %d failed %d times in a row within %.0f s of its start; stopping the group",
                       child.index + 1, MAX_QUICK_EXITS, QUICK_EXIT_S)
-            self._gave_up = True
             self._forward(signal.SIGTERM, None)
 
     def _forward(self, signum: int, frame: Optional[FrameType]) -> None:
         self._stopping = True
-        running = [c for c in self._children if c.running]
+        running = [c.proc for c in self._children if c.proc is not None and c.proc.poll() is None]
         log.info("passing %s to %d worker process(es)", signal.Signals(signum).name, len(running))
         for child in self._children:
-            child.start_at = None
-            if child.running:
-                assert child.proc is not None
-                child.proc.send_signal(signum)
+            child.start_at = None  # none starts again
+        for proc in running:
+            proc.send_signal(signum)
 
 
 def _die_with_parent() -> None:
