@@ -8,7 +8,6 @@ an asyncio twin can share it; the Client methods only talk to Redis.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
@@ -43,6 +42,7 @@ from producer.wire import (
 )
 from schemas import GenerationResult, RequestLimits, keys
 from schemas.command_batch import CommandBatch
+from schemas.events import parse_event
 from schemas.serializer import JSON_SERIALIZER
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client"]
@@ -336,9 +336,9 @@ class Client:
                 raise WaitTimeout(f"no stream event for job {job_id} within {timeout} s", pending=[job_id])
             for entry_id, fields in batch[0][1]:
                 last_id = entry_id
-                event = json.loads(fields[b"data"])
-                yield event
-                if event.get("event") == "end":
+                event = parse_event(fields)
+                yield event.model_dump()
+                if event.event == "end":
                     return
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from tests.reference import run_all
 from worker.engines.fake import FakeEngine
 from worker.engines.text import TextEngine
-from worker.prefix_cache import SPECULATIVE_PROBATION, SPECULATIVE_SAMPLE, PrefixCache, unsupported_reason
+from worker.engines.prefix_cache import SPECULATIVE_PROBATION, SPECULATIVE_SAMPLE, PrefixCache, unsupported_reason
 from worker.scheduler import BatchScheduler
 
 MIB = 1 << 20

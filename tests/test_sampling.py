@@ -13,7 +13,7 @@ from mlx_lm import load
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
 from worker.engines.base import SamplingParams
 from worker.engines.text import TextEngine
-from worker.sampling import SeededSampler, mix_seed, truncate
+from worker.engines.sampling import SeededSampler, mix_seed, truncate
 from worker.scheduler import BatchScheduler
 
 PROMPT = [17, 93, 201, 44, 5, 388, 120]
@@ -117,7 +117,7 @@ def test_logit_bias_forces_and_bans(scheduler, model_and_tokenizer):
 
 
 def reference_penalized_greedy(model, prompt, generated, presence=0.0, frequency=0.0, repetition=1.0):
-    """What each greedy token must be under the penalty definitions (see worker/sampling.py)."""
+    """What each greedy token must be under the penalty definitions (see worker/engines/sampling.py)."""
     raw = teacher_forced_logits(model, prompt, generated)
     expected, processed = [], []
     for j in range(len(generated)):

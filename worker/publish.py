@@ -3,13 +3,13 @@ then a pub/sub nudge on `mlxq:done:<id>`. Every call is one round trip (a Comman
 
 from __future__ import annotations
 
-import json
 from typing import Any, NamedTuple, Optional
 
 import redis
 
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
+from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
 
 
 class Publication(NamedTuple):
@@ -45,9 +45,9 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
         batch.set(keys.result_key(job_id), encoded, ex=item.ttl)
         if item.ends_stream:
-            end = {"event": "end", "status": item.result.status,
-                   "finish_reasons": [c.finish_reason for c in item.result.choices]}
-            batch.xadd(keys.stream_key(job_id), {"data": json.dumps(end)})
+            end = EndStreamEvent(status=item.result.status,
+                                 finish_reasons=[c.finish_reason for c in item.result.choices])
+            batch.xadd(keys.stream_key(job_id), encode_event(end))
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
         batch.publish(keys.done_channel(job_id), job_id)
@@ -60,8 +60,8 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
         return
     batch = CommandBatch(connection)
     for delta in deltas:
-        event = {"event": "token", "index": delta.index, "token_ids": delta.token_ids, "text": delta.text}
-        batch.xadd(keys.stream_key(delta.job_id), {"data": json.dumps(event)})
+        event = TokenStreamEvent(index=delta.index, token_ids=delta.token_ids, text=delta.text)
+        batch.xadd(keys.stream_key(delta.job_id), encode_event(event))
     for job_id in {d.job_id for d in deltas}:
         if ttls.get(job_id):
             batch.expire(keys.stream_key(job_id), ttls[job_id])

@@ -484,12 +484,7 @@ class BatchWorker(SimpleWorker):
     def _stats(self) -> dict[str, Any]:
         """The engine's counters (prefix cache, prefill and decode time) and the loop's time per
         section, published with each round of results."""
-        engine = self.scheduler_.engine
-        stats: dict[str, Any] = {}
-        for prefix, method in (("prefix_cache_", "prefix_cache_stats"), ("engine_", "time_stats")):
-            read = getattr(engine, method, None)
-            if read is not None:
-                stats.update({f"{prefix}{name}": value for name, value in read().items()})
+        stats: dict[str, Any] = self.scheduler_.engine.stats().flat()
         stats.update({f"loop_{name}": value for name, value in self._clock.as_dict().items()})
         return stats
 

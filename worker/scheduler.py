@@ -20,7 +20,7 @@ from schemas.request import InvalidRequestError, RequestLimits
 from schemas.result import request_echo
 from schemas.serializer import EncodedJSON
 from worker.detokenize import IncrementalDetokenizer
-from worker.engines.base import Engine, SamplingParams, SequenceSpec, TokenEvent
+from worker.engines.base import Engine, Prompt, SamplingParams, SequenceSpec, TokenEvent
 
 MIB = 1024 * 1024
 
@@ -65,6 +65,7 @@ class ActiveJob:
     enqueued_at: Optional[float]
     started_at: float
     kv_tokens: int  # tokens of KV cache one choice may need: prompt + max_tokens
+    extra_bytes: int = 0  # memory beyond the KV cache while it prefills (Prompt.extra_bytes)
     solo: bool = False
     first_token_at: Optional[float] = None
     in_engine: bool = False
@@ -182,15 +183,16 @@ class BatchScheduler:
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
             self._check_model(request)
-            prompt_ids = self.engine.prompt_token_ids(request)
+            prompt = self.engine.prepare(request)
+            prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
             max_tokens = request.max_tokens or self.default_max_tokens
-            self._check_capacity(request, len(prompt_ids) + max_tokens)
+            self._check_capacity(request, len(prompt_ids) + max_tokens, prompt.extra_bytes)
         except (InvalidRequestError, ValueError) as exc:
             return self.failed_result(
                 job_id, payload, "InvalidRequest", str(exc), enqueued_at=enqueued_at, started_at=started_at
             )
-        job = self._build_job(job_id, request, prompt_ids, max_tokens, enqueued_at, started_at, solo)
+        job = self._build_job(job_id, request, prompt, max_tokens, enqueued_at, started_at, solo)
         self._jobs[job_id] = job
         self._live_sequences += job.live
         self._waiting.append(job_id)
@@ -200,12 +202,13 @@ class BatchScheduler:
         self,
         job_id: str,
         request: GenerationRequest,
-        prompt_ids: list[int],
+        prompt: Prompt,
         max_tokens: int,
         enqueued_at: Optional[float],
         started_at: float,
         solo: bool,
     ) -> ActiveJob:
+        prompt_ids = prompt.token_ids
         stop_ids = frozenset(request.stop_token_ids or ()) | (
             frozenset() if request.ignore_eos else self.engine.eos_token_ids
         )
@@ -236,10 +239,12 @@ class BatchScheduler:
                     logprobs_mode=request.logprobs_mode,
                     choice_index=index,
                     request_id=job_id,
+                    inputs=prompt.inputs,
                 )
             )
         return ActiveJob(job_id, request, prompt_ids, choices, specs, enqueued_at, started_at,
-                         kv_tokens=len(prompt_ids) + max_tokens, solo=solo, live=len(choices))
+                         kv_tokens=len(prompt_ids) + max_tokens, extra_bytes=prompt.extra_bytes, solo=solo,
+                         live=len(choices))
 
     def _admit_waiting(self) -> None:
         """Move waiting jobs into the engine, in arrival order, while they fit. They enter in one
@@ -249,6 +254,7 @@ class BatchScheduler:
         running = [j for j in self._jobs.values() if j.in_engine]
         live = sum(j.live for j in running)
         longest = max((j.kv_tokens for j in running), default=0)
+        extra = 0  # the entering jobs' memory beyond their KV caches: they prefill together
         solo_running = any(j.solo for j in running)
         entering: list[SequenceSpec] = []
         while self._waiting:
@@ -256,7 +262,7 @@ class BatchScheduler:
             if job is None:  # cancelled while waiting
                 self._waiting.popleft()
                 continue
-            if running and (job.solo or solo_running or not self._fits(live, longest, job)):
+            if running and (job.solo or solo_running or not self._fits(live, longest, extra, job)):
                 break
             self._waiting.popleft()
             job.in_engine = True
@@ -266,20 +272,22 @@ class BatchScheduler:
             running.append(job)
             live += job.live
             longest = max(longest, job.kv_tokens)
+            extra += job.extra_bytes
             solo_running = solo_running or job.solo
         if entering:
             self.engine.add(entering)
 
-    def _fits(self, live: int, longest: int, job: ActiveJob) -> bool:
+    def _fits(self, live: int, longest: int, extra: int, job: ActiveJob) -> bool:
         """Whether `job` fits beside running jobs holding `live` sequences, the longest of which
-        may need `longest` tokens of KV cache."""
+        may need `longest` tokens of KV cache, and jobs entering with it that need `extra` bytes
+        beyond their caches."""
         if live + len(job.choices) > self.max_num_seqs:
             return False
         if not self.kv_budget_bytes or not self.engine.kv_bytes_per_token:
             return True
         # The batched KV cache is padded to its longest row: rows x longest is what it may take.
         need = (live + len(job.choices)) * max(longest, job.kv_tokens) * self.engine.kv_bytes_per_token
-        return need <= self.kv_budget_bytes
+        return need + extra + job.extra_bytes <= self.kv_budget_bytes
 
     def _check_model(self, request: GenerationRequest) -> None:
         if request.model and self.served_names and request.model not in self.served_names:
@@ -303,7 +311,7 @@ class BatchScheduler:
                 field="prompt_token_ids",
             )
 
-    def _check_capacity(self, request: GenerationRequest, kv_tokens: int) -> None:
+    def _check_capacity(self, request: GenerationRequest, kv_tokens: int, extra_bytes: int) -> None:
         if request.n > self.max_num_seqs:
             raise InvalidRequestError(
                 f"n: {request.n} choices exceed this worker's MLXQ_MAX_NUM_SEQS of {self.max_num_seqs}", field="n"
@@ -311,7 +319,7 @@ class BatchScheduler:
         per_token = self.engine.kv_bytes_per_token
         if not self.kv_budget_bytes or not per_token:
             return
-        need = request.n * kv_tokens * per_token
+        need = request.n * kv_tokens * per_token + extra_bytes
         if need > self.kv_budget_bytes:
             raise InvalidRequestError(
                 f"max_tokens: prompt + max_tokens = {kv_tokens} tokens x n={request.n} needs "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 from schemas import GenerationRequest
 
@@ -39,6 +40,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A request's input as an engine will run it (`Engine.prepare`)."""
+
+    token_ids: list[int]
+    # Memory the prompt needs on top of its KV cache while it is prefilled (a vision encoder's
+    # activations); admission counts it.
+    extra_bytes: int = 0
+    # What the token ids do not carry (an image's pixels), private to the engine that prepared it.
+    inputs: Any = None
+
+
+StatValue = Union[int, float, str, bool]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters since it started: where its time went (worker/engines/counters.py)
+    and its prompt cache (worker/engines/prefix_cache.py), flat scalars each."""
+
+    counters: Mapping[str, StatValue]
+    prefix_cache: Mapping[str, StatValue]
+
+    def flat(self) -> dict[str, StatValue]:
+        """As the worker's stats hash names them: `engine_<counter>`, `prefix_cache_<counter>`."""
+        return {**{f"prefix_cache_{k}": v for k, v in self.prefix_cache.items()},
+                **{f"engine_{k}": v for k, v in self.counters.items()}}
+
+
 @dataclass
 class SequenceSpec:
     """One sequence to decode: a request's choice `index`, keyed by `uid`."""
@@ -50,9 +80,10 @@ class SequenceSpec:
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) plus stop_token_ids
     logprobs: bool = False
     top_logprobs: int = 0
-    logprobs_mode: str = "raw"  # "raw" | "processed" (see worker/sampling.py)
+    logprobs_mode: str = "raw"  # "raw" | "processed" (see worker/engines/sampling.py)
     choice_index: int = 0
     request_id: str = ""  # the request (job) it is a choice of
+    inputs: Any = None  # Prompt.inputs of the request: the engine's own
 
 
 @dataclass
@@ -85,8 +116,9 @@ class Engine(Protocol):
         """KV-cache bytes one token of one sequence takes (0: unknown / not memory-bound)."""
         ...
 
-    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        """Tokenize the request's input (raw prompt, chat messages, or ids as given)."""
+    def prepare(self, request: GenerationRequest) -> Prompt:
+        """Tokenize the request's input (raw prompt, chat messages, or ids as given) and whatever
+        else it carries; raises ValueError naming the field when this engine cannot run it."""
         ...
 
     def add(self, specs: list[SequenceSpec]) -> None: ...
@@ -105,12 +137,4 @@ class Engine(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def prefix_cache_stats(self) -> dict[str, Any]:
-        """Optional (callers use `getattr(engine, "prefix_cache_stats", None)`): the prompt cache's
-        counters, flat scalars (worker/prefix_cache.py `PrefixCache.stats`)."""
-        ...
-
-    def time_stats(self) -> dict[str, Any]:
-        """Optional, like `prefix_cache_stats`: prefill and decode seconds, calls and steps since
-        the engine started, flat scalars (worker/engines/counters.py `EngineCounters`)."""
-        ...
+    def stats(self) -> EngineStats: ...

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import GenerationRequest
-from worker.engines.base import SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 
 VOCAB = 256
 EOS = 0
@@ -72,6 +72,9 @@ class FakeEngine:
             return [min(ord(ch), VOCAB - 1) for ch in request.prompt]
         raise ValueError("messages: the fake engine has no chat template")
 
+    def prepare(self, request: GenerationRequest) -> Prompt:
+        return Prompt(self.prompt_token_ids(request))
+
     def add(self, specs: list[SequenceSpec]) -> None:
         for spec in specs:
             self._seqs[spec.uid] = _Seq(spec)
@@ -117,6 +120,10 @@ class FakeEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
+
+    def stats(self) -> EngineStats:
+        return EngineStats(counters={"decode_steps": self.steps, "prefill_tokens": self.prefill_tokens},
+                           prefix_cache=self.prefix_cache_stats())
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         """The text engine's prefix-cache fields, for a cache this engine does not have."""

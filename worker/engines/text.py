@@ -2,9 +2,9 @@
 
 Uses only mlx-lm's public API: `BatchGenerator.insert/next/remove` (insert with `caches` and
 `all_tokens` to start a sequence from a KV cache), `StopSequences`, `models.cache`, and (through
-worker/sampling.py) `sample_utils`.
+worker/engines/sampling.py) `sample_utils`.
 
-Prompts reuse KV caches across requests through worker/prefix_cache.py: a sequence whose prompt
+Prompts reuse KV caches across requests through worker/engines/prefix_cache.py: a sequence whose prompt
 starts with tokens the cache holds enters the batch with a copy of their cache and prefills only
 the rest; finished sequences leave their cache (prompt and output) behind for later ones.
 
@@ -26,11 +26,11 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
-from worker.engines.base import SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
-from worker.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
-from worker.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
+from worker.engines.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
+from worker.engines.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
 
 
 # The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
@@ -138,6 +138,12 @@ class TextEngine:
 
     def time_stats(self) -> dict[str, Any]:
         return self._counters.as_dict()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(counters=self.time_stats(), prefix_cache=self.prefix_cache_stats())
+
+    def prepare(self, request: GenerationRequest) -> Prompt:
+        return Prompt(self.prompt_token_ids(request))
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
