@@ -59,6 +59,15 @@ def stats_key(worker_name: str) -> str:
     return f"{PREFIX}stats:{worker_name}"
 
 
+def worker_key(worker_name: str) -> str:
+    """A live worker's WorkerPresence JSON (schemas/presence.py); expires with its heartbeat TTL."""
+    return f"{PREFIX}worker:{worker_name}"
+
+
+# A sorted set of worker names, scored with the Unix time of each one's last presence refresh.
+WORKERS_KEY = f"{PREFIX}workers"
+
+
 def queue_for_model(model: str | None) -> str:
     """The contract's routing: `mlxq:<model>` when a model is named, else `mlxq`."""
     return f"{PREFIX}{model}" if model else DEFAULT_QUEUE
