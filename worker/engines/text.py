@@ -102,7 +102,7 @@ class TextEngine:
         self._samplers = SamplerPool()
         self._counters = EngineCounters()
         self._pacing = PrefillPacing()
-        self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
+        self._kv_bytes_per_token = measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
 
@@ -510,7 +510,7 @@ def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ..
     return shared
 
 
-def _measure_kv_bytes_per_token(model: Any) -> int:
+def measure_kv_bytes_per_token(model: Any) -> int:
     """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
     time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
     try:

@@ -1,0 +1,98 @@
+"""One sampler for a whole batch whose rows each sample by their own settings.
+
+mlx-vlm's BatchGenerator takes one sampler for the batch (mlx-lm's takes one per row). Per-row
+sampling rides on per-row processors, as worker/engines/sampling.py's SeededSampler does for the
+text engine's seeded rows: each row's first processor names the row to this sampler, and the
+generator runs every row's processors, in batch order, before it samples them, so a call's rows are
+the names taken since the last call, oldest first. Each row is then sampled as it would be alone:
+greedy rows by argmax, seeded rows by `draw_seeded` (the same ids alone, in any batch, on any
+worker), the others by mlx-lm's sampler for their settings (one call per group of equal settings).
+Where a row asked for logprobs, the distribution each of its tokens was drawn from is kept for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from worker.engines.base import SamplingParams
+from worker.engines.sampling import SamplerPool, SeededRow, draw_seeded, greedy
+
+
+@dataclass
+class SampledRow:
+    """One row as this sampler sees it."""
+
+    params: SamplingParams
+    seeded: Optional[SeededRow]  # set for a seeded row
+    sampler: Any  # greedy or a shared mlx-lm sampler (unseeded rows)
+    keep_distributions: bool = False
+    # The (vocab,) log-probabilities (after the row's processors) each sampled token was drawn from,
+    # oldest first: the generator returns a token one step after sampling it.
+    drawn_from: deque[mx.array] = field(default_factory=deque)
+
+
+class _Namer:
+    """A row's first processor: it tells the sampler which row comes next. mlx-vlm calls
+    `process_last_token` where a processor has one, which spares it the row's token context."""
+
+    def __init__(self, named: list[SampledRow], row: SampledRow) -> None:
+        self._named = named
+        self._row = row
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._named.append(self._row)
+        return logits
+
+    def process_last_token(self, token: int, logits: mx.array) -> mx.array:
+        self._named.append(self._row)
+        return logits
+
+
+class RowSampler:
+    def __init__(self) -> None:
+        self._pool = SamplerPool()
+        self._named: list[SampledRow] = []
+
+    def row(self, params: SamplingParams, choice: int, keep_distributions: bool) -> tuple[SampledRow, _Namer]:
+        """A row's state here and the processor that names it (it must run whatever the row's
+        other processors do)."""
+        if params.seed is not None:
+            row = SampledRow(params, SeededRow(params, choice), None, keep_distributions)
+        else:
+            row = SampledRow(params, None, self._pool.get(params, choice)[0], keep_distributions)
+        return row, _Namer(self._named, row)
+
+    def begin(self) -> None:
+        """Before a step: names left by a step that failed halfway belong to no call."""
+        self._named.clear()
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        count = logprobs.shape[0]
+        if len(self._named) < count:
+            raise RuntimeError(f"row sampling: {count} rows to sample but {len(self._named)} named; this "
+                               "mlx-vlm does not run each row's processors before sampling, as 0.7 does")
+        rows = self._named[:count]
+        del self._named[:count]  # in place: the namers hold this list
+        for i, row in enumerate(rows):
+            if row.keep_distributions:
+                row.drawn_from.append(logprobs[i])
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row.sampler), []).append(i)
+        if len(groups) == 1:
+            return _sample(logprobs, rows)
+        order = [i for members in groups.values() for i in members]
+        parts = [_sample(logprobs[mx.array(members)], [rows[i] for i in members]) for members in groups.values()]
+        return mx.concatenate([part.astype(mx.uint32) for part in parts])[mx.argsort(mx.array(order))]
+
+
+def _sample(logprobs: mx.array, rows: list[SampledRow]) -> mx.array:
+    """Rows that share one way of sampling (all seeded, all greedy, or one mlx-lm sampler)."""
+    if rows[0].seeded is not None:
+        return draw_seeded(logprobs, [row.seeded for row in rows if row.seeded is not None])
+    sampler = rows[0].sampler
+    return greedy(logprobs) if sampler is greedy else sampler(logprobs)
