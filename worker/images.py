@@ -92,17 +92,13 @@ def _data_url(url: str, field: str, policy: ImagePolicy) -> bytes:
 
 
 def _raw_base64(text: str, field: str, policy: ImagePolicy) -> Optional[bytes]:
-    """The image that `text` encodes if it is base64 of one; None if it is not base64 at all (then
-    it may be a path). Base64 that decodes to something else is not an image."""
+    """The bytes `text` encodes if it is base64 of an image, or too long to be a path; None if it
+    may be a path (a short name of base64 characters that decodes to no image signature)."""
     compact = _WHITESPACE.sub(b"", text.encode("utf-8", "replace"))
     if len(compact) < 16 or len(compact) % 4 or not _BASE64.fullmatch(compact):
         return None
     data = _decode_base64(compact, field, policy)
-    if sniff_format(data) is None:
-        if len(compact) > 4096:  # far longer than any path
-            raise ImageError(f"{field}: the base64 data is not a {', '.join(FORMATS)} image")
-        return None
-    return data
+    return data if sniff_format(data) is not None or len(compact) > 256 else None
 
 
 def _decode_base64(encoded: bytes, field: str, policy: ImagePolicy) -> bytes:
@@ -144,14 +140,22 @@ def _local_file(path_text: str, field: str, policy: ImagePolicy) -> bytes:
     except OSError as exc:
         raise ImageError(f"{field}: cannot open {path_text!r} under the image directory: "
                          f"{exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ImageError(f"{field}: {path_text!r} is not a regular file")
         _check_size(info.st_size, field, policy)
-        data = f.read(policy.max_bytes + 1)
-    _check_size(len(data), field, policy)
-    return data
+        chunks, size = [], 0
+        while size <= policy.max_bytes:  # a file that grows while read still stops at the limit
+            chunk = os.read(fd, policy.max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    _check_size(size, field, policy)
+    return b"".join(chunks)
 
 
 def _fetch(url: str, field: str, policy: ImagePolicy) -> bytes:
@@ -206,9 +210,9 @@ def decode_image(data: bytes, field: str, policy: ImagePolicy, fit_pixels: Optio
         raise ImageError(f"{field}: unsupported image format (supported: {', '.join(f.lower() for f in FORMATS)})")
     try:
         image = Image.open(io.BytesIO(data), formats=[kind])
-    except Image.DecompressionBombError:
+    except Image.DecompressionBombError as exc:  # Pillow's own limit, checked as it opens
         raise ImageError(f"{field}: the image declares more pixels than the limit of {policy.max_pixels} "
-                         "(MLXQ_MAX_IMAGE_PIXELS)") from None
+                         f"(MLXQ_MAX_IMAGE_PIXELS): {exc}") from None
     except Exception as exc:
         raise ImageError(f"{field}: could not read the {kind} image: {exc}") from None
     width, height = image.size
