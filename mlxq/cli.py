@@ -74,9 +74,12 @@ def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, proces
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     import worker  # noqa: F401  (BLAS preload before MLX)
-    from worker.tiny_model import make_tiny_model
+    from worker.tiny_model import make_tiny_model, make_tiny_vision_model
 
-    path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed)
+    if args.vision:
+        path = make_tiny_vision_model(args.path, shape=args.shape, seed=args.seed)
+    else:
+        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed)
     print(path)
     return 0
 
@@ -91,6 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
+        vision=args.vision,
     )
 
 
@@ -127,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build a small random-weight model directory (offline)")
     p.add_argument("path")
-    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b")
+    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b (with --vision: tiny | small)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
@@ -139,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--vision", action="store_true",
+                   help="image jobs (generated pictures) and text jobs on a tiny vision-language model")
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)

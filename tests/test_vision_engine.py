@@ -114,7 +114,7 @@ def test_per_row_sampling_greedy_beside_hot_rows_and_a_seeded_image_request_alon
     model, processor = vlm
     seeded = chat("tell me a story", picture(20), max_tokens=14, temperature=0.9, top_p=0.95, seed=1234, n=3,
                   ignore_eos=True)
-    greedy = chat("tell me a story", picture(21), max_tokens=10, temperature=0, ignore_eos=True)
+    greedy = chat("tell me a story", picture(21), max_tokens=10, temperature=0, seed=3, ignore_eos=True)
     alone_run = run_all(BatchScheduler(VisionEngine(model, processor)), {"s": seeded})["s"]
     crowd = {"s": seeded, "g": greedy}
     for i in range(5):  # hot rows: high temperature, some filtered, some penalised, some seeded differently

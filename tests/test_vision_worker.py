@@ -91,7 +91,7 @@ def test_image_jobs_match_mlx_vlm_alone_and_each_bad_image_fails_alone(redis_url
         "stream": chat("streamed", picture(4, (84, 56)), max_tokens=9, stream=True, **GREEDY),
         "seeded": chat("sampled", picture(5), max_tokens=8, n=2, temperature=0.8, seed=99, ignore_eos=True),
     }
-    env = {"MLXQ_IMAGE_DIR": str(allowed), "MLXQ_MAX_IMAGES": "2", "HF_HUB_OFFLINE": "1"}
+    env = {"MLXQ_IMAGE_DIR": str(allowed), "MLXQ_MAX_IMAGES": "2"}
     proc = start_worker(redis_url, tiny_vision_model_dir, "--max-num-seqs", "8", name="vision", env=env)
     client = Client(redis_url)
     try:
@@ -135,7 +135,7 @@ def test_a_seeded_image_request_gives_the_same_ids_on_another_worker(redis_url, 
     crowd = [chat(f"other {i}", picture(40 + i), max_tokens=12, temperature=1.3, ignore_eos=True) for i in range(4)]
     runs = []
     for name, batch in (("alone", [request]), ("crowd", crowd[:2] + [request] + crowd[2:])):
-        proc = start_worker(redis_url, tiny_vision_model_dir, name=name, env={"HF_HUB_OFFLINE": "1"})
+        proc = start_worker(redis_url, tiny_vision_model_dir, name=name)
         client = Client(redis_url)
         try:
             ids = client.submit_many(batch)
@@ -148,7 +148,7 @@ def test_a_seeded_image_request_gives_the_same_ids_on_another_worker(redis_url, 
 
 
 def test_sixty_four_image_jobs_queued_at_once_on_a_small_kv_budget_all_finish(redis_url, tiny_vision_model_dir):
-    env = {"MLXQ_KV_BUDGET_MB": "1", "HF_HUB_OFFLINE": "1"}
+    env = {"MLXQ_KV_BUDGET_MB": "1"}
     proc = start_worker(redis_url, tiny_vision_model_dir, "--max-num-seqs", "32", name="budget", env=env)
     client = Client(redis_url)
     try:

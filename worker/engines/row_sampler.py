@@ -60,7 +60,7 @@ class RowSampler:
     def row(self, params: SamplingParams, choice: int, keep_distributions: bool) -> tuple[SampledRow, _Namer]:
         """A row's state here and the processor that names it (it must run whatever the row's
         other processors do)."""
-        if params.seed is not None:
+        if params.seed is not None and not params.is_greedy:
             row = SampledRow(params, SeededRow(params, choice), None, keep_distributions)
         else:
             row = SampledRow(params, None, self._pool.get(params, choice)[0], keep_distributions)
