@@ -67,7 +67,7 @@ class VisionCounters:
         return asdict(self)
 
 
-class _RowStops:
+class NoBatchStop:
     """Stands in for the processor mlx-vlm's BatchGenerator takes: the generator reads only its
     `stopping_criteria`, a batch-wide stop test, and this one never stops a row (each row stops on
     its own ids in `VisionEngine.step`)."""
@@ -137,7 +137,7 @@ class VisionEngine:
 
     def _new_generator(self) -> BatchGenerator:
         options = dict(self._generator_options, sampler=self._sampler)
-        return BatchGenerator(self.model.language_model, _RowStops(), **options)
+        return BatchGenerator(self.model.language_model, NoBatchStop(), **options)
 
     # --- the Engine protocol's properties --------------------------------------------------
     @property
