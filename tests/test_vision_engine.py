@@ -201,3 +201,22 @@ def test_sixty_four_image_jobs_on_a_small_kv_budget_enter_a_few_at_a_time_and_al
     assert len(results) == 64 and all(r.status == "finished" for r in results.values())
     assert 2 <= peak <= 5
     assert engine.stats().counters["peak_sequences"] == peak
+
+
+def test_a_qwen2_5_vl_batch_equals_each_request_alone_through_mlx_vlm(tmp_path):
+    from mlx_vlm import load
+
+    from worker.tiny_model import make_tiny_vision_model
+
+    model, processor = load(str(make_tiny_vision_model(tmp_path / "qwen2.5-vl", model_type="qwen2_5_vl")))
+    engine = VisionEngine(model, processor)
+    greedy = {"temperature": 0, "logprobs": True, "ignore_eos": True}
+    requests = {"a": chat("first", picture(60), max_tokens=8, **greedy),
+                "b": chat("second", picture(61, (84, 112)), picture(62), max_tokens=6, **greedy),
+                "c": chat("words only", max_tokens=7, **greedy)}
+    results = run_all(BatchScheduler(engine), requests)
+    for job_id, request in requests.items():
+        _, (tokens, distributions) = alone(engine, request)
+        assert results[job_id].choices[0].token_ids == tokens, job_id
+        assert results[job_id].choices[0].logprobs == pytest.approx([float(d[t]) for t, d in zip(tokens, distributions)],
+                                                                    abs=1e-3)

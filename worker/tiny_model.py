@@ -154,13 +154,16 @@ VISION_SHAPES: dict[str, VisionShape] = {
 }
 
 
-def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight qwen2_vl model (language model, vision tower, numpy image processor
-    config) to `path` and return it."""
+def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", model_type: str = "qwen2_vl",
+                           seed: int = 0) -> Path:
+    """Write a random-weight qwen2_vl (or qwen2_5_vl) model, its language model, vision tower and
+    image processor config, to `path` and return it."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import qwen2_vl
 
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     dims = VISION_SHAPES[shape]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,8 +171,9 @@ def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", seed: int =
     tokenizer.save_pretrained(str(out))
     token = tokenizer.convert_tokens_to_ids
     config = {
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [{"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[model_type]],
         "hidden_size": dims.text.hidden_size,
         "num_hidden_layers": dims.text.num_hidden_layers,
         "intermediate_size": dims.text.intermediate_size,
@@ -188,12 +192,7 @@ def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", seed: int =
         "bos_token_id": token("<|endoftext|>"),
         "eos_token_id": token(EOS_TOKEN),
         "torch_dtype": "float32",
-        "vision_config": {
-            "model_type": "qwen2_vl", "depth": dims.depth, "embed_dim": dims.embed_dim,
-            "hidden_size": dims.text.hidden_size, "num_heads": dims.num_heads, "mlp_ratio": 2,
-            "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "in_channels": 3,
-        },
+        "vision_config": _vision_config(model_type, dims),
     }
     preprocessor = {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
@@ -202,10 +201,10 @@ def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", seed: int =
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     }
     mx.random.seed(seed)
-    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(model_config.vision_config)
-    model = qwen2_vl.Model(model_config)
+    model_config = family.ModelConfig.from_dict(dict(config))
+    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = family.VisionConfig.from_dict(model_config.vision_config)
+    model = family.Model(model_config)
     # Doubled, a random language model's matrices give varied tokens; at their initial scale a few
     # layers settle on one token whatever the prompt.
     weights = {k: (v * 2 if k.startswith("language_model.") and v.ndim == 2 else v)
@@ -214,3 +213,14 @@ def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", seed: int =
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return out
+
+
+def _vision_config(model_type: str, dims: VisionShape) -> dict[str, object]:
+    """The vision tower's config: Qwen2-VL names its width embed_dim and sizes its MLP by ratio;
+    Qwen2.5-VL names them hidden_size and intermediate_size and attends in windows."""
+    common = {"model_type": model_type, "depth": dims.depth, "num_heads": dims.num_heads, "patch_size": 14,
+              "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    if model_type == "qwen2_vl":
+        return {**common, "embed_dim": dims.embed_dim, "hidden_size": dims.text.hidden_size, "mlp_ratio": 2}
+    return {**common, "hidden_size": dims.embed_dim, "intermediate_size": 2 * dims.embed_dim,
+            "out_hidden_size": dims.text.hidden_size, "window_size": 56, "fullatt_block_indexes": [dims.depth - 1]}
