@@ -164,3 +164,25 @@ def test_sixty_four_image_jobs_queued_at_once_on_a_small_kv_budget_all_finish(re
     # A job's KV cache (~160 tokens of 512 bytes) and its vision encoder (~0.4 MiB while it enters)
     # leave room in 1 MiB for a few at a time, far below the 32 sequences the worker would take.
     assert 2 <= int(stats[b"engine_peak_sequences"]) <= 8
+
+
+def test_the_bench_image_scenario_runs_every_arm_on_the_same_requests(tiny_model_dir, tiny_vision_model_dir,
+                                                                     tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--image-model", tiny_vision_model_dir,
+            "--scenario", "images", "--image-requests", "4", "--image-new-tokens", "5", "--warmup-tokens", "2",
+            "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    images = json.loads((out / "report.json").read_text())["scenarios"]["images"]
+    assert "error" not in images, images
+    for arm in ("alone", "mlx_vlm_batched", "mlxq", "mlxq_logprobs"):
+        run = images["repeats"][0][arm]
+        assert run["completed"] == 4 and run["tokens"] == 4 * 5 and run["tokens_per_s"] > 0, (arm, run)
+    assert images["same_token_ids_as_alone"] == {"mlx_vlm_batched": 4, "mlxq": 4, "mlxq_logprobs": 4}
+    assert images["image_tokens"]["min"] > 0 and images["ratios"]["mlxq_over_alone"] > 0
+    assert "- images (4 image jobs at once" in (out / "table.md").read_text()

@@ -6,6 +6,7 @@
   logprobs, no queue: its engine bound);
 - mlxq: the same requests submitted at once to one `mlxq worker` process serving the model, through
   Redis, then again with logprobs and top-5 logprobs on every token.
+With --repeats R the four run in turn R times; the ratios are medians of each repeat's own.
 Every arm starts from the same request payloads (data URLs of pictures drawn here) and spends its
 own time decoding them and running the model's processor (worker/engines/vision.py `prepare`). All
 sample greedily and never stop on EOS, so each request yields exactly `image_new_tokens` tokens and
@@ -25,7 +26,7 @@ from typing import Any, Optional
 from mlxq.bench.arm_mlxq import MlxqCluster, drive
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet, model_facts
-from mlxq.bench.stats import ratio, summarize
+from mlxq.bench.stats import median, ratio, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, RequestRecord, Workload, all_at_once
 
 
@@ -157,56 +158,61 @@ def _workload(payloads: list[dict[str, Any]], label: str) -> Workload:
 
 
 def images(cfg: BenchConfig, url: str, procs: ProcessSet, blas_path: Optional[str]) -> dict[str, Any]:
+    """The arms in turn, `cfg.repeats` times over (alone, batched, mlxq, mlxq with logprobs, then
+    again): ratios are the medians of each repeat's own, so drift on a shared machine hits every
+    arm of a repeat alike."""
     path, source = image_model(cfg)
     payloads = image_payloads(cfg.image_requests, cfg.image_new_tokens)
+    with_logprobs = [{**p, "logprobs": True, "top_logprobs": 5} for p in payloads]
     warmup = image_payloads(min(8, cfg.image_requests), cfg.warmup_tokens, salt=10_000)
+    workload = _workload(payloads, "images")
     vlm = _LocalVlm(path, cfg)
     prompts = [vlm.prepare(p) for p in payloads]
     image_token = int(vlm.model.config.image_token_id)
-
-    print("   alone (mlx-vlm generate_step, one request at a time)", flush=True)
-    run_alone(vlm, warmup)
-    alone_records, alone_ids = run_alone(vlm, payloads)
-    print("   mlx-vlm BatchGenerator, every request inserted up front", flush=True)
-    run_batched(vlm, warmup, cfg)
-    batched_records, batched_ids = run_batched(vlm, payloads, cfg)
-    del vlm
-
-    print("   mlxq: one worker process, jobs through Redis", flush=True)
     cluster = MlxqCluster(url, path, 1, cfg.max_num_seqs, cfg.prefill_batch_size, procs, blas_path=blas_path)
     cluster.start()
+    repeats: list[dict[str, Any]] = []
     try:
+        run_alone(vlm, warmup)
+        run_batched(vlm, warmup, cfg)
         run_mlxq(cluster, warmup, "images-warmup", cfg.request_timeout_s)
-        before = cluster.time_counters()
-        mlxq, mlxq_ids = run_mlxq(cluster, payloads, "images", cfg.request_timeout_s)
-        after = cluster.time_counters()
-        with_logprobs = [{**p, "logprobs": True, "top_logprobs": 5} for p in payloads]
-        mlxq_lp, mlxq_lp_ids = run_mlxq(cluster, with_logprobs, "images-logprobs", cfg.request_timeout_s)
+        for repeat in range(cfg.repeats):
+            print(f"   repeat {repeat + 1} of {cfg.repeats}: alone, mlx-vlm batched, mlxq, mlxq with logprobs",
+                  flush=True)
+            alone_records, alone_ids = run_alone(vlm, payloads)
+            batched_records, batched_ids = run_batched(vlm, payloads, cfg)
+            before = cluster.time_counters()
+            mlxq, mlxq_ids = run_mlxq(cluster, payloads, "images", cfg.request_timeout_s)
+            after = cluster.time_counters()
+            mlxq_lp, mlxq_lp_ids = run_mlxq(cluster, with_logprobs, "images-logprobs", cfg.request_timeout_s)
+            runs = {"alone": summarize(workload, alone_records), "mlx_vlm_batched": summarize(workload, batched_records),
+                    "mlxq": mlxq, "mlxq_logprobs": mlxq_lp}
+            outputs = {"mlx_vlm_batched": batched_ids, "mlxq": mlxq_ids, "mlxq_logprobs": mlxq_lp_ids}
+            for arm, ids in outputs.items():
+                runs[arm]["same_token_ids_as_alone"] = sum(a == b for a, b in zip(alone_ids, ids))
+            runs["mlxq"]["engine_s"] = {name: after[name] - before.get(name, 0.0) for name in after
+                                        if name in ("engine_vision_s", "engine_prefill_s", "engine_decode_s")}
+            repeats.append(runs)
     finally:
         cluster.stop()
 
-    workload = _workload(payloads, "images")
-    alone = summarize(workload, alone_records)
-    batched = summarize(workload, batched_records)
+    def ratios(numerator: str, denominator: str) -> list[Optional[float]]:
+        return [ratio(r[numerator]["tokens_per_s"], r[denominator]["tokens_per_s"]) for r in repeats]
+
+    per_repeat = {"mlxq_over_alone": ratios("mlxq", "alone"),
+                  "mlxq_over_mlx_vlm_batched": ratios("mlxq", "mlx_vlm_batched"),
+                  "mlxq_logprobs_over_mlxq": ratios("mlxq_logprobs", "mlxq")}
     return {
         "model": {**source, "facts": model_facts(path)},
-        "requests": cfg.image_requests, "new_tokens": cfg.image_new_tokens,
+        "requests": cfg.image_requests, "new_tokens": cfg.image_new_tokens, "repeats": repeats,
         "max_num_seqs": cfg.max_num_seqs, "prefill_batch_size": cfg.prefill_batch_size,
         "prompt_tokens": _spread([len(p.token_ids) for p in prompts]),
         "image_tokens": _spread([p.token_ids.count(image_token) for p in prompts]),
-        "alone": alone, "mlx_vlm_batched": batched, "mlxq": mlxq, "mlxq_logprobs": mlxq_lp,
-        "ratios": {
-            "mlxq_over_alone": ratio(mlxq["tokens_per_s"], alone["tokens_per_s"]),
-            "mlxq_over_mlx_vlm_batched": ratio(mlxq["tokens_per_s"], batched["tokens_per_s"]),
-            "mlxq_logprobs_over_mlxq": ratio(mlxq_lp["tokens_per_s"], mlxq["tokens_per_s"]),
-        },
-        "same_token_ids_as_alone": {
-            "mlx_vlm_batched": sum(a == b for a, b in zip(alone_ids, batched_ids)),
-            "mlxq": sum(a == b for a, b in zip(alone_ids, mlxq_ids)),
-            "mlxq_logprobs": sum(a == b for a, b in zip(alone_ids, mlxq_lp_ids)),
-        },
-        "mlxq_engine_s": {name: after[name] - before.get(name, 0.0) for name in after
-                          if name in ("engine_vision_s", "engine_prefill_s", "engine_decode_s")},
+        "tokens_per_s": {arm: median([r[arm]["tokens_per_s"] for r in repeats]) for arm in repeats[0]},
+        "ratios": {name: median(values) for name, values in per_repeat.items()},
+        "ratios_per_repeat": per_repeat,
+        "same_token_ids_as_alone": {arm: min(r[arm]["same_token_ids_as_alone"] for r in repeats)
+                                    for arm in ("mlx_vlm_batched", "mlxq", "mlxq_logprobs")},
     }
 
 
@@ -215,16 +221,19 @@ def _spread(values: list[int]) -> dict[str, float]:
 
 
 def images_line(s: dict[str, Any]) -> str:
-    def tps(run: dict[str, Any]) -> str:
-        return f"{run['tokens_per_s']:.1f}" if run.get("tokens_per_s") else "n/a"
-
     def x(value: Optional[float]) -> str:
         return f"{value:.2f}x" if value is not None else "n/a"
 
-    same, r = s["same_token_ids_as_alone"], s["ratios"]
+    tps, same, r = s["tokens_per_s"], s["same_token_ids_as_alone"], s["ratios"]
+    repeats = f", medians of {len(s['repeats'])} repeats" if len(s["repeats"]) > 1 else ""
     return (f"- images ({s['requests']} image jobs at once, {s['new_tokens']} new tokens each, "
-            f"{s['image_tokens']['min']:.0f}-{s['image_tokens']['max']:.0f} image tokens): alone {tps(s['alone'])} "
-            f"tok/s, mlx-vlm batched {tps(s['mlx_vlm_batched'])}, mlxq {tps(s['mlxq'])} "
+            f"{s['image_tokens']['min']:.0f}-{s['image_tokens']['max']:.0f} image tokens{repeats}): alone "
+            f"{_f(tps['alone'])} tok/s, mlx-vlm batched {_f(tps['mlx_vlm_batched'])}, mlxq {_f(tps['mlxq'])} "
             f"({x(r['mlxq_over_alone'])} alone, {x(r['mlxq_over_mlx_vlm_batched'])} mlx-vlm batched), mlxq with "
-            f"logprobs {tps(s['mlxq_logprobs'])}; token ids as alone: mlx-vlm batched {same['mlx_vlm_batched']}, "
-            f"mlxq {same['mlxq']}, with logprobs {same['mlxq_logprobs']} of {s['requests']}")
+            f"logprobs {_f(tps['mlxq_logprobs'])} ({x(r['mlxq_logprobs_over_mlxq'])}); token ids as alone: mlx-vlm "
+            f"batched {same['mlx_vlm_batched']}, mlxq {same['mlxq']}, with logprobs {same['mlxq_logprobs']} "
+            f"of {s['requests']}")
+
+
+def _f(value: Optional[float]) -> str:
+    return f"{value:.1f}" if value is not None else "n/a"
