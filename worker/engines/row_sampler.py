@@ -2,11 +2,10 @@
 
 mlx-vlm's BatchGenerator takes one sampler for the batch (mlx-lm's takes one per row). Per-row
 sampling rides on per-row processors, as worker/engines/sampling.py's SeededSampler does for the
-text engine's seeded rows: each row's first processor names the row to this sampler, and the
-generator runs every row's processors, in batch order, before it samples them, so a call's rows are
-the names taken since the last call, oldest first. Each row is then sampled as it would be alone:
-greedy rows by argmax, seeded rows by `draw_seeded` (the same ids alone, in any batch, on any
-worker), the others by mlx-lm's sampler for their settings (one call per group of equal settings).
+text engine's seeded rows: each row's first processor names the row to this sampler (`RowNames`).
+Each row is then sampled as it would be alone: greedy rows by argmax, seeded rows by `draw_seeded`
+(the same ids alone, in any batch, on any worker), the others by mlx-lm's sampler for their
+settings (one call per group of equal settings).
 Where a row asked for logprobs, the distribution each of its tokens was drawn from is kept for it.
 """
 
@@ -19,14 +18,13 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from worker.engines.base import SamplingParams
-from worker.engines.sampling import SamplerPool, SeededRow, draw_seeded, greedy
+from worker.engines.sampling import Namer, RowNames, SamplerPool, SeededRow, draw_seeded, greedy
 
 
 @dataclass
 class SampledRow:
     """One row as this sampler sees it."""
 
-    params: SamplingParams
     seeded: Optional[SeededRow]  # set for a seeded row
     sampler: Any  # greedy or a shared mlx-lm sampler (unseeded rows)
     keep_distributions: bool = False
@@ -35,48 +33,26 @@ class SampledRow:
     drawn_from: deque[mx.array] = field(default_factory=deque)
 
 
-class _Namer:
-    """A row's first processor: it tells the sampler which row comes next. mlx-vlm calls
-    `process_last_token` where a processor has one, which spares it the row's token context."""
-
-    def __init__(self, named: list[SampledRow], row: SampledRow) -> None:
-        self._named = named
-        self._row = row
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        self._named.append(self._row)
-        return logits
-
-    def process_last_token(self, token: int, logits: mx.array) -> mx.array:
-        self._named.append(self._row)
-        return logits
-
-
 class RowSampler:
     def __init__(self) -> None:
         self._pool = SamplerPool()
-        self._named: list[SampledRow] = []
+        self._names: RowNames[SampledRow] = RowNames()
 
-    def row(self, params: SamplingParams, choice: int, keep_distributions: bool) -> tuple[SampledRow, _Namer]:
+    def row(self, params: SamplingParams, choice: int, keep_distributions: bool) -> tuple[SampledRow, Namer]:
         """A row's state here and the processor that names it (it must run whatever the row's
         other processors do)."""
         if params.seed is not None and not params.is_greedy:
-            row = SampledRow(params, SeededRow(params, choice), None, keep_distributions)
+            row = SampledRow(SeededRow(params, choice), None, keep_distributions)
         else:
-            row = SampledRow(params, None, self._pool.get(params, choice)[0], keep_distributions)
-        return row, _Namer(self._named, row)
+            row = SampledRow(None, self._pool.get(params, choice)[0], keep_distributions)
+        return row, self._names.namer(row)
 
     def begin(self) -> None:
         """Before a step: names left by a step that failed halfway belong to no call."""
-        self._named.clear()
+        self._names.clear()
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        count = logprobs.shape[0]
-        if len(self._named) < count:
-            raise RuntimeError(f"row sampling: {count} rows to sample but {len(self._named)} named; this "
-                               "mlx-vlm does not run each row's processors before sampling, as 0.7 does")
-        rows = self._named[:count]
-        del self._named[:count]  # in place: the namers hold this list
+        rows = self._names.take(logprobs.shape[0])
         for i, row in enumerate(rows):
             if row.keep_distributions:
                 row.drawn_from.append(logprobs[i])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
@@ -115,28 +115,61 @@ class SeededSampler:
     shared = True  # one object for every row: RowGuard leaves it unwrapped
 
     def __init__(self) -> None:
-        self._named: list[SeededRow] = []
+        self._names: RowNames[SeededRow] = RowNames()
 
     def name_row(self, params: SamplingParams, choice: int) -> Processor:
-        row = SeededRow(params, choice)
-
-        def name(tokens: mx.array, logits: mx.array) -> mx.array:
-            self._named.append(row)
-            return logits
-
-        return name
+        return self._names.namer(SeededRow(params, choice))
 
     def begin(self) -> None:
         """Before a step: names left by a step that failed halfway belong to no call."""
-        self._named.clear()
+        self._names.clear()
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        count = logprobs.shape[0]
-        if len(self._named) < count:
-            raise RuntimeError(f"seeded sampling: {count} rows to sample but {len(self._named)} named; this "
-                               "mlx-lm does not run each row's processors before sampling, as 0.32 does")
-        rows, self._named = self._named[:count], self._named[count:]
-        return draw_seeded(logprobs, rows)
+        return draw_seeded(logprobs, self._names.take(logprobs.shape[0]))
+
+
+RowT = TypeVar("RowT")
+
+
+class RowNames(Generic[RowT]):
+    """The rows a shared sampler's next call samples, in batch order. Each row's first logits
+    processor (`namer`) names its row here; mlx-lm 0.32 and mlx-vlm 0.7 run every row's processors,
+    in batch order, before they sample, so a call's rows are the names given since the last call,
+    oldest first."""
+
+    def __init__(self) -> None:
+        self.pending: list[RowT] = []
+
+    def namer(self, row: RowT) -> "Namer":
+        return Namer(self.pending, row)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    def take(self, count: int) -> list[RowT]:
+        if len(self.pending) < count:
+            raise RuntimeError(f"{count} rows to sample but {len(self.pending)} named: this generator does not run "
+                               "each row's processors before it samples, as mlx-lm 0.32 and mlx-vlm 0.7 do")
+        rows = self.pending[:count]
+        del self.pending[:count]  # in place: the namers hold this list
+        return rows
+
+
+class Namer:
+    """A row's first logits processor: it names the row to its sampler and leaves the logits as they
+    are. mlx-vlm calls `process_last_token` where a processor has one, sparing it the row's context."""
+
+    def __init__(self, pending: list[Any], row: Any) -> None:
+        self._pending = pending
+        self._row = row
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._pending.append(self._row)
+        return logits
+
+    def process_last_token(self, token: int, logits: mx.array) -> mx.array:
+        self._pending.append(self._row)
+        return logits
 
 
 def draw_seeded(logprobs: mx.array, rows: list[SeededRow]) -> mx.array:

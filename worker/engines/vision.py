@@ -117,7 +117,6 @@ class VisionEngine:
         self._vocab_size = int(model.language_model.args.vocab_size)
         self._eos = frozenset(resolve_eos_token_ids(getattr(model.config, "eos_token_id", None), self.tokenizer))
         self._generator_options = dict(
-            sampler=None,
             # mlx-vlm starts a prefill batch only while this many more rows fit: above what the
             # scheduler admits (max_num_seqs), a prefill never waits for the decode batch to shrink.
             completion_batch_size=max_num_seqs + prefill_batch_size,
@@ -136,8 +135,8 @@ class VisionEngine:
         self._embed_bytes_per_token = int(model.language_model.args.hidden_size) * 4
 
     def _new_generator(self) -> BatchGenerator:
-        options = dict(self._generator_options, sampler=self._sampler)
-        return BatchGenerator(self.model.language_model, NoBatchStop(), **options)
+        return BatchGenerator(self.model.language_model, NoBatchStop(), sampler=self._sampler,
+                              **self._generator_options)
 
     # --- the Engine protocol's properties --------------------------------------------------
     @property
