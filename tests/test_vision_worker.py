@@ -186,3 +186,14 @@ def test_the_bench_image_scenario_runs_every_arm_on_the_same_requests(tiny_model
     assert images["same_token_ids_as_alone"] == {"mlx_vlm_batched": 4, "mlxq": 4, "mlxq_logprobs": 4}
     assert images["image_tokens"]["min"] > 0 and images["ratios"]["mlxq_over_alone"] > 0
     assert "- images (4 image jobs at once" in (out / "table.md").read_text()
+
+
+def test_the_vision_demo_runs_image_jobs_end_to_end(redis_url, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mlxq", "demo", "--vision", "--url", redis_url, "--jobs", "8",
+                           "--max-tokens", "4", "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tiny random-weight vision-language model" in done.stdout
+    assert "8 jobs from 2 threads" in done.stdout and ", 0 failed" in done.stdout

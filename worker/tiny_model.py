@@ -163,6 +163,8 @@ def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", model_type:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    if shape not in VISION_SHAPES:
+        raise ValueError(f"vision shape {shape!r}: choose from {', '.join(VISION_SHAPES)}")
     family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     dims = VISION_SHAPES[shape]
     out = Path(path)
