@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
+from schemas import RequestLimits
+
 # File signatures of the formats a request may send (WebP: "RIFF", a size, then "WEBP").
 _SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -45,7 +47,7 @@ class ImageError(ValueError):
 class ImagePolicy:
     """What a worker accepts (worker/settings.py fills it from MLXQ_* settings)."""
 
-    max_bytes: int = 20 * 1024 * 1024  # MLXQ_MAX_IMAGE_BYTES: an image's encoded size, from any source
+    max_bytes: int = RequestLimits.max_image_bytes  # MLXQ_MAX_IMAGE_BYTES: an image's encoded size, any source
     max_pixels: int = 40_000_000  # MLXQ_MAX_IMAGE_PIXELS: width x height, as the file's header declares
     image_dir: Optional[str] = None  # MLXQ_IMAGE_DIR: the one folder local paths may name
     fetch: bool = False  # MLXQ_IMAGE_FETCH: http(s) URLs are fetched only when this is on

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from schemas import RequestLimits, keys
-
-if TYPE_CHECKING:
-    from worker.images import ImagePolicy
+from worker.images import ImagePolicy
 
 
 @dataclass
@@ -43,12 +41,12 @@ class WorkerSettings:
     trust_remote_code: bool = False
     # Images (vision-language models; see docs/images.md).
     image_dir: Optional[str] = None  # the one folder local image paths may name; unset: no local files
-    max_images: int = 8  # image parts per request
-    max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size, from any source
-    max_image_pixels: int = 40_000_000  # width x height, read from the header before decoding
+    max_images: int = RequestLimits.max_images  # image parts per request
+    max_image_bytes: int = RequestLimits.max_image_bytes  # an image's encoded size, from any source
+    max_image_pixels: int = ImagePolicy.max_pixels  # width x height, read from the header before decoding
     image_fetch: bool = False  # fetch http(s) image URLs (off: such a request fails)
-    image_fetch_timeout_s: float = 10.0
-    image_fetch_max_redirects: int = 3
+    image_fetch_timeout_s: float = ImagePolicy.fetch_timeout_s
+    image_fetch_max_redirects: int = ImagePolicy.fetch_max_redirects
     callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
 
     @classmethod
@@ -129,9 +127,7 @@ class WorkerSettings:
                              max_images=self.max_images, max_image_bytes=self.max_image_bytes)
 
     @property
-    def image_policy(self) -> "ImagePolicy":
-        from worker.images import ImagePolicy
-
+    def image_policy(self) -> ImagePolicy:
         return ImagePolicy(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels, image_dir=self.image_dir,
                            fetch=self.image_fetch, fetch_timeout_s=self.image_fetch_timeout_s,
                            fetch_max_redirects=self.image_fetch_max_redirects)
