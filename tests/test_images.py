@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import os
-import struct
 import threading
 import time
-import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -18,27 +16,10 @@ import pytest
 from PIL import Image
 
 from schemas import GenerationRequest, InvalidRequestError, RequestLimits
+from tests.pictures import data_url, encoded, png_declaring
 from worker.images import ImageError, ImagePolicy, image_bytes, load_image
 
 FIELD = "messages[0].content[1].image_url"
-
-
-def encoded(fmt: str, size: tuple[int, int] = (24, 16), color: tuple[int, int, int] = (200, 40, 90)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, fmt)
-    return out.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A valid small PNG whose header says width x height (the pixel data is for 1 x 1)."""
-    raw = encoded("PNG", (1, 1))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    return raw[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + raw[33:]
 
 
 @pytest.mark.parametrize("fmt,media_type", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"),

@@ -4,8 +4,6 @@ through mlx-vlm; per-row sampling, n, stops, logprobs modes and memory admission
 
 from __future__ import annotations
 
-import base64
-import io
 import math
 
 import numpy as np
@@ -13,9 +11,9 @@ import pytest
 
 import worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
-from PIL import Image
 
 from schemas import GenerationRequest
+from tests.pictures import chat, picture
 from tests.reference import run_all, vlm_alone
 from worker.engines.vision import VisionEngine
 from worker.scheduler import BatchScheduler
@@ -26,21 +24,6 @@ def vlm(tiny_vision_model_dir):
     from mlx_vlm import load
 
     return load(tiny_vision_model_dir)
-
-
-def picture(seed: int, size: tuple[int, int] = (56, 84), fmt: str = "PNG") -> str:
-    """A data URL of a noise image (width, height), different for each seed."""
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8")).save(out, fmt)
-    return f"data:image/{fmt.lower()};base64,{base64.b64encode(out.getvalue()).decode()}"
-
-
-def chat(text: str, *images: str, image_first: bool = True, **fields) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
-    text_part = [{"type": "text", "text": text}]
-    content = parts + text_part if image_first else text_part + parts
-    return {"messages": [{"role": "user", "content": content}], **fields}
 
 
 def alone(engine: VisionEngine, request: dict, **kwargs):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import struct
-import zlib
 
 import pytest
 import redis
@@ -17,7 +15,7 @@ from PIL import Image
 
 from producer import Client
 from schemas import keys
-from tests.test_vision_engine import chat, picture
+from tests.pictures import chat, data_url, noise, picture, png_declaring
 from tests.workers import start_worker, stop
 
 pytestmark = pytest.mark.slow
@@ -47,34 +45,23 @@ def reference(tiny_vision_model_dir):
     return run
 
 
-def png_declaring(width: int, height: int) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (1, 1)).save(out, "PNG")
-    raw, chunk = out.getvalue(), b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return raw[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + raw[33:]
-
-
-def inline(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
 def test_image_jobs_match_mlx_vlm_alone_and_each_bad_image_fails_alone(redis_url, tiny_vision_model_dir,
                                                                      reference, tmp_path):
     allowed, outside = tmp_path / "images", tmp_path / "elsewhere"
     allowed.mkdir()
     outside.mkdir()
-    (allowed / "cat.png").write_bytes(base64.b64decode(picture(7).split(",", 1)[1]))
-    (outside / "secret.png").write_bytes(base64.b64decode(picture(8).split(",", 1)[1]))
+    (allowed / "cat.png").write_bytes(noise(7))
+    (outside / "secret.png").write_bytes(noise(8))
     (allowed / "escape.png").symlink_to(outside / "secret.png")
-    truncated = base64.b64decode(picture(9, (80, 80), "JPEG").split(",", 1)[1])
+    truncated = noise(9, (80, 80), "JPEG")
     bmp = io.BytesIO()
     Image.new("RGB", (30, 30)).save(bmp, "BMP")
     field = "messages[0].content[0].image_url"
     bad = {
-        "corrupt": (chat("x", inline(b"\x89PNG\r\n\x1a\n" + os.urandom(200)), max_tokens=4), "could not"),
-        "truncated": (chat("x", inline(truncated[: len(truncated) * 2 // 3], "image/jpeg"), max_tokens=4),
+        "corrupt": (chat("x", data_url(b"\x89PNG\r\n\x1a\n" + os.urandom(200)), max_tokens=4), "could not"),
+        "truncated": (chat("x", data_url(truncated[: len(truncated) * 2 // 3], "image/jpeg"), max_tokens=4),
                       "could not decode the JPEG image"),
-        "too-many-pixels": (chat("x", inline(png_declaring(9000, 9000)), max_tokens=4),
+        "too-many-pixels": (chat("x", data_url(png_declaring(9000, 9000)), max_tokens=4),
                             "81000000 pixels exceed the limit of 40000000 (MLXQ_MAX_IMAGE_PIXELS)"),
         "too-many-images": (chat("x", picture(1), picture(2), picture(3), max_tokens=4),
                             "messages: 3 images exceed the limit of 2 per request (MLXQ_MAX_IMAGES)"),
