@@ -35,6 +35,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
+        image_dir=args.image_dir,
     )
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
     processes = _processes(args)
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
+    p.add_argument("--image-dir", help="vision models: the one folder image paths in requests may name (MLXQ_IMAGE_DIR)")
     p.add_argument("--processes", type=int, help=(
         "worker processes on this host (default 1). Above 1, --max-num-seqs, --prefix-cache-mb, "
         "--blas-threads and MLXQ_KV_BUDGET_MB are the host's totals, shared out; --max-jobs is per process"))
