@@ -69,8 +69,10 @@ def _prepare(connection: redis.Redis, registry: StartedJobRegistry, job_id: str,
                     ", ".join(fields[f.encode()].decode(errors="replace") for f in refused))
     if job.retries_left:
         retry_policy.apply(job, "AbandonedJobError", settings.max_retries, settings.retry_backoff_s)
-        connection.hset(job.key, mapping={"retries_left": job.retries_left,
-                                          "retry_intervals": json.dumps(job.retry_intervals)})
+        capped: dict[str, Any] = {"retries_left": job.retries_left}
+        if job.retry_intervals is not None:
+            capped["retry_intervals"] = json.dumps(job.retry_intervals)
+        connection.hset(job.key, mapping=capped)
     if job.should_retry:
         return None
     return abandoned_result(job), job.result_ttl

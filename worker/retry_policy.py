@@ -8,6 +8,7 @@ failed it (shut down cold, killed) goes back at once. Due retries go back to the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Optional
@@ -30,8 +31,9 @@ MAX_BACKOFF_S = 60
 
 
 def backoff_s(first_s: float, retries_used: int) -> int:
-    """The pause before retry number `retries_used + 1`: first_s, doubling, at most MAX_BACKOFF_S."""
-    return int(min(MAX_BACKOFF_S, round(first_s * 2**retries_used)))
+    """The pause before retry number `retries_used + 1`: first_s, doubling, at most MAX_BACKOFF_S,
+    in whole seconds (rq's retry intervals are), at least one."""
+    return max(1, min(MAX_BACKOFF_S, math.ceil(first_s * 2**retries_used)))
 
 
 def apply(job: Job, error_type: Optional[str], max_retries: int, first_backoff_s: float) -> None:
