@@ -24,7 +24,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "logprobs": True}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_vision_model_dir):
+def vlm_reference(tiny_vision_model_dir):
     """mlx-vlm alone, on the same model, from the same prepared inputs."""
     import worker  # noqa: F401
     from mlx_vlm import load
@@ -46,7 +46,7 @@ def reference(tiny_vision_model_dir):
 
 
 def test_image_jobs_match_mlx_vlm_alone_and_each_bad_image_fails_alone(redis_url, tiny_vision_model_dir,
-                                                                     reference, tmp_path):
+                                                                     vlm_reference, tmp_path):
     allowed, outside = tmp_path / "images", tmp_path / "elsewhere"
     allowed.mkdir()
     outside.mkdir()
@@ -101,7 +101,7 @@ def test_image_jobs_match_mlx_vlm_alone_and_each_bad_image_fails_alone(redis_url
     for name in ("inline", "file", "text", "stream"):
         result = results[ids[name]]
         assert result.status == "finished", (name, result.error)
-        tokens, logprobs, prompt_tokens = reference(good[name], str(allowed))
+        tokens, logprobs, prompt_tokens = vlm_reference(good[name], str(allowed))
         assert result.choices[0].token_ids == tokens, name
         assert result.choices[0].logprobs == pytest.approx(logprobs, abs=1e-3), name
         assert result.usage.prompt_tokens == prompt_tokens, name

@@ -32,8 +32,8 @@ from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.row_sampler import RowSampler, SampledRow
 from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logits_processors, needs_raw_capture,
-                                     requested_distribution)
-from worker.engines.text import RequestRejected, measure_kv_bytes_per_token
+                                     repair_random_state, requested_distribution)
+from worker.engines.text import RequestRejected, measure_kv_bytes_per_token, model_context_length
 from worker.images import ImagePolicy, load_image
 
 # Model types whose processor and `get_input_embeddings` this engine is written against.
@@ -154,6 +154,10 @@ class VisionEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes_per_token
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return model_context_length(self.model.language_model)
 
     def stats(self) -> EngineStats:
         return EngineStats(counters=self._counters.as_dict(), prefix_cache={})
@@ -313,11 +317,12 @@ class VisionEngine:
 
     def reset(self) -> None:
         self._generator.close()
-        self._sampler.begin()
+        self._sampler = RowSampler()
         self._generator = self._new_generator()
         self._live.clear()
         self._engine_uid.clear()
         self._failed.clear()
+        repair_random_state()
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
