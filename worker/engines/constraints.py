@@ -146,8 +146,8 @@ class RowConstraint:
         for token in tokens:
             self._accepting_before_last = self._matcher.is_accepting()
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"{self.constraint.field}: token {token} broke the constraint: "
-                                   f"{_first_lines(self._matcher.get_error())}")
+                raise RuntimeError(f"{self.constraint.field}: the constraint failed at generated token "
+                                   f"{self._consumed}: {_first_lines(self._matcher.get_error(), 1)}")
             self._consumed += 1
 
     def fill_into(self, target: np.ndarray) -> None:
