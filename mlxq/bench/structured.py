@@ -2,15 +2,18 @@
 constraint against the same batch all free (docs/structured-output.md).
 
 mlxq's BatchScheduler and TextEngine run in this process (as arm S), --max-num-seqs rows at once,
-greedy, --prompt-tokens prompts. Free rows ignore EOS; constrained rows follow a schema whose shortest
+prefilled in one batch, greedy, --prompt-tokens prompts. Free rows ignore EOS; constrained rows follow a schema whose shortest
 document is longer than --new-tokens, so no row ends inside the measured window: the steps after
 every row has its first token, up to the last. The two batches run in turn, --repeats times.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from mlxq.bench.config import BenchConfig
@@ -91,7 +94,8 @@ def structured(cfg: BenchConfig, model_path: str) -> dict[str, Any]:
 
     rows = cfg.max_num_seqs
     model, tokenizer = load(model_path)
-    text_engine = TextEngine(model, tokenizer, max_num_seqs=rows, prefill_batch_size=cfg.prefill_batch_size)
+    # Every prompt in one prefill batch, so that all rows decode together for the whole window.
+    text_engine = TextEngine(model, tokenizer, max_num_seqs=rows, prefill_batch_size=rows)
     engine = _CountingEngine(text_engine)
     scheduler = BatchScheduler(engine, max_num_seqs=rows, default_max_tokens=cfg.new_tokens)  # type: ignore[arg-type]
     arms = {"free": 0, "half": rows // 2}
@@ -108,7 +112,32 @@ def structured(cfg: BenchConfig, model_path: str) -> dict[str, Any]:
     ratios = [h["step_p50_ms"] / f["step_p50_ms"] for h, f in zip(runs["half"], runs["free"])]
     return {"rows": rows, "constrained_rows": rows // 2, "new_tokens": cfg.new_tokens,
             "vocab_size": text_engine.vocab_size, "runs": runs, "half_over_free": ratios,
-            "half_over_free_median": statistics.median(ratios)}
+            "half_over_free_median": statistics.median(ratios), "check": _check(scheduler, rows)}
+
+
+CHECK_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                 "ok": {"type": "boolean"}},
+                "required": ["id", "ok"], "additionalProperties": False}
+
+
+def _check(scheduler: Any, rows: int) -> dict[str, int]:
+    """On this machine's backend: the rows of a short schema that finished are documents of it."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": CHECK_SCHEMA}}
+    for i in range(rows):
+        scheduler.admit(f"check-{i}", {"prompt_token_ids": [i % 900 + 10, 7, 8], "max_tokens": 24,
+                                       "temperature": 1.0, "seed": i, "response_format": fmt})
+    counts = {"finished": 0, "valid": 0, "length": 0}
+    while len(scheduler):
+        for end in scheduler.step():
+            choice = end.result().choices[0]
+            if choice.finish_reason != "stop":
+                counts["length"] += 1
+                continue
+            counts["finished"] += 1
+            document = json.loads(choice.text)
+            if set(document) == {"id", "ok"} and isinstance(document["ok"], bool) and 0 <= document["id"] <= 999:
+                counts["valid"] += 1
+    return counts
 
 
 def summary_line(s: dict[str, Any]) -> str:
@@ -117,3 +146,30 @@ def summary_line(s: dict[str, Any]) -> str:
     return (f"- structured ({s['rows']} rows, {s['constrained_rows']} under a JSON schema, vocab {s['vocab_size']}): "
             f"decode step {half:.2f} ms against {free:.2f} ms all free; half/free "
             f"{s['half_over_free_median']:.3f} (median of {len(s['half_over_free'])} repeats' ratios)")
+
+
+def main() -> None:
+    """Run the scenario alone, without the bench's Redis: `python -m mlxq.bench.structured --model DIR`."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    cfg = BenchConfig(out=args.out, max_num_seqs=args.max_num_seqs, prompt_tokens=args.prompt_tokens,
+                      new_tokens=args.new_tokens, repeats=args.repeats)
+    import mlx.core as mx
+
+    report = {"command": "python -m mlxq.bench.structured " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+              "device": str(mx.default_device()), "structured": structured(cfg, args.model)}
+    args.out.write_text(json.dumps(report, indent=1))
+    print(summary_line(report["structured"]))
+    print("check:", report["structured"]["check"])
+
+
+if __name__ == "__main__":
+    import worker  # noqa: F401  (points MLX at OpenBLAS before it loads, on Linux)
+
+    main()

@@ -7,12 +7,14 @@ mask, with llguidance (docs/structured-output.md says why this library, with mea
 - `RowConstraint`, one per sequence: a logits processor `(tokens, logits) -> logits` as mlx-lm's and
   mlx-vlm's BatchGenerators call them, once per sampled token, with the prompt and the tokens so far.
   It advances its matcher with the tokens it has not seen and masks every token the grammar does not
-  allow next. EOS is allowed only where the grammar may end.
+  allow next. EOS is allowed only where the grammar may end. A row whose matcher fails ends alone
+  (its processor raises, or, deferred, `RowConstraint.error` is set for the engine to end it).
 - `MaskBatch`, one per engine: where the rows' masks live, and when they are filled. A row's
   processor only records that its mask is wanted and returns the masked logits as a lazy MLX graph
   over its row of a shared buffer; `fill()` (called before the batch is sampled: `fenced` wraps a
-  sampler so) computes every waiting row's mask at once on llguidance's thread pool, while the
-  model's forward pass, which the first row's call set off, runs. An engine that cannot call
+  sampler so) reads every waiting row's new token in one evaluation, advances the matchers and
+  computes their masks at once on llguidance's thread pool, while the model's forward pass, which
+  the first row's call set off, runs. An engine that cannot call
   `fill()` before sampling builds its `MaskBatch(deferred=False)`: each row then fills its own mask
   in its call.
 
@@ -132,15 +134,23 @@ class RowConstraint:
         self._emitted: list[int] = []  # generated tokens the engine has returned
         self._accepting_before_last = False
         self.slot: Optional[int] = None
+        # Set when a deferred fill could not advance the matcher: the engine ends the row with it.
+        self.error: Optional[str] = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self._batch.launch(logits)
-        unseen = tokens.shape[-1] - self._prompt_len - self._consumed
-        if unseen > 0:
-            self._consume(tokens.reshape(-1)[-unseen:].tolist())
+        return self._batch.masked(self, tokens, logits)
+
+    def unseen(self, tokens: mx.array) -> Optional[mx.array]:
+        """The generated tokens in `tokens` (the prompt, then the output so far) not consumed yet: lazy."""
+        count = tokens.shape[-1] - self._prompt_len - self._consumed
+        return tokens.reshape(-1)[-count:] if count > 0 else None
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume `tokens`; raises RuntimeError naming the field if the matcher cannot go on."""
+        self._consume(tokens)
         if self._matcher.is_error():
             raise RuntimeError(f"{self.constraint.field}: {_first_lines(self._matcher.get_error())}")
-        return self._batch.masked(self, logits)
 
     def _consume(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -180,14 +190,15 @@ class MaskBatch:
         import llguidance
 
         self.vocab_size = vocab_size
-        self.deferred = deferred
         self._words = math.ceil(vocab_size / 32)
         self._capacity = capacity
         self._buffer, self._view = _shared_buffer(capacity, self._words)
+        # Without a view into MLX's memory (a backend that gives none), each row copies its own mask in.
+        self.deferred = deferred and self._buffer is not None
         self._free = list(range(capacity - 1, -1, -1))
         self._released: list[tuple[int, int]] = []  # (slot, step it was given back)
         self._step = 0
-        self._waiting: list[RowConstraint] = []
+        self._waiting: list[tuple[RowConstraint, Optional[mx.array]]] = []
         self._launched = False
         self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
         self._apply = mx.compile(_apply_mask)
@@ -204,22 +215,41 @@ class MaskBatch:
             mx.async_eval(logits)
             self._launched = True
 
-    def masked(self, row: RowConstraint, logits: mx.array) -> mx.array:
+    def masked(self, row: RowConstraint, tokens: mx.array, logits: mx.array) -> mx.array:
         if row.slot is None:
             row.slot = self._take_slot()
         if self.deferred:
-            self._waiting.append(row)
+            self._waiting.append((row, row.unseen(tokens)))
+            words = self._buffer[row.slot : row.slot + 1]
         else:
+            unseen = row.unseen(tokens)
+            row.advance(unseen.tolist() if unseen is not None else [])
             row.fill_into(self._view[row.slot])
             self._launched = False
-        return self._apply(self._buffer[row.slot : row.slot + 1], logits.reshape(1, -1)).reshape(logits.shape)
+            words = self._buffer[row.slot : row.slot + 1] if self._buffer is not None else mx.array(
+                self._view[row.slot : row.slot + 1])
+        return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
 
     def fill(self) -> None:
-        """Compute the masks of every row waiting since the last fill, in parallel; before sampling."""
+        """Advance every row waiting since the last fill by its new tokens (read in one evaluation:
+        each read waits on the device) and compute their masks in parallel; before sampling. Never
+        raises: a row whose matcher cannot go on gets `error` set and an all-allowing mask."""
         if not self._waiting:
             return
-        rows, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting, []
         self._launched = False
+        fresh = [unseen for _, unseen in waiting if unseen is not None]
+        values = mx.concatenate(fresh).tolist() if fresh else []
+        rows, at = [], 0
+        for row, unseen in waiting:
+            count = 0 if unseen is None else unseen.size
+            try:
+                row.advance(values[at : at + count])
+                rows.append(row)
+            except RuntimeError as exc:
+                row.error = str(exc)
+                self._view[row.slot] = 0xFFFFFFFF
+            at += count
         self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows], self._view.ctypes.data,
                                                self._words * 4, self._capacity)
 
@@ -260,14 +290,17 @@ def fenced(sampler: Callable[[mx.array], mx.array], before: Callable[[], None]) 
     return sample
 
 
-def _shared_buffer(rows: int, words: int) -> tuple[mx.array, np.ndarray]:
+def _shared_buffer(rows: int, words: int) -> tuple[Optional[mx.array], np.ndarray]:
     """An MLX array and a NumPy view of the same memory, so that masks written by the library
-    reach graphs already built over it."""
+    reach graphs already built over it; (None, a NumPy array) where MLX gives no such view."""
     buffer = mx.zeros((rows, words), dtype=mx.uint32)
     mx.eval(buffer)
-    view = np.array(buffer, copy=False)
+    try:
+        view = np.array(buffer, copy=False)
+    except (ValueError, TypeError, RuntimeError):
+        return None, np.zeros((rows, words), dtype=np.uint32)
     if not (view.flags["C_CONTIGUOUS"] and view.flags["WRITEABLE"]):
-        raise RuntimeError("this MLX backend gives no writable view of an array's memory")
+        return None, np.zeros((rows, words), dtype=np.uint32)
     return buffer, view
 
 

@@ -316,8 +316,9 @@ class TextEngine:
         for row, (logprobs, token) in zip(rows, sampled):
             spec = row.spec
             raw_logits = row.capture.pending.popleft() if row.capture is not None and row.capture.pending else None
-            if row.guard.error is not None:
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=row.guard.error))
+            error = row.guard.error or (row.constraint.error if row.constraint is not None else None)
+            if error is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=error))
                 if row.constraint is not None:
                     row.constraint.release()
                 continue
@@ -453,8 +454,9 @@ class TextEngine:
             spec = live.spec
             live.emitted = True
             self._awaiting_first.discard(response.uid)
-            if live.guard.error is not None:  # this row's own code failed: end it alone
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=live.guard.error))
+            error = live.guard.error or (live.constraint.error if live.constraint is not None else None)
+            if error is not None:  # this row's own code failed: end it alone
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=error))
                 self.remove([spec.uid])
                 continue
             event = TokenEvent(uid=spec.uid, token=int(response.token), index=spec.choice_index,
