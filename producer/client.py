@@ -309,14 +309,20 @@ class Client:
     def _finish_cancelled(self, job: Job) -> None:
         result = cancelled_result(job.id, job_payload(job), job_enqueued_at(job), time.time())
         expiry = keys.result_key_ttl(job.result_ttl)
+        # The result first, as the contract orders it. Under the documented producer ACL result keys
+        # are read-only (producers must not forge results): then the job is only marked cancelled in
+        # RQ, which every mlxq reader reports as cancelled at once, and a worker's next sweep writes
+        # the key.
+        try:
+            self.connection.set(keys.result_key(job.id), result.model_dump_json(), ex=expiry)
+        except redis.exceptions.NoPermissionError:
+            pass
         with self.connection.pipeline() as pipe:
-            # Result first, as the contract orders it (the MULTI makes it atomic anyway).
-            # It also keeps `pipe` non-empty: Job.cancel tests `pipeline or ...`, and an empty
-            # Pipeline is falsy, which would make it run on its own pipeline and never execute it.
-            pipe.set(keys.result_key(job.id), result.model_dump_json(), ex=expiry)
+            # Job.cancel tests `pipeline or ...`: an empty Pipeline is falsy, and it would run on a
+            # pipeline of its own that is never executed. The publish keeps `pipe` non-empty.
+            pipe.publish(keys.done_channel(job.id), job.id)
             job.cancel(pipeline=pipe)
             job.cleanup(ttl=expiry if expiry is not None else -1, pipeline=pipe)
-            pipe.publish(keys.done_channel(job.id), job.id)
             pipe.execute()
 
     # -- lifecycle
