@@ -18,6 +18,14 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.constraints import (
+    Constraint,
+    GuidedGrammar,
+    GuidedRegex,
+    ResponseFormat,
+    constraint_fields_given,
+    constraint_of,
+)
 from schemas.payload import ShapeError, check_shape
 
 MAX_N = 16
@@ -118,6 +126,10 @@ class GenerationRequest(BaseModel):
     metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = (
         Field(None, max_length=16)
     )
+    # Structured output (schemas/constraints.py, docs/structured-output.md): at most one per request.
+    response_format: Optional[ResponseFormat] = None
+    guided_regex: Optional[GuidedRegex] = None
+    guided_grammar: Optional[GuidedGrammar] = None
 
     @field_validator("stop")
     @classmethod
@@ -141,6 +153,17 @@ class GenerationRequest(BaseModel):
         if isinstance(limits, RequestLimits):
             check_limits(self, limits)
         return self
+
+    @model_validator(mode="after")
+    def _check_one_constraint(self) -> "GenerationRequest":
+        given = constraint_fields_given(self.response_format, self.guided_regex, self.guided_grammar)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: at most one constraint per request, got {', '.join(given)}")
+        return self
+
+    @property
+    def constraint(self) -> Optional[Constraint]:
+        return constraint_of(self.response_format, self.guided_regex, self.guided_grammar)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -30,6 +30,9 @@ class Choice(_Model):
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
     finish_reason: Optional[FinishReason] = None
+    # Requests with a constraint (response_format, guided_regex, guided_grammar): whether `text` is a
+    # complete match; false when it ended first (`length`, a stop string, cancelled). Null otherwise.
+    constraint_complete: Optional[bool] = None
 
 
 class Usage(_Model):

@@ -97,6 +97,9 @@ class TokenEvent:
     top_logprobs: Optional[list[tuple[int, float]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length"
     error: Optional[str] = None  # this sequence failed (and was removed); `token` is meaningless
+    # On the last token of a constrained sequence: whether its text is a complete match of the
+    # constraint (worker/engines/constraints.py); None for unconstrained sequences.
+    constraint_complete: Optional[bool] = None
 
 
 class Engine(Protocol):
