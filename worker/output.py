@@ -39,6 +39,9 @@ class ChoiceState:
     # Stream bookkeeping: tokens and characters already handed out as deltas.
     streamed_tokens: int = 0
     streamed_chars: int = 0
+    # For a constrained request: the engine's word, given with a sequence's last token, on whether
+    # its text completes the constraint.
+    engine_says_complete: Optional[bool] = None
 
     @property
     def done(self) -> bool:
@@ -129,6 +132,7 @@ class JobOutput:
         if choice.done:
             return None
         choice.token_ids.append(event.token)
+        choice.engine_says_complete = event.constraint_complete
         if choice.logprobs is not None and event.logprob is not None:
             choice.logprobs.append(event.logprob)
         if choice.top_logprobs is not None and event.top_logprobs is not None:
@@ -187,7 +191,8 @@ class JobOutput:
     def _result(self, status: str, error: Optional[ErrorInfo], finished_at: float) -> GenerationResult:
         choices = [
             Choice(index=c.index, text=self._final_text(c), token_ids=c.token_ids, logprobs=c.logprobs,
-                   top_logprobs=c.top_logprobs, finish_reason=c.finish_reason)  # type: ignore[arg-type]
+                   top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                   constraint_complete=self._constraint_complete(c))
             for c in self.choices
         ]
         completion = sum(len(c.token_ids) for c in self.choices)
@@ -201,6 +206,14 @@ class JobOutput:
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             timings=timings(self.enqueued_at, self.started_at, finished_at, self.first_token_at),
             worker=self._worker, error=error, metadata=request.metadata)
+
+    def _constraint_complete(self, choice: ChoiceState) -> Optional[bool]:
+        """None unconstrained; else whether the text is a complete match: the engine's word on the
+        last token, and False when a stop string cut the text or the choice ended without a last
+        token of its own (cancelled, timed out)."""
+        if self.request.constraint is None:
+            return None
+        return bool(choice.engine_says_complete) and choice.text_end is None
 
     def _final_text(self, choice: ChoiceState) -> str:
         """An ended choice's text (EOS and stop tokens are not text)."""

@@ -316,13 +316,3 @@ def _apply_mask(words: mx.array, logits: mx.array) -> mx.array:
 
 def _first_lines(message: str, lines: int = 3) -> str:
     return " ".join(message.strip().splitlines()[:lines])
-
-
-def choice_constraint_complete(constrained: bool, engine_complete: Optional[bool], cut_by_stop_string: bool
-                               ) -> Optional[bool]:
-    """`Choice.constraint_complete` for an ended choice: None unconstrained; else whether its text is a
-    complete match (the engine's word on its last token; False when a stop string cut the text or
-    the choice ended without a last token: cancelled, timed out)."""
-    if not constrained:
-        return None
-    return bool(engine_complete) and not cut_by_stop_string
