@@ -337,3 +337,18 @@ def test_bad_huge_and_recursive_schemas_fail_alone_and_the_worker_lives(redis_ur
     assert endless.status == "failed" and endless.choices[0].finish_reason == "error"
     assert "response_format.json_schema.schema: the constraint failed" in endless.error.message
     assert results[ids["free"]].choices[0].token_ids == late.choices[0].token_ids
+
+
+def test_results_say_whether_a_constrained_text_is_complete(engine):
+    requests = {
+        "whole": {"prompt": "pick", "guided_regex": "[ab]", "max_tokens": 8, "temperature": 0},
+        "cut": {"prompt": "count", "guided_regex": "[0-9]{40}", "max_tokens": 3, "temperature": 0},
+        "stopped": {"prompt": "count", "guided_regex": "1[0-9]{30}", "stop": "1", "max_tokens": 8, "temperature": 0},
+        "free": {"prompt": "free", "max_tokens": 3, "temperature": 0},
+    }
+    results, _ = run(engine, requests)
+    whole, cut, stopped = (results[name].choices[0] for name in ("whole", "cut", "stopped"))
+    assert whole.finish_reason == "stop" and whole.constraint_complete is True and re.fullmatch("[ab]", whole.text)
+    assert cut.finish_reason == "length" and cut.constraint_complete is False
+    assert stopped.finish_reason == "stop" and stopped.constraint_complete is False  # the stop string cut it
+    assert results["free"].choices[0].constraint_complete is None
