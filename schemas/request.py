@@ -126,6 +126,9 @@ class GenerationRequest(BaseModel):
     metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = (
         Field(None, max_length=16)
     )
+    # RL (docs/rl.md): a LoRA adapter the worker serves, by name; the lowest weight version that may run it.
+    adapter: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")
+    min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
     # Structured output (schemas/constraints.py, docs/structured-output.md): at most one per request.
     response_format: Optional[ResponseFormat] = None
     guided_regex: Optional[GuidedRegex] = None

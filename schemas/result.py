@@ -33,6 +33,11 @@ class Choice(_Model):
     # Requests with a constraint (response_format, guided_regex, guided_grammar): whether `text` is a
     # complete match; false when it ended first (`length`, a stop string, cancelled). Null otherwise.
     constraint_complete: Optional[bool] = None
+    # The version of the weights that produced this choice (the one its first token came from), and,
+    # where weights were swapped while it decoded, each version from the token index it began at:
+    # [[first_token_index, version], ...]. Null for a worker whose weights carry no version.
+    weight_version: Optional[int] = None
+    weight_versions: Optional[list[tuple[int, int]]] = None
 
 
 class Usage(_Model):
@@ -84,6 +89,7 @@ class GenerationResult(_Model):
     worker: Optional[str] = None
     error: Optional[ErrorInfo] = None
     metadata: Optional[dict[str, str]] = None
+    weight_version: Optional[int] = None  # the weights that produced it (the oldest, if choices differ)
 
 
 def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_at: float,

@@ -50,6 +50,9 @@ class FakeSource:
     def stay_in_group(self) -> None:
         pass
 
+    def version_changed(self) -> None:
+        pass
+
 
 @dataclass
 class FakeRQ:
@@ -60,7 +63,7 @@ class FakeRQ:
     refused: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
 
-    def start_jobs(self, taken: list[TakenJob]) -> tuple[list[StartedJob], list]:
+    def start_jobs(self, taken: list[TakenJob], weight_version: int = 0) -> tuple[list[StartedJob], list]:
         started = []
         for item in taken:
             job_id = item.job_id
@@ -126,7 +129,7 @@ class FakeEnding:
             self.results[ending.job_id] = ending.outcome.result()
             self.done.put(ending)
 
-    def requeue_alone(self, ending) -> None:
+    def requeue(self, ending, alone: bool = False) -> None:
         self.requeued.append(ending.job_id)
         self.done.put(ending)
 

@@ -20,13 +20,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
+from pathlib import Path
+
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job
 
 from schemas import GenerationResult, keys
 from worker.allowlist import Refusal
+from schemas.control import ControlCommand
 from worker.bookkeeping import Bookkeeper
+from worker.control import Controller
 from worker.gate import StepRhythm
 from worker.intake import Unreadable
 from worker.job_ending import Ending, JobEnding
@@ -52,6 +56,7 @@ RETRY_CHECK_INTERVAL_S = 1  # how often due retries go back to their queues
 # The bookkeeping thread's Python (hundreds of job endings a step) would otherwise hold the GIL for
 # 5 ms slices while the loop waits to hand out the next step.
 GIL_SWITCH_INTERVAL_S = 0.0005
+PAUSED_TURN_S = 0.01  # a turn's length while paused with sequences kept (nothing to step)
 
 
 @dataclass
@@ -99,6 +104,10 @@ class JobSource(Protocol):
 
     def stay_in_group(self) -> None: ...
 
+    def version_changed(self) -> None:
+        """The weights changed: queues held back for jobs that wanted a newer version are polled again."""
+        ...
+
 
 class WorkerSide(Protocol):
     """What the loop needs of the RQ worker around it (worker/rq_worker.py's BatchWorker)."""
@@ -106,7 +115,11 @@ class WorkerSide(Protocol):
     @property
     def stop_requested(self) -> bool: ...
 
-    def start_jobs(self, taken: list[TakenJob]) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]: ...
+    def start_jobs(self, taken: list[TakenJob], weight_version: int
+                   ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
+        """Start the jobs taken; those that cannot be read come back apart, and those that ask for a
+        newer weight version than `weight_version` go back to their queues."""
+        ...
 
     def notice_stop(self) -> None:
         """Record a warm stop request in RQ's worker hash, once (not from the signal handler)."""
@@ -136,10 +149,13 @@ class BatchLoop:
     def __init__(self, scheduler: BatchScheduler, source: JobSource, rq: WorkerSide, bookkeeper: Bookkeeper,
                  ending: JobEnding, health: RedisHealth, settings: WorkerSettings, stats_key: str,
                  clock: Callable[[], float] = time.monotonic,
-                 watchdog: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
-        """`watchdog` wraps each engine step (worker/liveness.py: a step that hangs exits the process)."""
+                 watchdog: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+                 controller: Optional[Controller] = None) -> None:
+        """`watchdog` wraps each engine step (worker/liveness.py: a step that hangs exits the process);
+        `controller` applies the control plane's commands (worker/control.py)."""
         self.scheduler = scheduler
         self._watchdog = watchdog
+        self._controller = controller
         self._source, self._rq, self._bookkeeper, self._ending = source, rq, bookkeeper, ending
         self._health, self._settings, self._stats_key, self._clock = health, settings, stats_key, clock
         self._table: dict[str, InFlight] = {}
@@ -197,7 +213,7 @@ class BatchLoop:
         if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler)):
             self._rq.beat_now()  # before any sweep can take our jobs for abandoned
         if self._health.up:
-            room = 0 if self._rq.stop_requested else self.scheduler.free_slots
+            room = 0 if self._rq.stop_requested or not self.admitting else self.scheduler.free_slots
             if self.scheduler.decoding:
                 room = min(room, ADMIT_PER_TURN_WHILE_DECODING)
             room = room if jobs_left is None else min(room, jobs_left)
@@ -239,6 +255,10 @@ class BatchLoop:
             try:
                 self._source.stay_in_group()
                 self._upkeep()
+                if not self.admitting:
+                    time.sleep(round_s)
+                    waited += round_s
+                    continue
                 taken = self._source.wait(round_s)
             except REDIS_ERRORS as exc:
                 self._health.lost(exc)
@@ -252,6 +272,10 @@ class BatchLoop:
 
     def _step(self) -> None:
         if not len(self.scheduler):
+            return
+        if self._controller is not None and not self._controller.stepping:
+            self._bookkeeper.release()  # no step to come: nothing to keep out of the way of
+            time.sleep(PAUSED_TURN_S)  # paused with its sequences kept: no step, and no spinning
             return
         self._bookkeeper.step_started(self._rhythm.step_started())
         try:
@@ -273,7 +297,7 @@ class BatchLoop:
         cannot run, or was cancelled meanwhile, ends at once."""
         if not taken:
             return
-        started, unreadable = self._rq.start_jobs(taken)
+        started, unreadable = self._rq.start_jobs(taken, self.weight_version)
         if unreadable:
             self._source.ended([bad.job_id for bad, _ in unreadable if bad.job_id is not None])
             self._ending.refuse(unreadable)
@@ -389,7 +413,7 @@ class BatchLoop:
                     f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
                 continue
             inflight.ending = True
-            self._ending.requeue_alone(inflight.ending_record(None))
+            self._ending.requeue(inflight.ending_record(None), alone=True)
         self._hand_off(poisoned)
 
     def abandon(self, reason: str) -> None:
@@ -410,6 +434,8 @@ class BatchLoop:
     def _upkeep(self) -> None:
         """The timers; their Redis work runs on the bookkeeping thread: due retries back to their
         queues (each second), the dead-worker sweep, rq's registry maintenance while idle."""
+        if self._controller is not None:
+            self._redis_call(self._controller.turn, self)
         now = self._clock()
         if now >= self._next_retry_check:
             self._next_retry_check = now + RETRY_CHECK_INTERVAL_S
@@ -421,6 +447,40 @@ class BatchLoop:
         if not self._table and now >= self._next_maintenance:
             self._next_maintenance = now + self._settings.sweep_interval_s
             self._bookkeeper.submit(self._rq.run_maintenance)
+
+    # --- the control plane's hands (worker/control.py LoopControls) --------------------------
+    @property
+    def admitting(self) -> bool:
+        return self._controller is None or self._controller.admitting
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.engine.weight_version
+
+    def running_count(self) -> int:
+        return len(self.scheduler)
+
+    def requeue_running(self) -> None:
+        for job_id in self.scheduler.withdraw():
+            inflight = self._table[job_id]
+            inflight.ending = True
+            self._ending.requeue(inflight.ending_record(None), alone=False)
+
+    def cancel_running(self, job_id: Optional[str]) -> None:
+        chosen = [job_id] if job_id is not None else self.scheduler.job_ids
+        self._hand_off([r for r in (self.scheduler.cancel(j, "cancelled") for j in chosen) if r])
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        self.scheduler.engine.swap_weights(files, version)
+        self._source.version_changed()
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.engine.reset_prefix_cache()
+
+    def ack(self, command: ControlCommand, ok: bool, message: str) -> None:
+        assert self._controller is not None
+        channel, version = self._controller.channel, self.weight_version
+        self._bookkeeper.submit(lambda: channel.ack(command, ok, message, version))
 
     def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -61,7 +61,7 @@ class RQEnds(Protocol):
 
     def finish_failure(self, ending: Ending, result: GenerationResult) -> None: ...
 
-    def requeue_alone(self, ending: Ending) -> None: ...
+    def requeue(self, ending: Ending, alone: bool) -> None: ...
 
 
 class JobEnding:
@@ -91,10 +91,11 @@ class JobEnding:
             if ending.outcome.status != "finished":
                 self._bookkeeper.submit(lambda ending=ending: self._end_failed(ending))
 
-    def requeue_alone(self, ending: Ending) -> None:
-        """A job that was in the engine when a step failed: back to its queue, to run alone."""
+    def requeue(self, ending: Ending, alone: bool = False) -> None:
+        """A job that has not ended back to its queue, to run again: `alone` after it was in the engine
+        when a step failed; else because the control plane asked (weights swapped, a pause)."""
         def requeue() -> None:
-            self._rq.requeue_alone(ending)
+            self._rq.requeue(ending, alone)
             self.done.put(ending)
 
         self._bookkeeper.submit(requeue)

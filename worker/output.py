@@ -42,6 +42,8 @@ class ChoiceState:
     # For a constrained request: the engine's word, given with a sequence's last token, on whether
     # its text completes the constraint.
     engine_says_complete: Optional[bool] = None
+    # [first_token_index, version] each time the weights that sampled its tokens changed.
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -133,6 +135,9 @@ class JobOutput:
             return None
         choice.token_ids.append(event.token)
         choice.engine_says_complete = event.constraint_complete
+        version = event.weight_version
+        if version is not None and (not choice.weight_versions or choice.weight_versions[-1][1] != version):
+            choice.weight_versions.append((len(choice.token_ids) - 1, version))
         if choice.logprobs is not None and event.logprob is not None:
             choice.logprobs.append(event.logprob)
         if choice.top_logprobs is not None and event.top_logprobs is not None:
@@ -192,9 +197,12 @@ class JobOutput:
         choices = [
             Choice(index=c.index, text=self._final_text(c), token_ids=c.token_ids, logprobs=c.logprobs,
                    top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                   constraint_complete=self._constraint_complete(c))
+                   constraint_complete=self._constraint_complete(c),
+                   weight_version=c.weight_versions[0][1] if c.weight_versions else None,
+                   weight_versions=c.weight_versions if len(c.weight_versions) > 1 else None)
             for c in self.choices
         ]
+        versions = [c.weight_version for c in choices if c.weight_version is not None]
         completion = sum(len(c.token_ids) for c in self.choices)
         prompt = len(self.prompt_token_ids)
         request = self.request
@@ -205,7 +213,8 @@ class JobOutput:
             prompt_token_ids=self.prompt_token_ids if request.return_prompt_token_ids else None,
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             timings=timings(self.enqueued_at, self.started_at, finished_at, self.first_token_at),
-            worker=self._worker, error=error, metadata=request.metadata)
+            worker=self._worker, error=error, metadata=request.metadata,
+            weight_version=min(versions) if versions else None)
 
     def _constraint_complete(self, choice: ChoiceState) -> Optional[bool]:
         """None unconstrained; else whether the text is a complete match: the engine's word on the

@@ -214,23 +214,41 @@ class WorkerQueues:
     def __init__(self, poller: Poller, queue_pairs: list[tuple[str, str]], job_key_prefix: str) -> None:
         self._poller, self._pairs, self._prefix = poller, queue_pairs, job_key_prefix
         self._next_warning = 0.0
+        self._held: set[int] = set()  # queues whose first job wants newer weights than this worker's
+
+    def hold(self, queue_indexes: Iterable[int]) -> None:
+        """Take nothing from these queues until the weights change (`version_changed`)."""
+        self._held.update(queue_indexes)
+
+    def version_changed(self) -> None:
+        self._held.clear()
 
     def poll(self, room: int, check_cancels: bool) -> Poll:
-        poll = self._poller.poll(self._pairs, room, self._prefix, check_cancels)
+        indexes = self._open_queues()
+        poll = self._poller.poll([self._pairs[i] for i in indexes], room, self._prefix, check_cancels)
         if poll.broken_queues:
-            self._warn([self._pairs[i][0] for i in poll.broken_queues])
-        return poll
+            self._warn([self._pairs[indexes[i]][0] for i in poll.broken_queues])
+        return poll._replace(taken=[t._replace(queue_index=indexes[t.queue_index]) for t in poll.taken],
+                             broken_queues=[indexes[i] for i in poll.broken_queues])
 
     def wait(self, timeout_s: int) -> Optional[TakenJob]:
         """Block up to `timeout_s` for one job. Where a queue key is not a list (the blocking pop
         refuses the whole call) poll instead, skipping it, and sleep the round out if nothing came."""
+        indexes = self._open_queues()
+        if not indexes:
+            time.sleep(timeout_s)
+            return None
         try:
-            return self._poller.wait(self._pairs, self._prefix, timeout_s)
+            taken = self._poller.wait([self._pairs[i] for i in indexes], self._prefix, timeout_s)
+            return None if taken is None else taken._replace(queue_index=indexes[taken.queue_index])
         except redis.ResponseError:
-            taken = self.poll(1, check_cancels=False).taken
-            if not taken:
+            polled = self.poll(1, check_cancels=False).taken
+            if not polled:
                 time.sleep(timeout_s)
-            return taken[0] if taken else None
+            return polled[0] if polled else None
+
+    def _open_queues(self) -> list[int]:
+        return [i for i in range(len(self._pairs)) if i not in self._held]
 
     def started(self, job_ids: list[str]) -> None:
         self._poller.started(job_ids)

@@ -38,6 +38,7 @@ from worker import retry_policy
 from worker.allowlist import ALLOWED_FUNCTIONS, callback_names, refusal
 from worker.batch_loop import BatchLoop, InFlight, StartedJob
 from worker.bookkeeping import Bookkeeper
+from worker.control import ControlChannel, Controller
 from worker.intake import Unreadable, fetch_job_fields, read_job
 from worker.job_ending import Ending, JobEnding
 from worker.liveness import Liveness
@@ -49,11 +50,22 @@ from worker.redis_health import RedisHealth
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
+from worker.weights import WeightLoader
 
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 # The first sweep looks this far back for jobs cancelled while queued, each later one from the one
 # before less this, so a cancel made while no worker ran still gets its result key.
 CANCELLED_SCAN_MARGIN_S = 3600
+
+
+def _wanted_version(job: Job) -> int:
+    """The lowest weight version a job's request may run on (`min_weight_version`), 0 if none."""
+    try:
+        request = job.kwargs.get("request")
+        wanted = request.get("min_weight_version") if isinstance(request, dict) else None
+    except Exception:  # not readable as a request: admission fails it, whatever its version
+        return 0
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
 
 
 class JobFailed(Exception):
@@ -86,6 +98,8 @@ class BatchWorker(SimpleWorker):
                               self.settings.max_job_bytes)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._loop: Optional[BatchLoop] = None
+        self._queues: Optional[WorkerQueues] = None
+        self._controller: Optional[Controller] = None
         self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
         self._presence: Optional[PresencePublisher] = None
         self._stop_job_ids: set[str] = set()  # written by rq's pubsub thread, taken by the loop
@@ -176,10 +190,11 @@ class BatchWorker(SimpleWorker):
             gc.freeze()
             self._presence = PresencePublisher(self.connection, self.name, self.settings, self.queue_names(),
                                                kind="fake" if self.settings.engine == "fake" else "text")
-            queues = WorkerQueues(self._poller, [(q.key, q.intermediate_queue.key) for q in self.queues],
-                                  self.job_class.key_for(""))
-            loop = BatchLoop(scheduler, queues, self, self._bookkeeper, self._ending, self._health, self.settings,
-                             keys.stats_key(self.name), watchdog=self._liveness.step)
+            self._queues = WorkerQueues(self._poller, [(q.key, q.intermediate_queue.key) for q in self.queues],
+                                        self.job_class.key_for(""))
+            self._controller = self._control_plane(scheduler)
+            loop = BatchLoop(scheduler, self._queues, self, self._bookkeeper, self._ending, self._health, self.settings,
+                             keys.stats_key(self.name), watchdog=self._liveness.step, controller=self._controller)
             self._loop = loop
             self._liveness.beat_now()  # in the live-worker list at once
             self._liveness.start()
@@ -192,6 +207,8 @@ class BatchWorker(SimpleWorker):
             self.log.error("Worker %s: %s", self.name, exc)
             raise
         finally:
+            if self._controller is not None:
+                self._controller.stop()
             self._bookkeeper.stop()
             self._quietly(self._poller.remove_ended)
             self._quietly(self._poller.leave_group)
@@ -201,6 +218,15 @@ class BatchWorker(SimpleWorker):
             self.notice_stop()
             self.teardown()
         return taken > 0
+
+    def _control_plane(self, scheduler: BatchScheduler) -> Optional[Controller]:
+        """The commands a trainer sends to this model's workers (docs/rl.md); none without a model name."""
+        alias = self.settings.served_alias
+        if alias is None:
+            return None
+        engine = scheduler.engine
+        loader = WeightLoader(self.connection, engine.parameter_spec())
+        return Controller(ControlChannel(self.connection, alias, self.name), loader, engine.weight_version)
 
     def _build_scheduler(self) -> BatchScheduler:
         if self._scheduler_factory is not None:
@@ -237,20 +263,28 @@ class BatchWorker(SimpleWorker):
     def beat_now(self) -> None:
         self._liveness.beat_now()
 
-    def start_jobs(self, taken: list[TakenJob]) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
+    def start_jobs(self, taken: list[TakenJob], weight_version: int
+                   ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
         """Read the jobs taken (worker/intake.py) and record the start of those that read, the RQ way
         (execution, started registry, status, heartbeats: what `prepare_execution` and
-        `prepare_job_execution` write), all in one round trip."""
+        `prepare_job_execution` write), all in one round trip. A job that asks for newer weights
+        than `weight_version` goes back to the head of its queue, which the worker then leaves alone
+        until its weights change."""
         started: list[tuple[Job, Queue, list[str]]] = []
         unreadable: list[tuple[Unreadable, Queue]] = []
+        too_new: list[tuple[Job, int]] = []
         for item in taken:
             queue = self.queues[item.queue_index]
             read = read_job(item.raw_id, item.fields, self.connection, self.settings.max_job_bytes)
             if isinstance(read, Unreadable):
                 unreadable.append((read, queue))
+            elif _wanted_version(read) > weight_version:
+                too_new.append((read, item.queue_index))
             else:
                 assert isinstance(item.fields, dict)
                 started.append((read, queue, callback_names(item.fields)))
+        if too_new:
+            self._put_back(too_new)
         if not started:
             return [], unreadable
         ttl = self.settings.heartbeat_ttl_s
@@ -273,6 +307,18 @@ class BatchWorker(SimpleWorker):
         assert replies is not None
         return [self._started(job, queue, callbacks, execution, bool(replies[at]))
                 for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
+
+    def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
+        """Jobs for newer weights back to the head of their queues, in their order."""
+        batch = CommandBatch(self.connection)
+        for job, index in reversed(too_new):
+            queue = self.queues[index]
+            batch.lrem(queue.intermediate_queue.key, 1, job.id)
+            batch.lpush(queue.key, job.id)
+        self._poller.ended([job.id for job, _ in too_new])
+        batch.execute()
+        assert self._queues is not None
+        self._queues.hold(index for _, index in too_new)
 
     def _started(self, job: Job, queue: Queue, callbacks: list[str], execution: Execution, cancelled: bool
                  ) -> StartedJob:
@@ -367,9 +413,10 @@ class BatchWorker(SimpleWorker):
             self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
                                     started_job_registry=queue.started_job_registry)
 
-    def requeue_alone(self, ending: Ending) -> None:
+    def requeue(self, ending: Ending, alone: bool) -> None:
+        """Back to its queue without counting against its retries; `alone`: it runs alone next time."""
         job = ending.job
-        job.meta[SOLO_META] = True
+        job.meta[SOLO_META] = alone
         job.save_meta()
         self.connection.srem(self._poller.running_key, job.id)
         job.ended_at = now()

@@ -330,6 +330,21 @@ class BatchScheduler:
         return [self._end_now(job_id, "error", "failed", ErrorInfo(type=error_type, message=message))
                 for job_id in list(self._jobs)]
 
+    def withdraw(self, job_ids: Optional[list[str]] = None) -> list[str]:
+        """Take jobs (all, or these) out without ending them, to run again later or elsewhere: their
+        sequences leave the engine and what they produced so far is dropped. Returns their ids."""
+        chosen = list(self._jobs) if job_ids is None else [j for j in job_ids if j in self._jobs]
+        for job_id in chosen:
+            job = self._jobs.pop(job_id)
+            live = [c.uid for c in job.output.choices if not c.done]
+            if job.in_engine:
+                self.engine.remove(live)
+            for uid in live:
+                self._uid_to_job.pop(uid, None)
+            self._live_sequences -= job.live
+        self._streams = [d for d in self._streams if d.job_id in self._jobs]
+        return chosen
+
     def reset(self) -> list[str]:
         """After a failed engine step: forget the jobs that were in the engine (their state may
         be corrupt), give the engine a fresh batch, and return their ids so the caller can retry

@@ -19,6 +19,7 @@ import copy
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
@@ -106,6 +108,8 @@ class TextEngine:
         self._max_num_seqs = max_num_seqs
         self._counters = EngineCounters()
         self._pacing = PrefillPacing()
+        self._version = 0  # of the weights now (swap_weights)
+        self._launched_with = 0  # the version mlx-lm's last call launched its forward pass with
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
@@ -153,6 +157,21 @@ class TextEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(counters=self.time_stats(), prefix_cache=self.prefix_cache_stats())
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        swap_into(self.model, files)  # all or nothing
+        self._version = version
+        self._prefix.clear()  # its caches hold the old weights' keys and values
+
+    def reset_prefix_cache(self) -> None:
+        self._prefix.clear()
+
+    def parameter_spec(self) -> ParameterSpec:
+        return parameter_spec(self.model)
 
     def prepare(self, request: GenerationRequest) -> Prompt:
         """The prompt's token ids and, for a constrained request, its compiled constraint (cached
@@ -331,7 +350,8 @@ class TextEngine:
                 continue
             first = int(token.item())
             finish = "stop" if first in spec.stop_token_ids else "length" if spec.max_tokens <= 1 else None
-            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish)
+            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish,
+                               weight_version=self._version)
             _note_constraint(row, event)
             if finish is not None and row.constraint is not None:
                 row.constraint.release()
@@ -442,6 +462,9 @@ class TextEngine:
         if not self._live:
             return []
         self._begin_step()
+        # mlx-lm returns the tokens its previous call sampled while it launches the next forward pass:
+        # after a swap, one more call's tokens come from the old weights.
+        sampled_with, self._launched_with = self._launched_with, self._version
         with self._generator.stats() as window:
             progress, responses = self._generator.next()
         for prompt in progress:
@@ -467,7 +490,7 @@ class TextEngine:
                 self.remove([spec.uid])
                 continue
             event = TokenEvent(uid=spec.uid, token=int(response.token), index=spec.choice_index,
-                               finish_reason=response.finish_reason)
+                               finish_reason=response.finish_reason, weight_version=sampled_with)
             _note_constraint(live, event)
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
