@@ -68,6 +68,31 @@ def worker_key(worker_name: str) -> str:
 WORKERS_KEY = f"{PREFIX}workers"
 
 
+def control_stream(model: str) -> str:
+    """The commands to the workers of one model (schemas/control.py), a Redis stream."""
+    return f"{PREFIX}control:{model}"
+
+
+def ack_key(command_id: str) -> str:
+    """Each worker's acknowledgement of one control command: worker name -> ControlAck JSON."""
+    return f"{PREFIX}ack:{command_id}"
+
+
+def weights_key(model: str) -> str:
+    """The latest weights command of a model (ControlCommand JSON), for workers that catch up."""
+    return f"{PREFIX}weights:{model}"
+
+
+def paused_key(model: str) -> str:
+    """Set while a model's workers are paused (its value the pause mode), for workers that start then."""
+    return f"{PREFIX}paused:{model}"
+
+
+def blob_key(prefix: str, file_name: str, chunk: int) -> str:
+    """One chunk of a safetensors file streamed through Redis for a weight version."""
+    return f"{PREFIX}blob:{prefix}:{file_name}:{chunk}"
+
+
 def queue_for_model(model: str | None) -> str:
     """The contract's routing: `mlxq:<model>` when a model is named, else `mlxq`."""
     return f"{PREFIX}{model}" if model else DEFAULT_QUEUE

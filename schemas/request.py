@@ -18,6 +18,14 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.constraints import (
+    Constraint,
+    GuidedGrammar,
+    GuidedRegex,
+    ResponseFormat,
+    constraint_fields_given,
+    constraint_of,
+)
 from schemas.payload import ShapeError, check_shape
 
 MAX_N = 16
@@ -122,6 +130,13 @@ class GenerationRequest(BaseModel):
     metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = (
         Field(None, max_length=16)
     )
+    # RL (docs/rl.md): a LoRA adapter the worker serves, by name; the lowest weight version that may run it.
+    adapter: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")
+    min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
+    # Structured output (schemas/constraints.py, docs/structured-output.md): at most one per request.
+    response_format: Optional[ResponseFormat] = None
+    guided_regex: Optional[GuidedRegex] = None
+    guided_grammar: Optional[GuidedGrammar] = None
 
     @field_validator("stop")
     @classmethod
@@ -145,6 +160,17 @@ class GenerationRequest(BaseModel):
         if isinstance(limits, RequestLimits):
             check_limits(self, limits)
         return self
+
+    @model_validator(mode="after")
+    def _check_one_constraint(self) -> "GenerationRequest":
+        given = constraint_fields_given(self.response_format, self.guided_regex, self.guided_grammar)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: at most one constraint per request, got {', '.join(given)}")
+        return self
+
+    @property
+    def constraint(self) -> Optional[Constraint]:
+        return constraint_of(self.response_format, self.guided_regex, self.guided_grammar)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -203,3 +203,29 @@ def test_a_qwen2_5_vl_batch_equals_each_request_alone_through_mlx_vlm(tmp_path):
         assert results[job_id].choices[0].token_ids == tokens, job_id
         assert results[job_id].choices[0].logprobs == pytest.approx([float(d[t]) for t, d in zip(tokens, distributions)],
                                                                     abs=1e-3)
+
+
+def test_a_weight_version_swapped_in_between_steps_samples_the_next_tokens_and_stamps_them(vlm, tmp_path):
+    from mlx_vlm import load
+
+    from worker.tiny_model import make_tiny_vision_model
+
+    model, processor = load(str(make_tiny_vision_model(tmp_path / "v0")))  # its own copy: the swap changes it
+    engine = VisionEngine(model, processor)
+    other = make_tiny_vision_model(tmp_path / "v1", seed=1)
+    request = chat("before and after", picture(70), max_tokens=6, temperature=0, ignore_eos=True)
+    before = run_all(BatchScheduler(engine), {"a": request})["a"]
+    assert engine.parameter_spec() and engine.weight_version == 0
+    engine.swap_weights([other / "model.safetensors"], 7)
+    after = run_all(BatchScheduler(engine), {"b": request})["b"]
+    new_model, new_processor = load(str(other))
+    _, (expected, _) = alone(VisionEngine(new_model, new_processor), request)
+    assert after.choices[0].token_ids == expected != before.choices[0].token_ids
+    assert before.choices[0].weight_version == 0 and after.choices[0].weight_version == 7
+
+
+def test_structured_output_is_refused_on_the_vision_path(vlm):
+    model, processor = vlm
+    scheduler = BatchScheduler(VisionEngine(model, processor))
+    failed = scheduler.admit("j", {"prompt": "x", "max_tokens": 3, "guided_regex": "[ab]+"})
+    assert failed is not None and failed.error.message.startswith("guided_regex: structured output is served by")

@@ -20,13 +20,17 @@ queues the worker listens on and however many sequences run:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import redis
 
 from schemas import keys
 from worker.intake import READ_JOB_LUA, JobFields, as_job_fields
+
+log = logging.getLogger("mlxq.worker")
 
 POLL_SCRIPT = READ_JOB_LUA + """
 for first = 9, #ARGV, 1000 do
@@ -200,3 +204,63 @@ class Poller:
                                                            raw_id])
         taken = as_job_fields(fields)
         return None if taken is None else TakenJob(index, raw_id, taken)
+
+
+class WorkerQueues:
+    """A worker's queues, in its priority order, as its batch loop takes jobs from them: the
+    Poller's round trips bound to those queues, with a warning (once a minute) for a queue key
+    that is not a list, which the poll skips."""
+
+    def __init__(self, poller: Poller, queue_pairs: list[tuple[str, str]], job_key_prefix: str) -> None:
+        self._poller, self._pairs, self._prefix = poller, queue_pairs, job_key_prefix
+        self._next_warning = 0.0
+        self._held: set[int] = set()  # queues whose first job wants newer weights than this worker's
+
+    def hold(self, queue_indexes: Iterable[int]) -> None:
+        """Take nothing from these queues until the weights change (`version_changed`)."""
+        self._held.update(queue_indexes)
+
+    def version_changed(self) -> None:
+        self._held.clear()
+
+    def poll(self, room: int, check_cancels: bool) -> Poll:
+        indexes = self._open_queues()
+        poll = self._poller.poll([self._pairs[i] for i in indexes], room, self._prefix, check_cancels)
+        if poll.broken_queues:
+            self._warn([self._pairs[indexes[i]][0] for i in poll.broken_queues])
+        return poll._replace(taken=[t._replace(queue_index=indexes[t.queue_index]) for t in poll.taken],
+                             broken_queues=[indexes[i] for i in poll.broken_queues])
+
+    def wait(self, timeout_s: int) -> Optional[TakenJob]:
+        """Block up to `timeout_s` for one job. Where a queue key is not a list (the blocking pop
+        refuses the whole call) poll instead, skipping it, and sleep the round out if nothing came."""
+        indexes = self._open_queues()
+        if not indexes:
+            time.sleep(timeout_s)
+            return None
+        try:
+            taken = self._poller.wait([self._pairs[i] for i in indexes], self._prefix, timeout_s)
+            return None if taken is None else taken._replace(queue_index=indexes[taken.queue_index])
+        except redis.ResponseError:
+            polled = self.poll(1, check_cancels=False).taken
+            if not polled:
+                time.sleep(timeout_s)
+            return polled[0] if polled else None
+
+    def _open_queues(self) -> list[int]:
+        return [i for i in range(len(self._pairs)) if i not in self._held]
+
+    def started(self, job_ids: list[str]) -> None:
+        self._poller.started(job_ids)
+
+    def ended(self, job_ids: list[str]) -> None:
+        self._poller.ended(job_ids)
+
+    def stay_in_group(self) -> None:
+        self._poller.stay_in_group()
+
+    def _warn(self, queue_keys: list[str]) -> None:
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + 60
+            log.error("skipping %s: not a Redis list (a queue must be one)", ", ".join(queue_keys))

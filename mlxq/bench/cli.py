@@ -23,7 +23,7 @@ Benchmark mlxq against its alternatives on one machine, with the same model and 
   S  mlxq's BatchScheduler + TextEngine in this process, no Redis or RQ: S/B prices mlxq's engine
      wrapper, C/S the queue around it
 Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
-(--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, images (image jobs
+(--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, structured, images (image jobs
 alone, through mlx-vlm's batched generation and through mlxq), or all.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
 """

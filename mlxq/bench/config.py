@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S")
-SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "images")
+SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "images")
 
 ARM_LABELS = {
     "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",

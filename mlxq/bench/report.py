@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlxq.bench.images import images_line
+from mlxq.bench.structured import summary_line as structured_summary_line
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
@@ -280,6 +281,7 @@ _SCENARIO_LINES = {
     "rl": _rl_line,
     "prefix-cache": _prefix_cache_line,
     "soak": _soak_line,
+    "structured": structured_summary_line,
     "images": images_line,
 }
 

@@ -218,7 +218,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import images, scenarios, soak
+        from mlxq.bench import images, scenarios, soak, structured
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -240,6 +240,7 @@ class Runner:
             "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
             "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
+            "structured": lambda: structured.structured(cfg, self.model),
             "images": lambda: images.images(cfg, url, procs, self.blas.path),
         }
         for name, run in runs.items():

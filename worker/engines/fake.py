@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from schemas import GenerationRequest
@@ -15,8 +16,10 @@ VOCAB = 256
 EOS = 0
 
 
-def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed: int | None = None) -> int:
-    base = (sum(prompt) * 31 + len(prompt) * 7 + position * 13) % (VOCAB - 1) + 1
+def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed: int | None = None,
+               version: int = 0) -> int:
+    """Version 0 is the engine's own weights; each later version of them gives other tokens."""
+    base = (sum(prompt) * 31 + len(prompt) * 7 + position * 13 + version * 101) % (VOCAB - 1) + 1
     if temperature and seed is not None:
         base = (base + seed * 17) % (VOCAB - 1) + 1
     return base
@@ -44,6 +47,7 @@ class FakeEngine:
         self._seqs: dict[str, _Seq] = {}
         self.prefill_tokens = 0
         self.steps = 0
+        self._version = 0
         self._step_delay_s = step_delay_s
 
     @property
@@ -99,7 +103,8 @@ class FakeEngine:
                 self.prefill_tokens += len(seq.spec.prompt_token_ids)
                 continue
             spec = seq.spec
-            token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed)
+            token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed,
+                               self._version)
             if spec.prompt_token_ids[0] == EOS_SOON and seq.produced == 2:
                 token = EOS
             seq.produced += 1
@@ -110,7 +115,7 @@ class FakeEngine:
                 finish = "length"
             logprob = -math.log(2.0) if spec.logprobs else None
             top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
-            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish))
+            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish, weight_version=self._version))
             if finish:
                 del self._seqs[uid]
         return events
@@ -124,6 +129,20 @@ class FakeEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        """No weights to swap: the version changes the tokens (see fake_token)."""
+        self._version = version
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def parameter_spec(self) -> None:
+        return None
 
     def stats(self) -> EngineStats:
         return EngineStats(counters={"decode_steps": self.steps, "prefill_tokens": self.prefill_tokens},

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from worker.engines.row_sampler import RowSampler, SampledRow
 from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logits_processors, needs_raw_capture,
                                      repair_random_state, requested_distribution)
 from worker.engines.text import RequestRejected, measure_kv_bytes_per_token, model_context_length
+from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.images import ImagePolicy, load_image
 
 # Model types whose processor and `get_input_embeddings` this engine is written against.
@@ -130,6 +132,8 @@ class VisionEngine:
         self._engine_uid: dict[str, int] = {}
         self._failed: list[TokenEvent] = []  # rows whose request could not be embedded, reported next step
         self._counters = VisionCounters()
+        self._version = 0  # of the weights now (swap_weights)
+        self._launched_with = 0  # the version mlx-vlm's last call launched its forward pass with
         self._kv_bytes_per_token = measure_kv_bytes_per_token(model.language_model)
         self._encoder_bytes_per_patch, self._encoder_heads = _encoder_shape(model)
         self._embed_bytes_per_token = int(model.language_model.args.hidden_size) * 4
@@ -160,10 +164,29 @@ class VisionEngine:
         return model_context_length(self.model.language_model)
 
     def stats(self) -> EngineStats:
-        return EngineStats(counters=self._counters.as_dict(), prefix_cache={})
+        return EngineStats(counters=self._counters.as_dict(),
+                           prefix_cache={"enabled": False, "disabled_reason": "the vision engine keeps no prefix cache"})
+
+    # --- weight versions (worker/weights.py) -------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        swap_into(self.model, files)  # all or nothing: the language model and the vision tower
+        self._version = version
+
+    def reset_prefix_cache(self) -> None:
+        return None  # it keeps none
+
+    def parameter_spec(self) -> ParameterSpec:
+        return parameter_spec(self.model)
 
     # --- requests -------------------------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> Prompt:
+        if request.constraint is not None:
+            raise RequestRejected(f"{request.constraint.field.split('.')[0]}: structured output is served by text "
+                                  "models only, not by this worker's vision engine")
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             if self._image_token_id in ids:
@@ -265,6 +288,9 @@ class VisionEngine:
             return []
         self._sampler.begin()
         before = self._generator.stats()
+        # mlx-vlm returns the tokens its previous call sampled while it launches the next forward
+        # pass: after a swap, one more call's tokens come from the old weights.
+        sampled_with, self._launched_with = self._launched_with, self._version
         started = time.perf_counter()
         _, responses = self._generator.next()
         elapsed = time.perf_counter() - started
@@ -291,7 +317,8 @@ class VisionEngine:
                 continue
             token = int(response.token)
             finish = "stop" if token in spec.stop_token_ids else response.finish_reason
-            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish)
+            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
+                               weight_version=sampled_with)
             events.append(event)
             if drawn is not None:
                 wanted.append((event, spec, requested_distribution(spec, drawn, raw)))
@@ -322,6 +349,7 @@ class VisionEngine:
         self._live.clear()
         self._engine_uid.clear()
         self._failed.clear()
+        self._launched_with = self._version
         repair_random_state()
 
     def decode(self, token_ids: list[int]) -> str:

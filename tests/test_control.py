@@ -1,0 +1,162 @@
+"""The control plane against real worker processes on the fake engine (whose tokens change with the
+weight version): weight swaps under each policy, pause and resume, abort, minimum versions, a worker
+that catches up, acknowledgements from every live worker."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import Client
+from producer.control import ControlCalls, control_command, pause_command, weights_command
+from schemas import keys
+from tests.workers import start_fake_worker, stop, wait_for
+from worker.engines.fake import fake_token
+
+pytestmark = pytest.mark.slow
+
+ALIAS = "fakemodel"
+ENV = {"MLXQ_ALIAS": ALIAS}
+
+
+@pytest.fixture
+def version_dir(tmp_path: Path) -> Path:
+    """A version's directory: the fake engine has no weights to check, only files to find."""
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    return tmp_path
+
+
+def long_request(first: int, tokens: int, **extra: object) -> dict:
+    return {"prompt_token_ids": [first, 7], "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "model": ALIAS, **extra}
+
+
+def expected(first: int, tokens: int, version_at: list[tuple[int, int]]) -> list[int]:
+    """The fake engine's tokens for a sequence whose weights changed at the given token indexes."""
+    out = []
+    for i in range(tokens):
+        version = [v for start, v in version_at if start <= i][-1]
+        out.append(fake_token([first, 7], i, version=version))
+    return out
+
+
+def workers_live(conn: redis.Redis, count: int) -> None:
+    wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= count, timeout=30, what=f"{count} live workers")
+
+
+def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
+    conn = redis.Redis.from_url(redis_url)
+    client, control = Client(redis_url), ControlCalls(conn)
+    workers = [start_fake_worker(redis_url, name=f"rl-{i}", env=ENV, step_delay_s=0.02) for i in range(2)]
+    try:
+        workers_live(conn, 2)
+        # inflight: running sequences go on under the new weights, each token's version recorded
+        running = [client.submit(long_request(30 + i, 150)) for i in range(4)]
+        wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
+        time.sleep(0.5)
+        outcome = control.send(*weights_command(ALIAS, 1, str(version_dir), "inflight"), timeout=30)
+        assert outcome.ok and sorted(outcome.acked) == ["rl-0", "rl-1"], outcome
+        for i, job_id in enumerate(running):
+            choice = client.wait(job_id, timeout=60).choices[0]
+            assert choice.weight_version == 0 and choice.weight_versions[0] == (0, 0), choice
+            assert [v for _, v in choice.weight_versions] == [0, 1]
+            assert choice.token_ids == expected(30 + i, 150, choice.weight_versions)
+        # drain: running sequences finish on the old weights; jobs after the swap run on the new
+        draining = [client.submit(long_request(40 + i, 100)) for i in range(4)]
+        wait_for(lambda: all(client.status(j) == "started" for j in draining), what="running")
+        outcome = control.send(*weights_command(ALIAS, 2, str(version_dir), "drain"), timeout=60)
+        assert outcome.ok, outcome
+        after = client.submit(long_request(50, 5))
+        for i, job_id in enumerate(draining):
+            choice = client.wait(job_id, timeout=60).choices[0]
+            assert choice.weight_version == 1 and choice.weight_versions is None
+            assert choice.token_ids == expected(40 + i, 100, [(0, 1)])
+        assert client.wait(after, timeout=30).choices[0].weight_version == 2
+        # abort: running jobs go back to their queue and run again, whole, on the new weights
+        aborted = [client.submit(long_request(60 + i, 200)) for i in range(4)]
+        wait_for(lambda: all(client.status(j) == "started" for j in aborted), what="running")
+        outcome = control.send(*weights_command(ALIAS, 3, str(version_dir), "abort"), timeout=30)
+        assert outcome.ok, outcome
+        for i, job_id in enumerate(aborted):
+            result = client.wait(job_id, timeout=60)
+            assert result.status == "finished" and result.weight_version == 3
+            assert result.choices[0].token_ids == expected(60 + i, 200, [(0, 3)])
+    finally:
+        outs = [stop(w) for w in workers]
+    assert all(w.returncode == 0 for w in workers), outs
+
+
+def test_pause_keep_freezes_running_sequences_until_resume(redis_url):
+    conn = redis.Redis.from_url(redis_url)
+    client, control = Client(redis_url), ControlCalls(conn)
+    worker = start_fake_worker(redis_url, name="pauser", env=ENV, step_delay_s=0.02)
+    try:
+        workers_live(conn, 1)
+        job_id = client.submit(long_request(70, 300, stream=True))
+        wait_for(lambda: client.status(job_id) == "started", what="running")
+        assert control.send(pause_command(ALIAS, "keep"), {}, timeout=30).ok
+        queued = client.submit(long_request(71, 3))
+        frozen = conn.xlen(keys.stream_key(job_id))
+        time.sleep(1.0)
+        assert conn.xlen(keys.stream_key(job_id)) == frozen  # no token while paused
+        assert client.status(queued) == "queued"  # and no job taken
+        assert control.send(control_command("resume", ALIAS), {}, timeout=30).ok
+        result = client.wait(job_id, timeout=60)
+        assert result.status == "finished" and result.choices[0].token_ids == expected(70, 300, [(0, 0)])
+        assert client.wait(queued, timeout=30).status == "finished"
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+
+
+def test_abort_ends_running_jobs_and_min_weight_version_waits_for_the_weights(redis_url, version_dir):
+    conn = redis.Redis.from_url(redis_url)
+    client, control = Client(redis_url), ControlCalls(conn)
+    worker = start_fake_worker(redis_url, name="aborter", env=ENV, step_delay_s=0.02)
+    try:
+        workers_live(conn, 1)
+        running = [client.submit(long_request(80 + i, 1000)) for i in range(3)]
+        wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
+        outcome = control.send(control_command("abort", ALIAS, job_id=running[0]), {}, timeout=30)
+        assert outcome.ok and client.wait(running[0], timeout=30).status == "cancelled"
+        assert control.send(control_command("abort", ALIAS), {}, timeout=30).ok
+        for job_id in running[1:]:
+            result = client.wait(job_id, timeout=30)
+            assert result.status == "cancelled" and 0 < len(result.choices[0].token_ids) < 1000
+        # a job for weights the worker does not have yet waits in its queue; the one behind it too
+        wanting = client.submit(long_request(90, 3, min_weight_version=5))
+        behind = client.submit(long_request(91, 3))
+        time.sleep(1.5)
+        assert client.status(wanting) == "queued" and client.status(behind) == "queued"
+        assert control.send(*weights_command(ALIAS, 5, str(version_dir), "inflight"), timeout=30).ok
+        assert client.wait(wanting, timeout=30).weight_version == 5
+        assert client.wait(behind, timeout=30).status == "finished"
+        assert control.send(control_command("reset_prefix_cache", ALIAS), {}, timeout=30).ok
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+
+
+def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_url, version_dir, tmp_path):
+    conn = redis.Redis.from_url(redis_url)
+    client, control = Client(redis_url), ControlCalls(conn)
+    outcome = control.send(*weights_command(ALIAS, 4, str(version_dir), "drain"), timeout=1)
+    assert outcome.acked == {} and outcome.missing == []  # nobody live to answer
+    worker = start_fake_worker(redis_url, name="late", env=ENV, step_delay_s=0.01)
+    try:
+        workers_live(conn, 1)
+        assert client.wait(client.submit(long_request(95, 3)), timeout=30).weight_version == 4
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        (gone / "model.safetensors").write_bytes(b"x")
+        command, chunks = weights_command(ALIAS, 6, str(gone), "inflight")
+        (gone / "model.safetensors").unlink()  # vanished before the worker looked
+        outcome = control.send(command, chunks, timeout=30)
+        assert not outcome.ok and "late" in outcome.errors and "no .safetensors" in outcome.errors["late"]
+        assert client.wait(client.submit(long_request(96, 3)), timeout=30).weight_version == 4  # still on 4
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
