@@ -54,7 +54,7 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
     try:
         workers_live(conn, 2)
         # inflight: running sequences go on under the new weights, each token's version recorded
-        running = [client.submit(long_request(30 + i, 150)) for i in range(4)]
+        running = [client.submit(long_request(30 + i, 150)) for i in range(64)]  # 32 on each worker
         wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
         time.sleep(0.5)
         outcome = control.send(*weights_command(ALIAS, 1, str(version_dir), "inflight"), timeout=30)
@@ -65,7 +65,7 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
             assert [v for _, v in choice.weight_versions] == [0, 1]
             assert choice.token_ids == expected(30 + i, 150, choice.weight_versions)
         # drain: running sequences finish on the old weights; jobs after the swap run on the new
-        draining = [client.submit(long_request(40 + i, 100)) for i in range(4)]
+        draining = [client.submit(long_request(100 + i, 100)) for i in range(64)]
         wait_for(lambda: all(client.status(j) == "started" for j in draining), what="running")
         outcome = control.send(*weights_command(ALIAS, 2, str(version_dir), "drain"), timeout=60)
         assert outcome.ok, outcome
@@ -73,17 +73,21 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
         for i, job_id in enumerate(draining):
             choice = client.wait(job_id, timeout=60).choices[0]
             assert choice.weight_version == 1 and choice.weight_versions is None
-            assert choice.token_ids == expected(40 + i, 100, [(0, 1)])
+            assert choice.token_ids == expected(100 + i, 100, [(0, 1)])
         assert client.wait(after, timeout=30).choices[0].weight_version == 2
         # abort: running jobs go back to their queue and run again, whole, on the new weights
-        aborted = [client.submit(long_request(60 + i, 200)) for i in range(4)]
+        aborted = [client.submit(long_request(170 + i, 200)) for i in range(64)]
         wait_for(lambda: all(client.status(j) == "started" for j in aborted), what="running")
         outcome = control.send(*weights_command(ALIAS, 3, str(version_dir), "abort"), timeout=30)
         assert outcome.ok, outcome
         for i, job_id in enumerate(aborted):
             result = client.wait(job_id, timeout=60)
             assert result.status == "finished" and result.weight_version == 3
-            assert result.choices[0].token_ids == expected(60 + i, 200, [(0, 3)])
+            assert result.choices[0].token_ids == expected(170 + i, 200, [(0, 3)])
+        # no job lost, none ended twice: each succeeded once in rq (an aborted one was retried first)
+        for job_id in running + draining + aborted:
+            types = [int(fields[b"type"]) for _, fields in conn.xrange(f"rq:results:{job_id}")]
+            assert types.count(1) == 1 and set(types) <= {1, 4}, (job_id, types)
     finally:
         outs = [stop(w) for w in workers]
     assert all(w.returncode == 0 for w in workers), outs
@@ -160,3 +164,75 @@ def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
+
+
+@pytest.fixture(scope="module")
+def tiny_versions(tiny_model_dir, tmp_path_factory):
+    """Version 1 of the tiny model's weights (every parameter nudged), and broken versions of it."""
+    import worker  # noqa: F401
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    model, _ = load(tiny_model_dir)
+    params = dict(tree_flatten(model.parameters()))
+    root = tmp_path_factory.mktemp("versions")
+    mx.random.seed(1)
+    nudged = {k: v + 0.05 * mx.random.normal(v.shape).astype(v.dtype) for k, v in params.items()}
+    (root / "v1").mkdir()
+    mx.save_safetensors(str(root / "v1" / "model.safetensors"), nudged)
+    name = next(iter(params))
+    (root / "wrong-shape").mkdir()
+    mx.save_safetensors(str(root / "wrong-shape" / "model.safetensors"),
+                        {**nudged, name: mx.zeros((3, 3), dtype=params[name].dtype)})
+    (root / "missing").mkdir()
+    mx.save_safetensors(str(root / "missing" / "model.safetensors"), {k: v for k, v in nudged.items() if k != name})
+    return root, name
+
+
+def test_real_weights_swap_drained_jobs_keep_the_old_and_broken_versions_change_nothing(
+        redis_url, tiny_model_dir, tiny_versions, reference):
+    import worker  # noqa: F401
+    from mlx_lm import load
+
+    from tests.reference import greedy_alone
+
+    root, first_param = tiny_versions
+    conn = redis.Redis.from_url(redis_url)
+    client, control = Client(redis_url), ControlCalls(conn)
+    request = {"prompt_token_ids": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+               "logprobs": True}
+    old_tokens, _ = reference(request["prompt_token_ids"], 40, True)
+    model, _ = load(tiny_model_dir)
+    model.load_weights(str(root / "v1" / "model.safetensors"))
+    new_tokens, new_logprobs = greedy_alone(model, request["prompt_token_ids"], 40, set())
+    assert new_tokens != old_tokens
+    from tests.workers import start_worker
+    worker_proc = start_worker(redis_url, tiny_model_dir, "--alias", "tiny", name="swapper")
+    try:
+        workers_live(conn, 1)
+        running = [client.submit(request) for _ in range(4)]
+        wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
+        # streamed through Redis, checksummed; drained: the running jobs finish on the old weights
+        outcome = control.send(*weights_command("tiny", 1, str(root / "v1"), "drain", upload=True), timeout=120)
+        assert outcome.ok, outcome
+        for job_id in running:
+            result = client.wait(job_id, timeout=60)
+            assert result.weight_version == 0 and result.choices[0].token_ids == old_tokens
+        after = client.wait(client.submit(request), timeout=60)
+        assert after.weight_version == 1 and after.choices[0].token_ids == new_tokens
+        assert after.choices[0].logprobs == pytest.approx(new_logprobs, abs=1e-3)
+        for broken, needle in (("wrong-shape", first_param), ("missing", "missing")):
+            outcome = control.send(*weights_command("tiny", 2, str(root / broken), "inflight", upload=True),
+                                   timeout=60)
+            assert not outcome.ok and needle in outcome.errors["swapper"], outcome
+        command, chunks = weights_command("tiny", 2, str(root / "v1"), "inflight", upload=True)
+        first_chunk = next(iter(chunks))
+        chunks[first_chunk] = chunks[first_chunk][:-1] + bytes([chunks[first_chunk][-1] ^ 1])
+        outcome = control.send(command, chunks, timeout=60)
+        assert not outcome.ok and "checksum" in outcome.errors["swapper"], outcome
+        still = client.wait(client.submit(request), timeout=60)  # on version 1 all along
+        assert still.weight_version == 1 and still.choices[0].token_ids == new_tokens
+    finally:
+        out = stop(worker_proc)
+    assert worker_proc.returncode == 0, out
