@@ -357,6 +357,12 @@ def job_ended_without_result(job_id: str, rq_status_: str, job: Job | None, deta
     return orphan_result(job_id, rq_status_, payload, enqueued_at, detail)
 
 
+def lost_result(job_id: str) -> GenerationResult:
+    """Stand-in for a job whose RQ hash and result both expired before anyone read the result."""
+    return GenerationResult(id=job_id, status="failed", error=ErrorInfo(
+        type="JobNotFound", message=f"job {job_id} and its result expired before the result was read"))
+
+
 # ---------------------------------------------------------------- token streams
 
 STREAM_START = "0-0"
