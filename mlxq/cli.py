@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import batch_command, info, producer_commands
+from mlxq import api_command, batch_command, info, producer_commands
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
 
@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     producer_commands.register(sub)
     batch_command.register(sub)
+    api_command.register(sub)
     bench_cli.register(sub)
     info.register(sub)
     return parser

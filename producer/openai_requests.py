@@ -133,6 +133,8 @@ def to_generation_request(
         if body.logprobs is not None:
             payload["logprobs"] = True
             payload["top_logprobs"] = body.logprobs
+    if body.stream:
+        payload["stream"] = True
     if body.return_token_ids:
         payload["return_prompt_token_ids"] = True
     if custom_id is not None:
