@@ -240,3 +240,26 @@ def test_no_key_means_loopback_only(stack: Stack) -> None:
     with running_gateway(stack.url) as base:  # no keys, on loopback: everyone is the tenant "default"
         assert openai.OpenAI(base_url=base, api_key="anything", max_retries=0).models.list().data
 
+
+
+@pytest.mark.slow
+def test_greedy_chat_blocking_and_streamed_agree_on_the_tiny_model(redis_url: str, redis_conn: redis.Redis,
+                                                                    tiny_model_dir: str) -> None:
+    from tests.workers import start_worker
+
+    worker = start_worker(redis_url, tiny_model_dir, name="tiny-worker")
+    announce(redis_conn, "tiny-worker", "tiny")
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=24, temperature=0,
+               extra_body={"return_token_ids": True, "ignore_eos": True})
+    try:
+        with running_gateway(redis_url) as base:
+            client = openai.OpenAI(base_url=base, api_key="local", max_retries=0, timeout=120)
+            blocking = client.chat.completions.create(**ask)
+            chunks = list(client.chat.completions.create(**ask, stream=True))
+    finally:
+        stop(worker)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
+    assert blocking.usage.completion_tokens == 24
+    assert streamed == blocking.choices[0].message.content and len(streamed) > 0
+    assert streamed_ids == blocking.choices[0].model_extra["token_ids"]

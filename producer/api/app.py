@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,8 +80,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several
+            methods = {m for route in app.routes if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
+                       for m in route.methods if m != "HEAD"}
+            headers = {"Allow": ", ".join(sorted(methods))}
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(BrokerError)
     async def broker_error(request: Request, exc: BrokerError) -> JSONResponse:

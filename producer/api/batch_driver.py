@@ -29,7 +29,7 @@ from rq.job import Job
 
 from producer.aio import execute_batch
 from producer.api import keys as api_keys
-from producer.api.batches import FINAL, BatchState, BatchStore
+from producer.api.batches import FINAL, BatchErrors, BatchState, BatchStore
 from producer.api.gateway import Gateway
 from producer.batchfile import BatchLine, LineError, error_line, outcome_line, parse_line
 from producer.errors import JobNotFound
@@ -68,6 +68,8 @@ for i = 4, #ARGV, 3 do
 end
 return 1
 """
+
+EXPIRED = "the batch's completion window ended before this request did"
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -165,7 +167,7 @@ class BatchDriver:
         batch.model = model
         if errors:
             batch.status, batch.failed_at = "failed", now
-            batch.errors = {"object": "list", "data": errors[:MAX_ERRORS_LISTED]}  # type: ignore[assignment]
+            batch.errors = BatchErrors(data=errors[:MAX_ERRORS_LISTED])
             await self._batches.save(state, pieces=pieces)
             await self._connection.srem(api_keys.ACTIVE_BATCHES, state.id)
             return
@@ -203,6 +205,8 @@ class BatchDriver:
             line = parse_line(in_flight[job_id], _piece_of(job_id) + 1, None, state.object.endpoint)
             if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
                 written.append((job_id, True, error_line(line.custom_id, line.code, line.message, job_id)))
+            elif result.status == "cancelled" and state.stop == "expired":
+                written.append((job_id, True, error_line(line.custom_id, "batch_expired", EXPIRED, job_id)))
             else:
                 written.append((job_id, *outcome_line(line, job_id, result, int(time.time()))))
         await self._write(state, written)
@@ -272,9 +276,8 @@ class BatchDriver:
         if start >= state.counts["pieces"]:
             return
         record = await self._gw.files.get(state.tenant, state.object.input_file_id)
-        code = "batch_expired" if state.stop == "expired" else "batch_cancelled"
-        message = ("the batch's completion window ended before this request ran" if code == "batch_expired"
-                   else "the batch was cancelled before this request ran")
+        code, message = (("batch_expired", EXPIRED) if state.stop == "expired"
+                         else ("batch_cancelled", "the batch was cancelled before this request ended"))
         while start < state.counts["pieces"]:
             chunk = await self._gw.files.read_lines(record, start, offset, VALIDATE_CHUNK)
             if not chunk:

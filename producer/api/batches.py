@@ -140,7 +140,7 @@ class BatchStore:
             pipe.hset(key, mapping={"record": batch.model_dump_json(), "tenant": tenant.name,
                                     "output_ttl": output_ttl})
             pipe.expire(key, window + KEEP_AFTER_S)
-            pipe.zadd(api_keys.tenant_batches(tenant.tag), {batch.id: now})
+            pipe.zadd(api_keys.tenant_batches(tenant.tag), {batch.id: time.time()})
             pipe.expire(api_keys.tenant_batches(tenant.tag), window + KEEP_AFTER_S)
             pipe.sadd(api_keys.ACTIVE_BATCHES, batch.id)
             await pipe.execute()
