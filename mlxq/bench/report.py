@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from mlxq.bench import scenario_gateway
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
@@ -279,6 +280,8 @@ _SCENARIO_LINES = {
     "rl": _rl_line,
     "prefix-cache": _prefix_cache_line,
     "soak": _soak_line,
+    "gateway-stream": scenario_gateway.stream_line,
+    "gateway-blocking": scenario_gateway.blocking_line,
 }
 
 

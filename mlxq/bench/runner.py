@@ -218,7 +218,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import scenarios, soak
+        from mlxq.bench import scenario_gateway, scenarios, soak
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -240,6 +240,8 @@ class Runner:
             "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
             "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
+            "gateway-stream": lambda: scenario_gateway.gateway_stream(cfg, self.tokenizer, make_cluster, url, procs),
+            "gateway-blocking": lambda: scenario_gateway.gateway_blocking(cfg, url, procs),
         }
         for name, run in runs.items():
             if name not in cfg.scenarios:
