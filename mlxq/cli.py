@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from mlxq import api_command, batch_command, info, producer_commands
+from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
 
@@ -41,9 +42,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     processes = _processes(args)
     if processes > 1:
         return _run_worker_group(args, settings, processes)
-    connection = redis.Redis.from_url(resolve_url(args.url))
-    worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
-    worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    from worker.loading import ModelLoadError, check_model_setting
+
+    try:
+        if settings.engine != "fake":
+            check_model_setting(settings.model)
+        connection = redis.Redis.from_url(resolve_url(args.url))
+        worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
+        worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    except ModelLoadError as exc:
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -103,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a BatchWorker. Without queues it listens on mlxq:<alias> then mlxq. "
         "Every flag has an MLXQ_* environment variable twin (e.g. MLXQ_MAX_NUM_SEQS)."))
     p.add_argument("queues", nargs="*", help="queues to listen on, in priority order")
-    p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL})")
+    p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL}; {URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
     p.add_argument("--alias", help="name requests use for this model (default: last path component)")
     p.add_argument("--priorities", help=(
@@ -137,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
-    p.add_argument("--url", help="use this Redis instead of starting a private one")
+    p.add_argument("--url", help=f"use this Redis instead of starting a private one ({URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="use this model instead of building the tiny one")
     p.add_argument("--jobs", type=int, default=48)
     p.add_argument("--threads", type=int, default=4)

@@ -22,6 +22,9 @@ __all__ = ["register"]
 
 Handler = Callable[[argparse.Namespace], int]
 
+# Every --url help ends with this: a command line is visible to every user of the host.
+URL_PASSWORD_NOTE = f"a password in --url shows in `ps` and shell history: prefer ${URL_ENV}"
+
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the submit, status, result and cancel verbs to the main CLI's subparsers."""
@@ -39,9 +42,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         "cancelled, or has no result yet.",
     )
     _add_url(result)
-    result.add_argument("job_id", help="the job id")
+    # Optional here only so that `--wait ID` (the flag without SECONDS, then the id) reads right.
+    result.add_argument("job_id", nargs="?", help="the job id")
     result.add_argument(
-        "--wait", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
+        "--wait", nargs="?", const="-1", default=None, metavar="SECONDS",
         help="wait for the result (for at most SECONDS; no limit without a value)",
     )
     result.set_defaults(func=_handler(_result))
@@ -60,7 +64,7 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=os.environ.get(URL_ENV),
         help=f"Redis URL: redis://, rediss:// or unix://, may carry user:password (default: ${URL_ENV}, "
-        "else redis://127.0.0.1:6379/0)",
+        f"else redis://127.0.0.1:6379/0; {URL_PASSWORD_NOTE})",
     )
 
 
@@ -181,13 +185,27 @@ def _status(args: argparse.Namespace, client: Client) -> int:
 
 
 def _result(args: argparse.Namespace, client: Client) -> int:
+    if args.job_id is None and args.wait is not None and not _is_number(args.wait):
+        args.job_id, args.wait = args.wait, "-1"  # `mlxq result --wait ID`
+    if args.job_id is None:
+        raise InvalidRequest("job_id: give the id of the job to read", "job_id")
     if args.wait is not None:
-        return _print_result(client.wait(args.job_id, _wait_timeout(args.wait)))
+        if not _is_number(args.wait):
+            raise InvalidRequest(f"--wait: expected a number of seconds, got {args.wait!r}", "wait")
+        return _print_result(client.wait(args.job_id, _wait_timeout(float(args.wait))))
     result = client.result(args.job_id)
     if result is None:
         print(f"mlxq: job {args.job_id} has no result yet (status: {client.status(args.job_id)})", file=sys.stderr)
         return 1
     return _print_result(result)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:

@@ -34,6 +34,7 @@ from producer.wire import (
     StreamCursor,
     block_slice,
     cancel_removal,
+    cancelled_result_write,
     check_priority,
     job_ended_without_result,
     job_from_hash,
@@ -384,8 +385,13 @@ class AsyncClient:
             await self.connection.set(keys.cancel_key(job_id), "1", ex=CANCEL_TTL)
             removal = cancel_removal(job, status)
             if removal is not None and await self.connection.execute_command(*removal):
+                key, value, expiry = cancelled_result_write(job, time.time())
+                try:
+                    await self.connection.set(key, value, ex=expiry)
+                except redis.exceptions.NoPermissionError:
+                    pass  # read-only result keys (the producer ACL): a worker's sweep writes it
                 batch = CommandBatch(NO_CONNECTION)
-                record_cancelled(batch, job, time.time())
+                record_cancelled(batch, job)
                 await execute_batch(self.connection, batch)
         return True
 

@@ -28,6 +28,7 @@ from producer.wire import (
     StreamCursor,
     block_slice,
     cancel_removal,
+    cancelled_result_write,
     check_priority,
     done_channels,
     job_ended_without_result,
@@ -294,8 +295,13 @@ class Client:
             # so a worker that popped it meanwhile (and sees the flag) never races this write.
             removal = cancel_removal(job, status)
             if removal is not None and self.connection.execute_command(*removal):
+                key, value, expiry = cancelled_result_write(job, time.time())
+                try:
+                    self.connection.set(key, value, ex=expiry)
+                except redis.exceptions.NoPermissionError:
+                    pass  # read-only result keys (the producer ACL): a worker's sweep writes it
                 batch = CommandBatch(self.connection)
-                record_cancelled(batch, job, time.time())
+                record_cancelled(batch, job)
                 batch.execute()
         return True
 

@@ -233,12 +233,17 @@ def cancel_removal(job: Job, status: str | None) -> tuple[Any, ...] | None:
     return None
 
 
-def record_cancelled(batch: CommandBatch, job: Job, now: float) -> None:
-    """Record the end of a job cancelled before any worker took it: its result (first, as the
-    contract orders it), RQ's canceled status and registry, expiries, the done message."""
+def cancelled_result_write(job: Job, now: float) -> tuple[str, str, int | None]:
+    """(key, JSON, expiry) of the result of a job cancelled before any worker took it. The caller
+    writes it first, as the contract orders it; under the documented producer ACL result keys are
+    read-only, and then a worker's next sweep writes it (readers see RQ's canceled status meanwhile)."""
     result = cancelled_result(job.id, job_payload(job), job_enqueued_at(job), now)
+    return keys.result_key(job.id), result.model_dump_json(), keys.result_key_ttl(job.result_ttl)
+
+
+def record_cancelled(batch: CommandBatch, job: Job) -> None:
+    """Record the rest of that job's end: RQ's canceled status and registry, expiries, the done message."""
     expiry = keys.result_key_ttl(job.result_ttl)
-    batch.set(keys.result_key(job.id), result.model_dump_json(), ex=expiry)
     job.set_status(JobStatus.CANCELED, pipeline=batch)  # type: ignore[arg-type]
     CanceledJobRegistry(job.origin, connection=NO_CONNECTION, serializer=JSON_SERIALIZER).add(
         job, pipeline=batch)  # type: ignore[arg-type]

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.payload import ShapeError, check_shape
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
@@ -34,6 +36,7 @@ class RequestLimits:
     max_tokens: int = 4096
     max_prompt_tokens: int = 32768
     max_prompt_chars: int = 1_000_000
+    max_messages: int = 2048
 
 
 class InvalidRequestError(ValueError):
@@ -149,13 +152,20 @@ class GenerationRequest(BaseModel):
 
     @classmethod
     def validate_payload(cls, payload: Any, limits: RequestLimits | None = None) -> "GenerationRequest":
-        """Validate a decoded JSON payload, raising InvalidRequestError that names the field."""
+        """Validate a decoded JSON payload, raising InvalidRequestError that names the field. Its size,
+        nesting and text are checked first, cheaply (schemas/payload.py), whether or not `limits` are
+        given: without them, RequestLimits' defaults bound the shape."""
         if isinstance(payload, GenerationRequest):
             payload = payload.model_dump(exclude_unset=True)
         if not isinstance(payload, dict):
             raise InvalidRequestError(
                 f"request: expected a JSON object, got {type(payload).__name__}", field="request"
             )
+        shape = limits or RequestLimits()
+        try:
+            check_shape(payload, shape.max_messages, shape.max_prompt_chars)
+        except ShapeError as exc:
+            raise InvalidRequestError(f"invalid request: {exc}", field=exc.field) from None
         try:
             return cls.model_validate(payload, context={"limits": limits} if limits else None)
         except ValidationError as exc:
@@ -174,13 +184,6 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
             f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceeds the limit of "
             f"{limits.max_prompt_tokens}"
         )
-    chars = len(request.prompt or "") + sum(
-        len(m.content) if isinstance(m.content, str) else sum(len(getattr(p, "text", "")) for p in m.content)
-        for m in request.messages or []
-    )
-    if chars > limits.max_prompt_chars:
-        field = "prompt" if request.prompt is not None else "messages"
-        raise ValueError(f"{field}: {chars} characters exceeds the limit of {limits.max_prompt_chars}")
 
 
 # Pydantic puts the tried union member's type into error locations; users name fields, not types.

@@ -150,6 +150,8 @@ class Bookkeeper:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish what was submitted (for at most `timeout` seconds), then end the thread."""
+        if self._thread.ident is None:  # never started when the model failed to load
+            return
         self.wait_idle(timeout)
         self._tasks.put(None)
         self._thread.join(timeout=5)

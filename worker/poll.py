@@ -13,22 +13,26 @@ queues the worker listens on and however many sequences run:
   the running set in the same script, so a sibling's next poll counts them;
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
-  whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
+  whose job hash is gone (deleted while it waited) is dropped from the intermediate list. A job key
+  that is not a hash, or a hash too big to ship (MLXQ_MAX_JOB_BYTES), comes back as a note of why,
+  which worker/intake.py turns into a failed job; a queue key that is not a list is skipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import redis
 
 from schemas import keys
+from worker.intake import READ_JOB_LUA, JobFields, as_job_fields
 
-POLL_SCRIPT = """
-for first = 8, #ARGV, 1000 do
+POLL_SCRIPT = READ_JOB_LUA + """
+for first = 9, #ARGV, 1000 do
   redis.call('SREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
+local max_bytes = tonumber(ARGV[8])
 local room = tonumber(ARGV[1])
 if ARGV[4] ~= '' then
   local now = tonumber(redis.call('TIME')[1])
@@ -45,7 +49,10 @@ if ARGV[4] ~= '' then
         redis.call('HDEL', ARGV[4], members[i])
       end
     end
-    for q = 2, #KEYS, 2 do load = load + redis.call('LLEN', KEYS[q]) end
+    for q = 2, #KEYS, 2 do
+      local length = redis.pcall('LLEN', KEYS[q])
+      if type(length) == 'number' then load = load + length end
+    end
     local share = math.ceil(load / live) - redis.call('SCARD', KEYS[1])
     room = math.max(0, math.min(room, share))
   end
@@ -66,13 +73,17 @@ if ARGV[3] ~= '' then
     end
   end
 end
-local taken = {}
+local taken, broken_queues = {}, {}
 for q = 2, #KEYS, 2 do
   while room > 0 do
-    local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    local id = redis.pcall('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    if type(id) == 'table' and id.err then
+      broken_queues[#broken_queues + 1] = (q - 2) / 2
+      break
+    end
     if not id then break end
-    local job = redis.call('HGETALL', ARGV[2] .. id)
-    if #job == 0 then
+    local job = read_job(ARGV[2] .. id, max_bytes)
+    if not job then
       redis.call('LREM', KEYS[q + 1], 1, id)
     else
       taken[#taken + 1] = (q - 2) / 2
@@ -83,30 +94,46 @@ for q = 2, #KEYS, 2 do
     end
   end
 end
-return {cancelled, taken}
+return {cancelled, taken, broken_queues}
+"""
+
+
+# KEYS[1]: the intermediate list the id was moved to. ARGV: the job key, the size limit. The job as
+# the poll script returns one; an id whose hash is gone leaves the intermediate list.
+READ_SCRIPT = READ_JOB_LUA + """
+local job = read_job(ARGV[1], tonumber(ARGV[2]))
+if not job then redis.call('LREM', KEYS[1], 1, ARGV[3]) end
+return job
 """
 
 
 class TakenJob(NamedTuple):
     queue_index: int  # into the queue pairs given to `poll`
-    job_id: str
-    fields: dict[bytes, bytes]  # the job's hash
+    raw_id: bytes
+    fields: JobFields  # the job's hash; or, where the script sent none, why (worker/intake.py reads both)
+
+    @property
+    def job_id(self) -> str:
+        return self.raw_id.decode(errors="replace")
 
 
 class Poll(NamedTuple):
     taken: list[TakenJob]
     cancelled: set[str]
+    broken_queues: list[int]  # queues (indexes into the pairs given) that are not lists
 
 
 class Poller:
     def __init__(self, connection: redis.Redis, worker_name: str, group: Optional[str] = None,
-                 member_ttl_s: int = 20) -> None:
+                 member_ttl_s: int = 20, max_job_bytes: int = 16 * 1024 * 1024) -> None:
         self.running_key = keys.running_key(worker_name)
         self._name = worker_name
         self._group_key = keys.group_key(group) if group else ""
         self._member_ttl_s = member_ttl_s  # a member that has not polled for this long has left its group
+        self._max_job_bytes = max_job_bytes  # a bigger job hash is not sent back: it fails unread
         self._connection = connection
         self._script = connection.register_script(POLL_SCRIPT)
+        self._read = connection.register_script(READ_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.
@@ -142,10 +169,34 @@ class Poller:
         script_keys = [self.running_key] + [key for pair in queue_pairs for key in pair]
         cancel_prefix = keys.cancel_key("") if check_cancels else ""
         ended = list(self._ended)
-        cancelled, flat = self._script(keys=script_keys,
-                                       args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key,
-                                             self._member_ttl_s, keys.running_key(""), self._name, *ended])
+        cancelled, flat, broken = self._script(
+            keys=script_keys, args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key, self._member_ttl_s,
+                                    keys.running_key(""), self._name, self._max_job_bytes, *ended])
         self._ended.difference_update(ended)
-        taken = [TakenJob(int(index), job_id.decode(), dict(zip(fields[::2], fields[1::2])))
-                 for index, job_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
-        return Poll(taken, {job_id.decode() for job_id in cancelled})
+        taken = [TakenJob(int(index), raw_id, as_job_fields(fields))
+                 for index, raw_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
+        return Poll(taken, {job_id.decode() for job_id in cancelled}, [int(i) for i in broken])
+
+    def wait(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str, timeout_s: int) -> Optional[TakenJob]:
+        """Block up to `timeout_s` for one job (an idle worker). With one queue the id moves to its
+        intermediate list atomically (BLMOVE, crash-safe); with several, BLPOP takes it from the first
+        that has one and it is put in that queue's intermediate list right after, as rq's own dequeue
+        does. A queue key that is not a list raises redis.ResponseError."""
+        if len(queue_pairs) == 1:
+            queue_key, intermediate_key = queue_pairs[0]
+            raw_id = self._connection.blmove(queue_key, intermediate_key, timeout_s, "LEFT", "RIGHT")
+            index = 0
+        else:
+            popped = self._connection.blpop([queue for queue, _ in queue_pairs], timeout_s)
+            if popped is None:
+                return None
+            queue_key, raw_id = popped
+            index = [queue.encode() for queue, _ in queue_pairs].index(queue_key)
+            intermediate_key = queue_pairs[index][1]
+            self._connection.rpush(intermediate_key, raw_id)
+        if raw_id is None:
+            return None
+        fields = self._read(keys=[intermediate_key], args=[job_key_prefix.encode() + raw_id, self._max_job_bytes,
+                                                           raw_id])
+        taken = as_job_fields(fields)
+        return None if taken is None else TakenJob(index, raw_id, taken)

@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import redis
 from rq import Queue, Retry, SimpleWorker
 from rq.command import parse_payload
-from rq.exceptions import DeserializationError, StopRequested
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty
-from rq.utils import now
+from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 from rq.worker.base import DequeueStrategy
 
@@ -42,11 +42,16 @@ from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
 from worker.bookkeeping import Bookkeeper
+from worker import retry_policy
+from worker.allowlist import ALLOWED_FUNCTIONS, callback_names, refusal
+from worker.intake import Unreadable, fetch_job_fields, read_job
 from worker.liveness import Liveness
+from worker.loading import ModelLoadError
 from worker.loop_clock import LoopClock, StepRhythm
-from worker.poll import Poller
+from worker.poll import Poller, TakenJob
+from worker.presence import PresencePublisher
 from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas
-from worker.recovery import sweep_abandoned
+from worker.recovery import finish_cancelled, sweep_abandoned
 from worker.redis_health import RedisHealth
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.scheduler import EndedJob
@@ -54,7 +59,6 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
 
-CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -63,6 +67,10 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # next token back by 60-100 ms. An idle worker still takes all it has room for.
 ADMIT_PER_TURN_WHILE_DECODING = 64
 IDLE_WAIT_ROUND_S = 1  # an idle worker's blocking dequeue returns this often to see a stop request
+# The first sweep looks this far back for jobs cancelled while queued, each later one from the one
+# before less this, so a cancel made while no worker ran still gets its result key.
+CANCELLED_SCAN_MARGIN_S = 3600
+RETRY_CHECK_INTERVAL_S = 1  # how often a worker moves retries whose pause is over back to their queues
 # A full worker has no job to take, so its round trip per turn would only look for cancel keys:
 # it does that this often instead (at 256 in flight on an H200 the poll was ~4% of the loop).
 CANCEL_CHECK_INTERVAL_S = 0.05
@@ -95,6 +103,7 @@ class InFlight:
     payload: Any = None
     solo: bool = False
     ending: bool = False  # its result was handed to the bookkeeping thread
+    callbacks_allowed: bool = False  # its job function and callbacks passed the allowlist
 
     @property
     def streams(self) -> bool:
@@ -102,7 +111,7 @@ class InFlight:
 
 
 class BatchWorker(SimpleWorker):
-    allowed_functions = frozenset({keys.JOB_FUNCTION})
+    allowed_functions = ALLOWED_FUNCTIONS
 
     def __init__(
         self,
@@ -130,10 +139,15 @@ class BatchWorker(SimpleWorker):
         self._health = RedisHealth(self.connection)
         self._last_sweep = time.monotonic()
         self._next_cancel_check = 0.0
+        self._next_broken_queue_warning = 0.0
+        self._next_retry_check = 0.0
+        self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S
         self._rhythm = StepRhythm(MIN_GATED_STEP_S, GATED_STEP_TO_TURN)
-        self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s)
+        self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s,
+                              self.settings.max_job_bytes)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._clock = LoopClock()
+        self._presence: Optional[PresencePublisher] = None
         self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
         self._stop_recorded = False
 
@@ -187,8 +201,29 @@ class BatchWorker(SimpleWorker):
         super().handle_payload(message)
 
     def clean_registries(self) -> None:
+        """rq's maintenance, made safe: rq's own registry and intermediate-list cleanups read every
+        job hash they meet and would raise on one a producer wrote by hand, so the sweep and
+        `_clear_intermediate_lists` take those out first, and nothing rq raises stops the worker."""
         self._sweep()
-        super().clean_registries()
+        self._clear_intermediate_lists()
+        try:
+            super().clean_registries()
+        except Exception:
+            self.log.exception("Worker %s: rq's registry cleanup failed; the next pass tries again", self.name)
+
+    def _clear_intermediate_lists(self) -> None:
+        for queue in self.queues:
+            refused = []
+            for raw_id in self.connection.lrange(queue.intermediate_queue.key, 0, -1):
+                job_id = raw_id.decode(errors="replace")
+                if job_id in self._inflight:
+                    continue
+                fields = fetch_job_fields(self.connection, job_id, self.settings.max_job_bytes)
+                read = None if fields is None else read_job(raw_id, fields, self.connection, self.settings.max_job_bytes)
+                if isinstance(read, Unreadable):
+                    refused.append((read, queue))
+            if refused:
+                self._refuse_unreadable(refused)
 
     # --- the loop -------------------------------------------------------------------------
     def work(  # type: ignore[override]
@@ -218,6 +253,9 @@ class BatchWorker(SimpleWorker):
             gc.collect()
             gc.freeze()
             self._clock = LoopClock()  # the loop's time, from here: not the model's loading
+            self._presence = PresencePublisher(self.connection, self.name, self.settings, self.queue_names(),
+                                               kind="fake" if self.settings.engine == "fake" else "text")
+            self._redis_call(self._refresh_presence)
             self._liveness.start()
             self._bookkeeper.start()
             self._loop_started = True
@@ -234,16 +272,19 @@ class BatchWorker(SimpleWorker):
                         if not self._poll(1):
                             break
                     else:
-                        dequeued = self._wait_for_job(max_idle_time)
-                        if dequeued is None:
+                        waited_for = self._wait_for_job(max_idle_time)
+                        if waited_for is None:
                             break
-                        self._start(*dequeued)
+                        self._take([waited_for])
                     taken += 1
                 taken += self._cycle(None if max_jobs is None else max_jobs - taken)
         except StopRequested:
             pass
         except SystemExit:
             self._abandon_inflight("worker received a cold shutdown")
+            raise
+        except ModelLoadError as exc:
+            self.log.error("Worker %s: %s", self.name, exc)
             raise
         except Exception:
             self.log.exception("Worker %s: unhandled error in the batch loop", self.name)
@@ -254,6 +295,8 @@ class BatchWorker(SimpleWorker):
             self._redis_call(self._poller.remove_ended)
             self._redis_call(self._poller.leave_group)
             self._liveness.stop()
+            if self._presence is not None:
+                self._redis_call(self._presence.withdraw)
             self._record_stop_request()
             self.teardown()
         return taken > 0
@@ -265,20 +308,42 @@ class BatchWorker(SimpleWorker):
             self._stop_recorded = True
             self._redis_call(self.set_shutdown_requested_date)
 
-    def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[tuple[Job, Queue]]:
-        """rq's blocking dequeue (heartbeats and maintenance included), in rounds short enough to
-        see a stop request; None once stopped or after `max_idle_time` seconds without a job."""
+    def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[TakenJob]:
+        """Block for one job, keeping the worker's heartbeat and maintenance going as rq's own idle
+        wait does, in rounds short enough to see a stop request; None once stopped or after
+        `max_idle_time` seconds without a job. Unlike rq's dequeue it reads nothing a producer
+        wrote: the job goes through worker/intake.py like every other."""
+        self.set_state(WorkerStatus.IDLE)
+        self.procline("Listening on " + ",".join(self.queue_names()))
         waited = 0
         while not self._stop_requested:
             round_s = IDLE_WAIT_ROUND_S if max_idle_time is None else min(IDLE_WAIT_ROUND_S, max_idle_time - waited)
             if round_s <= 0:
                 return None
-            self._redis_call(self._poller.stay_in_group)
-            dequeued = self.dequeue_job_and_maintain_ttl(round_s, max_idle_time=round_s)
-            if dequeued is not None:
-                return dequeued
+            try:
+                self.heartbeat()
+                if self.should_run_maintenance_tasks:
+                    self.run_maintenance_tasks()
+                self._poller.stay_in_group()
+                self._upkeep()
+                taken = self._poller.wait(self._queue_pairs(), self.job_class.key_for(""), round_s)
+            except REDIS_ERRORS as exc:
+                self._health.lost(exc)
+                self._health.try_reconnect(wait=True)
+                continue
+            except redis.ResponseError:  # a queue key that is not a list: the poll script skips it
+                poll = self._poller.poll(self._queue_pairs(), 1, self.job_class.key_for(""), check_cancels=False)
+                self._warn_broken_queues([self._ordered_queues[i].key for i in poll.broken_queues])
+                taken = poll.taken[0] if poll.taken else None
+                if taken is None:
+                    time.sleep(round_s)
+            if taken is not None:
+                return taken
             waited += round_s
         return None
+
+    def _queue_pairs(self) -> list[tuple[str, str]]:
+        return [(queue.key, queue.intermediate_queue.key) for queue in self._ordered_queues]
 
     def _cycle(self, jobs_left: Optional[int]) -> int:
         """One turn of the busy loop: one round trip that takes jobs and finds cancellations,
@@ -299,10 +364,20 @@ class BatchWorker(SimpleWorker):
             self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
             clock.lap("idle")
         self._step()
-        if self._health.up and time.monotonic() - self._last_sweep > self.settings.sweep_interval_s:
-            self._redis_call(self._sweep)
+        if self._health.up:
+            self._upkeep()
         clock.lap("upkeep")
         return taken
+
+    def _upkeep(self) -> None:
+        """The timers: due retries back to their queues (each second), the dead-worker sweep."""
+        clock = time.monotonic()
+        if clock >= self._next_retry_check:
+            self._next_retry_check = clock + RETRY_CHECK_INTERVAL_S
+            self._redis_call(retry_policy.enqueue_due_retries, self.connection, self.queues,
+                             self.settings.max_job_bytes)
+        if clock - self._last_sweep > self.settings.sweep_interval_s:
+            self._redis_call(self._sweep)
 
     def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -321,25 +396,67 @@ class BatchWorker(SimpleWorker):
     def _poll(self, room: int) -> int:
         """Take up to `room` waiting jobs without blocking and start them; end the running jobs
         that were cancelled or ran out of time. Returns how many jobs were taken."""
-        queues = self._ordered_queues
         clock = time.monotonic()
         check = bool(self._inflight) and (room > 0 or clock >= self._next_cancel_check)
         if room <= 0 and not check:
             return 0
         if check:
             self._next_cancel_check = clock + CANCEL_CHECK_INTERVAL_S
-        poll = self._poller.poll([(queue.key, queue.intermediate_queue.key) for queue in queues], room,
-                                 self.job_class.key_for(""), check_cancels=check)
-        if poll.taken:
-            dequeued = []
-            for taken in poll.taken:
-                job = self.job_class(taken.job_id, connection=self.connection, serializer=self.serializer)
-                job.restore(taken.fields)
-                dequeued.append((job, queues[taken.queue_index]))
-            self._start_many(dequeued)
+        poll = self._poller.poll(self._queue_pairs(), room, self.job_class.key_for(""), check_cancels=check)
+        if poll.broken_queues:
+            self._warn_broken_queues([self._ordered_queues[i].key for i in poll.broken_queues])
+        self._take(poll.taken)
         if check:
             self._enforce_cancellations_and_deadlines(poll.cancelled)
         return len(poll.taken)
+
+    def _take(self, taken: list[TakenJob]) -> None:
+        """Start the jobs taken from the queues; those that cannot be read end at once."""
+        queues = self._ordered_queues
+        dequeued, unreadable = [], []
+        for item in taken:
+            read = read_job(item.raw_id, item.fields, self.connection, self.settings.max_job_bytes)
+            if isinstance(read, Unreadable):
+                unreadable.append((read, queues[item.queue_index]))
+            else:
+                assert isinstance(item.fields, dict)
+                dequeued.append((read, queues[item.queue_index], callback_names(item.fields)))
+        if dequeued:
+            self._start_many(dequeued)
+        if unreadable:
+            self._refuse_unreadable(unreadable)
+
+    def _refuse_unreadable(self, refused: list[tuple[Unreadable, Queue]]) -> None:
+        """Jobs that cannot run as written leave the queue's intermediate list (where rq's own
+        maintenance would trip on them); each identifiable one ends failed, with a result key that
+        names the broken field. Its hash, if any, is marked failed and kept only as long as that key."""
+        batch = CommandBatch(self.connection)
+        publications = []
+        for bad, queue in refused:
+            batch.lrem(queue.intermediate_queue.key, 1, bad.raw_id)
+            if bad.job_id is None:
+                self.log.warning("Worker %s: removed an unreadable entry %r from %s: %s", self.name,
+                                 bad.raw_id[:64], queue.key, bad.message)
+                continue
+            self.log.warning("Worker %s: job %s cannot run: %s", self.name, bad.job_id, bad.message)
+            result = self.scheduler_.failed_result(bad.job_id, bad.payload, "InvalidJob", bad.message,
+                                                   started_at=time.time())
+            ttl = keys.result_key_ttl(None)
+            publications.append(Publication(result, ttl))
+            if bad.is_hash:
+                job_key = self.job_class.key_for(bad.job_id)
+                batch.hset(job_key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now())})
+                batch.expire(job_key, ttl or keys.DEFAULT_RESULT_TTL)
+        self._poller.ended(bad.job_id for bad, _ in refused if bad.job_id is not None)
+        batch.execute()
+        publish_results(self.connection, publications)
+
+    def _warn_broken_queues(self, queue_keys: list[str]) -> None:
+        now_s = time.monotonic()
+        if now_s >= self._next_broken_queue_warning:
+            self._next_broken_queue_warning = now_s + 60
+            self.log.error("Worker %s: skipping %s: not a Redis list (a queue must be one)", self.name,
+                           ", ".join(queue_keys))
 
     def _step(self) -> None:
         if not len(self.scheduler_):
@@ -360,36 +477,35 @@ class BatchWorker(SimpleWorker):
 
     def _sweep(self) -> None:
         self._last_sweep = time.monotonic()
-        swept = sweep_abandoned(self.connection, self.queues, skip=frozenset(list(self._inflight)))
+        swept = sweep_abandoned(self.connection, self.queues, self.settings, skip=frozenset(list(self._inflight)))
         if swept:
             self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
+        # Jobs cancelled since the last sweep (with a margin for clocks): their result keys.
+        since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
+        finish_cancelled(self.connection, self.queues, since, self.settings.max_job_bytes)
 
     # --- job start ------------------------------------------------------------------------
-    def _start(self, job: Job, queue: Queue) -> None:
-        self._start_many([(job, queue)])
-
-    def _start_many(self, jobs: list[tuple[Job, Queue]]) -> None:
-        """Start jobs the RQ way (execution, started registry, status, heartbeats: what
-        `prepare_execution` and `prepare_job_execution` write), all in one round trip, then hand
-        each to the scheduler. A job that cannot run ends at once."""
+    def _start_many(self, jobs: list[tuple[Job, Queue, list[str]]]) -> None:
+        """Start jobs (each with the callbacks its hash names) the RQ way (execution, started
+        registry, status, heartbeats: what `prepare_execution` and `prepare_job_execution` write),
+        all in one round trip, then hand each to the scheduler. A job that cannot run ends at once."""
         ttl = self.settings.heartbeat_ttl_s
-        extra: dict[str, tuple[int, int]] = {}
+        cancel_replies: dict[str, int] = {}
         batch = CommandBatch(self.connection)
-        for job, queue in jobs:
+        for job, queue, _ in jobs:
             execution = create_execution(job, ttl, batch, self.name, self._registries)
             job.prepare_for_execution(self.name, pipeline=batch)  # status, started_at, heartbeat
             batch.lrem(queue.intermediate_queue.key, 1, job.id)
             batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-            batch.hmget(job.key, list(CALLBACK_FIELDS))
             batch.exists(keys.cancel_key(job.id))
-            extra[job.id] = (len(batch) - 2, len(batch) - 1)
+            cancel_replies[job.id] = len(batch) - 1
             timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
             deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
             if deadline is not None:
                 self._earliest_deadline = min(self._earliest_deadline, deadline)
             self._inflight[job.id] = InFlight(job, queue, execution, deadline)
-        self._poller.started(job.id for job, _ in jobs)
-        batch.sadd(self._poller.running_key, *(job.id for job, _ in jobs))
+        self._poller.started(job.id for job, _, _ in jobs)
+        batch.sadd(self._poller.running_key, *(job.id for job, _, _ in jobs))
         self.set_state(WorkerStatus.BUSY, pipeline=batch)
         self.set_current_job_id(jobs[-1][0].id, pipeline=batch)
         self.set_current_job_working_time(0, pipeline=batch)
@@ -398,12 +514,10 @@ class BatchWorker(SimpleWorker):
         replies = batch.execute()
         assert replies is not None
         ended = []
-        for job, _ in jobs:
-            callbacks_at, cancel_at = extra[job.id]
-            callbacks = [name.decode() for name in replies[callbacks_at] if name]
+        for job, _, callbacks in jobs:
             enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
             try:
-                failed = self._admit(job, enqueued_at, callbacks, bool(replies[cancel_at]))
+                failed = self._admit(job, enqueued_at, callbacks, bool(replies[cancel_replies[job.id]]))
             except Exception as exc:  # one bad job must never take the worker down
                 self.log.exception("Worker %s: could not start job %s", self.name, job.id)
                 failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
@@ -415,44 +529,18 @@ class BatchWorker(SimpleWorker):
     def _admit(self, job: Job, enqueued_at: Optional[float], callbacks: list[str], cancelled: bool
                ) -> Optional[GenerationResult]:
         """Hand the job to the scheduler; a result if it ended at once (refused, invalid, cancelled)."""
-        refusal = self._refusal(job, callbacks)
-        if refusal is not None:
-            error_type, message = refusal
-            return self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at,
-                                                 started_at=time.time())
+        refused = refusal(job, callbacks, self.settings.callback_allowlist)
+        if refused is not None:
+            return self.scheduler_.failed_result(job.id, None, refused.error_type, refused.message,
+                                                 enqueued_at=enqueued_at, started_at=time.time())
         inflight = self._inflight[job.id]
+        inflight.callbacks_allowed = True
         inflight.payload = job.kwargs["request"]
         inflight.solo = bool(job.meta.get(SOLO_META))
         if cancelled:
             return self.scheduler_.failed_result(job.id, inflight.payload, "Cancelled", "", enqueued_at=enqueued_at,
                                                  status="cancelled")
         return self.scheduler_.admit(job.id, inflight.payload, enqueued_at=enqueued_at, solo=inflight.solo)
-
-    def _refusal(self, job: Job, callbacks: list[str]) -> Optional[tuple[str, str]]:
-        """Why this job may not run here, or None. Nothing is ever unpickled."""
-        try:
-            func_name, args, kwargs = job.func_name, job.args, job.kwargs
-        except DeserializationError:
-            return (
-                "DeserializationError",
-                "job data is not valid JSON: mlxq workers read jobs with rq.serializers.JSONSerializer "
-                "only and never unpickle",
-            )
-        if func_name not in self.allowed_functions:
-            return (
-                "FunctionNotAllowed",
-                f"function {func_name!r} is not on this worker's allowlist {sorted(self.allowed_functions)}",
-            )
-        if args or set(kwargs) != {"request"}:
-            return ("InvalidRequest", f"{keys.JOB_FUNCTION} takes exactly one keyword argument, `request`")
-        allowed = self.settings.callback_allowlist
-        refused = [c for c in callbacks if not any(c.startswith(prefix) for prefix in allowed)]
-        if refused:
-            return (
-                "CallbackNotAllowed",
-                f"callback {refused[0]!r} is not allowed on this worker (MLXQ_CALLBACK_ALLOWLIST)",
-            )
-        return None
 
     # --- job end --------------------------------------------------------------------------
     def _end_many(self, ended: Sequence[Union[EndedJob, GenerationResult]], deltas: Optional[list[Any]] = None
@@ -527,6 +615,9 @@ class BatchWorker(SimpleWorker):
 
     def _publication(self, ended: EndedJob, inflight: InFlight) -> Publication:
         job, result = inflight.job, ended.result()
+        if result.status == "failed":
+            retry_policy.apply(job, result.error.type if result.error else None, self.settings.max_retries,
+                               self.settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=inflight.streams and not retried, encoded=None if retried else ended.encoded())
@@ -566,8 +657,9 @@ class BatchWorker(SimpleWorker):
         with self._as_current(inflight):
             if result.status == "cancelled":
                 self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
-                with contextlib.suppress(Exception):
-                    job.execute_stopped_callback(TimerDeathPenalty)
+                if inflight.callbacks_allowed:
+                    with contextlib.suppress(Exception):
+                        job.execute_stopped_callback(TimerDeathPenalty)
                 self.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
                                         started_job_registry=queue.started_job_registry)
             else:
@@ -577,8 +669,9 @@ class BatchWorker(SimpleWorker):
                     JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
                     else JobFailed(f"{error.type}: {error.message}" if error else "failed")
                 )
-                with contextlib.suppress(Exception):
-                    job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
+                if inflight.callbacks_allowed:
+                    with contextlib.suppress(Exception):
+                        job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
                 self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
                                         started_job_registry=queue.started_job_registry)
         self._forget(inflight)
@@ -657,8 +750,14 @@ class BatchWorker(SimpleWorker):
                 self._earliest_deadline = min(self._earliest_deadline, deadline)
         self._end_many(ending, self.scheduler_.take_stream_deltas())
 
+    def _refresh_presence(self) -> None:
+        if self._presence is not None and self.scheduler_ is not None:
+            self._presence.refresh(running=len(self._inflight), sequences=self.scheduler_.num_sequences)
+
     def _beat(self) -> None:
-        """Runs on the liveness thread: refresh the worker's and every running job's heartbeat."""
+        """Runs on the liveness thread: refresh the worker's entry in the live-worker list and,
+        while it runs jobs, its own and every running job's heartbeat."""
+        self._refresh_presence()
         running = list(self._inflight.values())
         if not running:
             return

@@ -187,6 +187,7 @@ class BatchScheduler:
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
             max_tokens = request.max_tokens or self.default_max_tokens
+            self._check_against_model(request, len(prompt_ids), max_tokens)
             self._check_capacity(request, len(prompt_ids) + max_tokens, prompt.extra_bytes)
         except (InvalidRequestError, ValueError) as exc:
             return self.failed_result(
@@ -291,9 +292,8 @@ class BatchScheduler:
 
     def _check_model(self, request: GenerationRequest) -> None:
         if request.model and self.served_names and request.model not in self.served_names:
-            raise InvalidRequestError(
-                f"model: this worker serves {sorted(self.served_names)}, not {request.model!r}", field="model"
-            )
+            raise InvalidRequestError(f"model: this worker serves {self.model_name!r}, not {request.model!r}",
+                                      field="model")
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -310,6 +310,27 @@ class BatchScheduler:
                 f"e.g. {bad[0]}",
                 field="prompt_token_ids",
             )
+
+    def _check_against_model(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int) -> None:
+        """Everything else a request names that only the served model can check: token ids inside its
+        vocabulary, top-k below it, prompt and output inside its context."""
+        vocab = self.engine.vocab_size
+        named = (("logit_bias", sorted(request.logit_bias or ())), ("stop_token_ids", request.stop_token_ids or ()))
+        for field_name, token_ids in named:
+            outside = [t for t in token_ids if t >= vocab]
+            if outside:
+                raise InvalidRequestError(
+                    f"{field_name}: token id {outside[0]} is outside this model's vocabulary [0, {vocab})",
+                    field=field_name)
+        if request.top_k >= vocab:
+            raise InvalidRequestError(
+                f"top_k: {request.top_k} must be below this model's vocabulary size {vocab} (0 turns top-k off)",
+                field="top_k")
+        context = self.engine.context_length
+        if context and prompt_tokens + max_tokens > context:
+            raise InvalidRequestError(
+                f"max_tokens: the prompt's {prompt_tokens} tokens + max_tokens {max_tokens} exceed this model's "
+                f"context of {context} tokens", field="max_tokens")
 
     def _check_capacity(self, request: GenerationRequest, kv_tokens: int, extra_bytes: int) -> None:
         if request.n > self.max_num_seqs:

@@ -112,6 +112,11 @@ class Engine(Protocol):
     def num_active(self) -> int: ...
 
     @property
+    def context_length(self) -> Optional[int]:
+        """The most tokens (prompt and output) one sequence may hold; None: no known limit."""
+        ...
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence takes (0: unknown / not memory-bound)."""
         ...

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
@@ -70,6 +70,10 @@ class FakeEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes_per_token
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return None
 
     def reset(self) -> None:
         self._seqs.clear()

@@ -15,6 +15,7 @@ Distributions (what `logprobs_mode` selects):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,6 +28,13 @@ Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 _MASK64 = (1 << 64) - 1
+
+
+def repair_random_state() -> None:
+    """Give MLX's global generator a fresh key. mlx-lm's samplers are compiled with that state as
+    an input and output: a step that raised inside one left it an array without a value, and every
+    unseeded sampled row on the worker failed to evaluate afterwards."""
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 def greedy(logprobs: mx.array) -> mx.array:

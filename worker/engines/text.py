@@ -30,7 +30,8 @@ from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
 from worker.engines.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
-from worker.engines.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
+from worker.engines.sampling import (SamplerPool, greedy, has_processors, logits_processors, processed_logprobs,
+                                     repair_random_state)
 
 
 # The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
@@ -121,6 +122,10 @@ class TextEngine:
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes_per_token
 
+    @property
+    def context_length(self) -> Optional[int]:
+        return _model_context_length(self.model)
+
     def reset(self) -> None:
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
@@ -132,6 +137,8 @@ class TextEngine:
         self._prefilling.clear()
         self._awaiting_first.clear()
         self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._samplers = SamplerPool()
+        repair_random_state()
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         return self._prefix.stats()
@@ -618,3 +625,8 @@ def _model_vocab_size(model: Any, tokenizer: Any) -> int:
     args = getattr(model, "args", None)
     size: Optional[int] = getattr(args, "vocab_size", None)
     return int(size) if size else len(tokenizer)
+
+
+def _model_context_length(model: Any) -> Optional[int]:
+    length = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return int(length) if isinstance(length, int) and length > 0 else None
