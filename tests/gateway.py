@@ -1,5 +1,6 @@
 """The gateway for tests: served in-process by uvicorn on a free port, with the official `openai` client
-pointed at it; and worker heartbeats written by hand where no worker process writes them."""
+pointed at it; waits for a worker's heartbeat entry, and entries written by hand for models no worker
+process serves."""
 
 from __future__ import annotations
 
@@ -46,8 +47,17 @@ def running_gateway(redis_url: str, **settings: Any) -> Iterator[str]:
         thread.join(timeout=20)
 
 
+def wait_live(conn: redis.Redis, name: str, timeout: float = 60) -> None:
+    """Until the worker `name` has written its heartbeat entry (it does once its model is loaded)."""
+    deadline = time.monotonic() + timeout
+    while not conn.exists(keys.worker_key(name)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {name} wrote no heartbeat entry in {timeout} s")
+        time.sleep(0.05)
+
+
 def announce(conn: redis.Redis, name: str, alias: str, queues: list[str] | None = None, ttl: int = 600) -> None:
-    """Write a live worker's heartbeat entry as a worker does (schemas/presence.py)."""
+    """Write a heartbeat entry as a worker does (schemas/presence.py), for a worker that does not exist."""
     now = time.time()
     presence = WorkerPresence(name=name, alias=alias, kind="fake", queues=queues or [keys.queue_for_model(alias), "mlxq"],
                               started_at=now, heartbeat_at=now, ttl_s=ttl, max_num_seqs=32)

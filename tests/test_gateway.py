@@ -18,7 +18,7 @@ import redis
 
 from mlxq.redis_server import RedisServer
 from schemas import GenerationResult, keys
-from tests.gateway import announce, key_entry, running_gateway
+from tests.gateway import announce, key_entry, running_gateway, wait_live
 from tests.workers import start_fake_worker, stop, wait_for
 
 KEYS = {"acme": "sk-acme-test-1", "globex": "sk-globex-test-1"}
@@ -44,8 +44,8 @@ def stack() -> Iterator[Stack]:
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
         worker = start_fake_worker(server.url, "--model", "fake", step_delay_s=0.005)
-        announce(conn, "fake", "fake")  # the heartbeat entry the worker will write itself (schemas/presence.py)
         try:
+            wait_live(conn, "fake")
             entries = ",".join(key_entry(tenant, key) for tenant, key in KEYS.items())
             with running_gateway(server.url, api_keys=entries) as base:
                 yield Stack(server.url, base, conn)
@@ -59,10 +59,14 @@ def stack() -> Iterator[Stack]:
 
 def test_models_come_from_live_workers(stack: Stack) -> None:
     assert [m.id for m in stack.client().models.list()] == ["fake"]
-    announce(stack.conn, "other-worker", "other", ttl=2)
-    time.sleep(1.1)  # the gateway re-reads heartbeats at most once a second
-    assert [m.id for m in stack.client().models.list()] == ["fake", "other"]
-    wait_for(lambda: [m.id for m in stack.client().models.list()] == ["fake"], timeout=10, what="expiry")
+    other = start_fake_worker(stack.url, "--model", "other", name="other-worker")
+    try:
+        wait_for(lambda: [m.id for m in stack.client().models.list()] == ["fake", "other"], timeout=30,
+                 what="the second worker's heartbeat")
+        assert stack.client().chat.completions.create(model="other", messages=CHAT, max_tokens=2).choices
+    finally:
+        stop(other)  # a worker that stops withdraws its entry
+    wait_for(lambda: [m.id for m in stack.client().models.list()] == ["fake"], timeout=10, what="withdrawal")
     # a model served lately without a live worker now: 503, not 404
     with pytest.raises(openai.InternalServerError) as info:
         stack.client().chat.completions.create(model="other", messages=CHAT, max_tokens=2)
@@ -248,10 +252,10 @@ def test_greedy_chat_blocking_and_streamed_agree_on_the_tiny_model(redis_url: st
     from tests.workers import start_worker
 
     worker = start_worker(redis_url, tiny_model_dir, name="tiny-worker")
-    announce(redis_conn, "tiny-worker", "tiny")
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=24, temperature=0,
                extra_body={"return_token_ids": True, "ignore_eos": True})
     try:
+        wait_live(redis_conn, "tiny-worker", timeout=120)
         with running_gateway(redis_url) as base:
             client = openai.OpenAI(base_url=base, api_key="local", max_retries=0, timeout=120)
             blocking = client.chat.completions.create(**ask)

@@ -16,7 +16,7 @@ import redis
 
 from mlxq.redis_server import RedisServer
 from producer.api import keys as api_keys
-from tests.gateway import announce, key_entry, running_gateway
+from tests.gateway import key_entry, running_gateway, wait_live
 from tests.workers import start_fake_worker, stop, wait_for
 
 KEYS = {"acme": "sk-acme-batch", "globex": "sk-globex-batch"}
@@ -28,8 +28,8 @@ def redis_of_module() -> Iterator[tuple[str, redis.Redis]]:
         conn = redis.Redis.from_url(server.url)
         # a worker's own limit below the gateway's: the line asking more fails in the worker (an error line)
         worker = start_fake_worker(server.url, "--model", "fake", "--max-tokens-limit", "1000", step_delay_s=0.005)
-        announce(conn, "fake", "fake")
         try:
+            wait_live(conn, "fake")
             yield server.url, conn
         finally:
             stop(worker)

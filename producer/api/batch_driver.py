@@ -44,7 +44,7 @@ log = logging.getLogger("mlxq.api.batches")
 LEASE_S = 60
 VALIDATE_CHUNK = 2000
 MAX_ERRORS_LISTED = 100
-RESULT_MARGIN_S = 3600  # a batch job's result outlives the batch's window by this much, to be collected
+RESULT_MARGIN_S = 3600  # a batch's lists outlive its window by this much
 
 # KEYS: in-flight hash, output list, error list, batch hash, tenant's in-flight set.
 # ARGV: next piece ('' to leave it), next offset, list ttl, then (job id or '', '0' output | '1' error, line)
@@ -60,10 +60,7 @@ for i = 4, #ARGV, 3 do
     redis.call('EXPIRE', list, ARGV[3])
     redis.call('HINCRBY', KEYS[4], count, 1)
     redis.call('HINCRBY', KEYS[4], size, #line + 1)
-    if id ~= '' then
-      redis.call('ZREM', KEYS[5], id)
-      redis.call('DEL', '""" + keys.result_key("") + """' .. id)
-    end
+    if id ~= '' then redis.call('ZREM', KEYS[5], id) end
   end
 end
 return 1
@@ -254,7 +251,7 @@ class BatchDriver:
         if not valid:
             await self._write(state, errors, position)
             return
-        options = job_options(result_ttl=self._lists_ttl(state))
+        options = job_options(result_ttl=settings.batch_result_ttl)
         planned = plan_jobs([line.request for *_, line in valid], None, options, priority=settings.batch_priority,
                             job_ids=[job_id for job_id, *_ in valid])
         batch = CommandBatch(NO_CONNECTION)

@@ -50,6 +50,8 @@ class GatewaySettings(BaseSettings):
     file_ttl_s: int = Field(30 * 24 * 3600, ge=60)  # uploads and batch outputs expire after this, by default
     batch_max_in_flight: int = Field(64, ge=1)  # jobs of one batch submitted and not ended, at most
     batch_priority: Optional[str] = None  # the priority of batch jobs (e.g. low); None: the default queues
+    # A batch job's result waits this long for a driver to copy it into the batch's output (then it expires).
+    batch_result_ttl: int = Field(3600, ge=60)
     batch_drive_interval_s: float = Field(0.5, gt=0)
     priorities: Annotated[tuple[str, ...], NoDecode] = Field(
         keys.DEFAULT_PRIORITIES, validation_alias=AliasChoices("MLXQ_PRIORITIES", "priorities"))
