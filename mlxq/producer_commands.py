@@ -91,6 +91,7 @@ def _add_submit(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument("--n", type=int, help="number of completions")
     parser.add_argument("--logprobs", action="store_true", default=None, help="return per-token logprobs")
     parser.add_argument("--queue", help="queue name (default: mlxq:<model>, or mlxq without a model)")
+    parser.add_argument("--priority", help="high | default | low: the queue's @<priority> sibling (docs/producer.md)")
     parser.add_argument("--timeout", type=int, help="job timeout in seconds (-1: none)")
     parser.add_argument(
         "--wait", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
@@ -170,7 +171,7 @@ def _load_json(source: str) -> dict[str, Any]:
 
 
 def _submit(args: argparse.Namespace, client: Client) -> int:
-    job_id = client.submit(_request_from_args(args), queue=args.queue, timeout=args.timeout)
+    job_id = client.submit(_request_from_args(args), queue=args.queue, priority=args.priority, timeout=args.timeout)
     if args.wait is None:
         print(job_id)
         return 0
