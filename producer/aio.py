@@ -23,6 +23,7 @@ from rq import Retry
 from rq.job import Job
 
 from producer.client import CANCEL_TTL, SAFETY_POLL_S
+from producer.control import AsyncControlCalls, abort_target, control_command, job_model, pause_command, weights_command
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
 from producer.wire import (
     NO_CONNECTION,
@@ -52,6 +53,7 @@ from producer.wire import (
     rq_status,
 )
 from schemas import GenerationResult, RequestLimits, keys
+from schemas.control import ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
 __all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "execute_batch"]
@@ -214,6 +216,7 @@ class AsyncClient:
         self.connection: aioredis.Redis = connection
         self.limits = limits
         self.priorities = tuple(priorities)
+        self._control = AsyncControlCalls(connection)
         self._server_version: Optional[tuple[int, int, int]] = None
         self._listener = DoneListener(connection)
 
@@ -394,6 +397,41 @@ class AsyncClient:
                 record_cancelled(batch, job)
                 await execute_batch(self.connection, batch)
         return True
+
+    # -- the control plane (docs/rl.md): each call returns once every live worker of the model has
+    # applied the command, or after `timeout` seconds with those that did not named in `missing`
+
+    async def publish_weights(self, model: str, version: int, path: str, policy: WeightPolicy = "drain", *,
+                        upload: bool = False, timeout: float = 300) -> ControlOutcome:
+        """Make `version` (a directory of safetensors in MLX's parameter naming) the weights of
+        every worker serving `model`. The workers read `path` themselves, or with `upload` the files
+        are streamed through Redis in checksummed chunks (small models and adapters). `policy`:
+        drain (running sequences finish on the old weights), abort (they go back to their queues),
+        inflight (they go on under the new weights)."""
+        return await self._control.send(*weights_command(model, version, path, policy, upload), timeout)
+
+    async def pause(self, model: str, mode: PauseMode = "keep", *, timeout: float = 60) -> ControlOutcome:
+        """Stop the model's workers taking jobs and stepping: `keep` freezes running sequences until
+        `resume`, `abort` sends them back to their queues first."""
+        return await self._control.send(pause_command(model, mode), {}, timeout)
+
+    async def resume(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return await self._control.send(control_command("resume", model), {}, timeout)
+
+    async def abort(self, model: str | None = None, job_id: str | None = None, *, timeout: float = 60) -> ControlOutcome:
+        """End one job (`job_id`, queued or running) or every running job of `model`, each
+        `cancelled` with its partial output."""
+        model, job_id = abort_target(model, job_id, await self._model_of(job_id) if job_id and not model else None)
+        if job_id is not None:
+            await self.cancel(job_id)
+        return await self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    async def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return await self._control.send(control_command("reset_prefix_cache", model), {}, timeout)
+
+    async def _model_of(self, job_id: str) -> str | None:
+        with broker_errors():
+            return job_model(await self.connection.hget(Job.key_for(job_id), "data"))
 
     # -- streams and lifecycle
 

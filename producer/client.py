@@ -18,6 +18,7 @@ from rq import Retry
 from rq.job import Job
 from rq.utils import get_version
 
+from producer.control import ControlCalls, abort_target, control_command, job_model, pause_command, weights_command
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
 from producer.pubsub import read_burst
 from producer.wire import (
@@ -47,6 +48,7 @@ from producer.wire import (
     STREAM_BATCH,
 )
 from schemas import GenerationResult, RequestLimits, keys
+from schemas.control import ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import CommandBatch
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
@@ -94,6 +96,7 @@ class Client:
         self.connection: redis.Redis = connection
         self.limits = limits
         self.priorities = tuple(priorities)
+        self._control = ControlCalls(connection)
 
     def __repr__(self) -> str:
         return f"Client({redact_url(self.url) if self.url else self.connection!r})"
@@ -304,6 +307,41 @@ class Client:
                 record_cancelled(batch, job)
                 batch.execute()
         return True
+
+    # -- the control plane (docs/rl.md): each call returns once every live worker of the model has
+    # applied the command, or after `timeout` seconds with those that did not named in `missing`
+
+    def publish_weights(self, model: str, version: int, path: str, policy: WeightPolicy = "drain", *,
+                        upload: bool = False, timeout: float = 300) -> ControlOutcome:
+        """Make `version` (a directory of safetensors in MLX's parameter naming) the weights of
+        every worker serving `model`. The workers read `path` themselves, or with `upload` the files
+        are streamed through Redis in checksummed chunks (small models and adapters). `policy`:
+        drain (running sequences finish on the old weights), abort (they go back to their queues),
+        inflight (they go on under the new weights)."""
+        return self._control.send(*weights_command(model, version, path, policy, upload), timeout)
+
+    def pause(self, model: str, mode: PauseMode = "keep", *, timeout: float = 60) -> ControlOutcome:
+        """Stop the model's workers taking jobs and stepping: `keep` freezes running sequences until
+        `resume`, `abort` sends them back to their queues first."""
+        return self._control.send(pause_command(model, mode), {}, timeout)
+
+    def resume(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return self._control.send(control_command("resume", model), {}, timeout)
+
+    def abort(self, model: str | None = None, job_id: str | None = None, *, timeout: float = 60) -> ControlOutcome:
+        """End one job (`job_id`, queued or running) or every running job of `model`, each
+        `cancelled` with its partial output."""
+        model, job_id = abort_target(model, job_id, self._model_of(job_id) if job_id and not model else None)
+        if job_id is not None:
+            self.cancel(job_id)
+        return self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return self._control.send(control_command("reset_prefix_cache", model), {}, timeout)
+
+    def _model_of(self, job_id: str) -> str | None:
+        with broker_errors():
+            return job_model(self.connection.hget(Job.key_for(job_id), "data"))
 
     # -- lifecycle
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Client
-from producer.control import ControlCalls, control_command, pause_command, weights_command
+from producer import AsyncClient, Client
+from producer.control import ControlCalls, weights_command
 from schemas import keys
 from tests.workers import start_fake_worker, stop, wait_for
 from worker.engines.fake import fake_token
@@ -49,7 +49,7 @@ def workers_live(conn: redis.Redis, count: int) -> None:
 
 def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
     conn = redis.Redis.from_url(redis_url)
-    client, control = Client(redis_url), ControlCalls(conn)
+    client = Client(redis_url)
     workers = [start_fake_worker(redis_url, name=f"rl-{i}", env=ENV, step_delay_s=0.02) for i in range(2)]
     try:
         workers_live(conn, 2)
@@ -57,7 +57,7 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
         running = [client.submit(long_request(30 + i, 150)) for i in range(64)]  # 32 on each worker
         wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
         time.sleep(0.5)
-        outcome = control.send(*weights_command(ALIAS, 1, str(version_dir), "inflight"), timeout=30)
+        outcome = client.publish_weights(ALIAS, 1, str(version_dir), "inflight", timeout=30)
         assert outcome.ok and sorted(outcome.acked) == ["rl-0", "rl-1"], outcome
         for i, job_id in enumerate(running):
             choice = client.wait(job_id, timeout=60).choices[0]
@@ -67,7 +67,7 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
         # drain: running sequences finish on the old weights; jobs after the swap run on the new
         draining = [client.submit(long_request(100 + i, 100)) for i in range(64)]
         wait_for(lambda: all(client.status(j) == "started" for j in draining), what="running")
-        outcome = control.send(*weights_command(ALIAS, 2, str(version_dir), "drain"), timeout=60)
+        outcome = client.publish_weights(ALIAS, 2, str(version_dir), "drain", timeout=60)
         assert outcome.ok, outcome
         after = client.submit(long_request(50, 5))
         for i, job_id in enumerate(draining):
@@ -78,7 +78,7 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
         # abort: running jobs go back to their queue and run again, whole, on the new weights
         aborted = [client.submit(long_request(170 + i, 200)) for i in range(64)]
         wait_for(lambda: all(client.status(j) == "started" for j in aborted), what="running")
-        outcome = control.send(*weights_command(ALIAS, 3, str(version_dir), "abort"), timeout=30)
+        outcome = client.publish_weights(ALIAS, 3, str(version_dir), "abort", timeout=30)
         assert outcome.ok, outcome
         for i, job_id in enumerate(aborted):
             result = client.wait(job_id, timeout=60)
@@ -95,19 +95,19 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
 
 def test_pause_keep_freezes_running_sequences_until_resume(redis_url):
     conn = redis.Redis.from_url(redis_url)
-    client, control = Client(redis_url), ControlCalls(conn)
+    client = Client(redis_url)
     worker = start_fake_worker(redis_url, name="pauser", env=ENV, step_delay_s=0.02)
     try:
         workers_live(conn, 1)
         job_id = client.submit(long_request(70, 300, stream=True))
         wait_for(lambda: client.status(job_id) == "started", what="running")
-        assert control.send(pause_command(ALIAS, "keep"), {}, timeout=30).ok
+        assert client.pause(ALIAS, "keep", timeout=30).ok
         queued = client.submit(long_request(71, 3))
         frozen = conn.xlen(keys.stream_key(job_id))
         time.sleep(1.0)
         assert conn.xlen(keys.stream_key(job_id)) == frozen  # no token while paused
         assert client.status(queued) == "queued"  # and no job taken
-        assert control.send(control_command("resume", ALIAS), {}, timeout=30).ok
+        assert client.resume(ALIAS, timeout=30).ok
         result = client.wait(job_id, timeout=60)
         assert result.status == "finished" and result.choices[0].token_ids == expected(70, 300, [(0, 0)])
         assert client.wait(queued, timeout=30).status == "finished"
@@ -118,15 +118,15 @@ def test_pause_keep_freezes_running_sequences_until_resume(redis_url):
 
 def test_abort_ends_running_jobs_and_min_weight_version_waits_for_the_weights(redis_url, version_dir):
     conn = redis.Redis.from_url(redis_url)
-    client, control = Client(redis_url), ControlCalls(conn)
+    client = Client(redis_url)
     worker = start_fake_worker(redis_url, name="aborter", env=ENV, step_delay_s=0.02)
     try:
         workers_live(conn, 1)
         running = [client.submit(long_request(80 + i, 1000)) for i in range(3)]
         wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
-        outcome = control.send(control_command("abort", ALIAS, job_id=running[0]), {}, timeout=30)
+        outcome = client.abort(job_id=running[0], timeout=30)
         assert outcome.ok and client.wait(running[0], timeout=30).status == "cancelled"
-        assert control.send(control_command("abort", ALIAS), {}, timeout=30).ok
+        assert client.abort(ALIAS, timeout=30).ok
         for job_id in running[1:]:
             result = client.wait(job_id, timeout=30)
             assert result.status == "cancelled" and 0 < len(result.choices[0].token_ids) < 1000
@@ -135,10 +135,10 @@ def test_abort_ends_running_jobs_and_min_weight_version_waits_for_the_weights(re
         behind = client.submit(long_request(91, 3))
         time.sleep(1.5)
         assert client.status(wanting) == "queued" and client.status(behind) == "queued"
-        assert control.send(*weights_command(ALIAS, 5, str(version_dir), "inflight"), timeout=30).ok
+        assert client.publish_weights(ALIAS, 5, str(version_dir), "inflight", timeout=30).ok
         assert client.wait(wanting, timeout=30).weight_version == 5
         assert client.wait(behind, timeout=30).status == "finished"
-        assert control.send(control_command("reset_prefix_cache", ALIAS), {}, timeout=30).ok
+        assert client.reset_prefix_cache(ALIAS, timeout=30).ok
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
@@ -146,8 +146,8 @@ def test_abort_ends_running_jobs_and_min_weight_version_waits_for_the_weights(re
 
 def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_url, version_dir, tmp_path):
     conn = redis.Redis.from_url(redis_url)
-    client, control = Client(redis_url), ControlCalls(conn)
-    outcome = control.send(*weights_command(ALIAS, 4, str(version_dir), "drain"), timeout=1)
+    client = Client(redis_url)
+    outcome = client.publish_weights(ALIAS, 4, str(version_dir), "drain", timeout=1)
     assert outcome.acked == {} and outcome.missing == []  # nobody live to answer
     worker = start_fake_worker(redis_url, name="late", env=ENV, step_delay_s=0.01)
     try:
@@ -158,7 +158,7 @@ def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_
         (gone / "model.safetensors").write_bytes(b"x")
         command, chunks = weights_command(ALIAS, 6, str(gone), "inflight")
         (gone / "model.safetensors").unlink()  # vanished before the worker looked
-        outcome = control.send(command, chunks, timeout=30)
+        outcome = ControlCalls(conn).send(command, chunks, timeout=30)
         assert not outcome.ok and "late" in outcome.errors and "no .safetensors" in outcome.errors["late"]
         assert client.wait(client.submit(long_request(96, 3)), timeout=30).weight_version == 4  # still on 4
     finally:
@@ -199,7 +199,7 @@ def test_real_weights_swap_drained_jobs_keep_the_old_and_broken_versions_change_
 
     root, first_param = tiny_versions
     conn = redis.Redis.from_url(redis_url)
-    client, control = Client(redis_url), ControlCalls(conn)
+    client = Client(redis_url)
     request = {"prompt_token_ids": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
                "logprobs": True}
     old_tokens, _ = reference(request["prompt_token_ids"], 40, True)
@@ -214,7 +214,7 @@ def test_real_weights_swap_drained_jobs_keep_the_old_and_broken_versions_change_
         running = [client.submit(request) for _ in range(4)]
         wait_for(lambda: all(client.status(j) == "started" for j in running), what="running")
         # streamed through Redis, checksummed; drained: the running jobs finish on the old weights
-        outcome = control.send(*weights_command("tiny", 1, str(root / "v1"), "drain", upload=True), timeout=120)
+        outcome = client.publish_weights("tiny", 1, str(root / "v1"), "drain", upload=True, timeout=120)
         assert outcome.ok, outcome
         for job_id in running:
             result = client.wait(job_id, timeout=60)
@@ -223,16 +223,44 @@ def test_real_weights_swap_drained_jobs_keep_the_old_and_broken_versions_change_
         assert after.weight_version == 1 and after.choices[0].token_ids == new_tokens
         assert after.choices[0].logprobs == pytest.approx(new_logprobs, abs=1e-3)
         for broken, needle in (("wrong-shape", first_param), ("missing", "missing")):
-            outcome = control.send(*weights_command("tiny", 2, str(root / broken), "inflight", upload=True),
-                                   timeout=60)
+            outcome = client.publish_weights("tiny", 2, str(root / broken), "inflight", upload=True, timeout=60)
             assert not outcome.ok and needle in outcome.errors["swapper"], outcome
         command, chunks = weights_command("tiny", 2, str(root / "v1"), "inflight", upload=True)
         first_chunk = next(iter(chunks))
         chunks[first_chunk] = chunks[first_chunk][:-1] + bytes([chunks[first_chunk][-1] ^ 1])
-        outcome = control.send(command, chunks, timeout=60)
+        outcome = ControlCalls(conn).send(command, chunks, timeout=60)
         assert not outcome.ok and "checksum" in outcome.errors["swapper"], outcome
         still = client.wait(client.submit(request), timeout=60)  # on version 1 all along
         assert still.weight_version == 1 and still.choices[0].token_ids == new_tokens
     finally:
         out = stop(worker_proc)
     assert worker_proc.returncode == 0, out
+
+
+def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir):
+    import asyncio
+
+    conn = redis.Redis.from_url(redis_url)
+    worker = start_fake_worker(redis_url, name="async-rl", env=ENV, step_delay_s=0.02)
+
+    async def drive() -> None:
+        client = AsyncClient(redis_url)
+        try:
+            job_id = await client.submit(long_request(120, 200))
+            while await client.status(job_id) != "started":
+                await asyncio.sleep(0.05)
+            paused = await client.pause(ALIAS, "abort", timeout=30)
+            assert paused.ok and list(paused.acked) == ["async-rl"]
+            assert (await client.publish_weights(ALIAS, 1, str(version_dir), "inflight", timeout=30)).ok
+            assert (await client.resume(ALIAS, timeout=30)).ok
+            result = await client.wait(job_id, timeout=60)  # sent back by the pause, run again on version 1
+            assert result.weight_version == 1 and result.choices[0].token_ids == expected(120, 200, [(0, 1)])
+        finally:
+            await client.close()
+
+    try:
+        workers_live(conn, 1)
+        asyncio.run(drive())
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
