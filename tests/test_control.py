@@ -264,3 +264,57 @@ def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir):
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
+
+
+def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, version_dir):
+    import httpx
+
+    from tests.gateway import key_entry, running_gateway
+
+    conn = redis.Redis.from_url(redis_url)
+    worker = start_fake_worker(redis_url, name="gw-rl", env=ENV, step_delay_s=0.01)
+    keys_setting = ",".join([key_entry("trainer", "sk-trainer"), key_entry("app", "sk-app")])
+    try:
+        workers_live(conn, 1)
+        with running_gateway(redis_url, api_keys=keys_setting, admin_tenants="trainer") as base:
+            body = {"version": 2, "path": str(version_dir), "policy": "inflight", "timeout": 30}
+            refused = httpx.post(f"{base}/control/{ALIAS}/weights", json=body,
+                                 headers={"Authorization": "Bearer sk-app"}, timeout=60)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+            applied = httpx.post(f"{base}/control/{ALIAS}/weights", json=body,
+                                 headers={"Authorization": "Bearer sk-trainer"}, timeout=60)
+            assert applied.status_code == 200, applied.text
+            assert applied.json()["acked"]["gw-rl"]["weight_version"] == 2 and applied.json()["missing"] == []
+            for op in ("pause", "resume", "reset_prefix_cache", "abort"):
+                answer = httpx.post(f"{base}/control/{ALIAS}/{op}", json={"timeout": 30},
+                                    headers={"Authorization": "Bearer sk-trainer"}, timeout=60)
+                assert answer.status_code == 200 and answer.json()["acked"]["gw-rl"]["ok"], (op, answer.text)
+        assert Client(redis_url).wait(Client(redis_url).submit(long_request(130, 3)), 30).weight_version == 2
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+
+
+def test_the_cli_drives_the_control_plane(redis_url, version_dir):
+    import subprocess
+    import sys
+
+    conn = redis.Redis.from_url(redis_url)
+    worker = start_fake_worker(redis_url, name="cli-rl", env=ENV, step_delay_s=0.01)
+
+    def mlxq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mlxq", *args, "--url", redis_url, "--timeout", "30"],
+                              capture_output=True, text=True, timeout=90)
+
+    try:
+        workers_live(conn, 1)
+        done = mlxq("publish-weights", ALIAS, "3", str(version_dir), "--policy", "inflight")
+        assert done.returncode == 0 and '"weight_version": 3' in done.stdout, done.stdout + done.stderr
+        for verb in (("pause", ALIAS), ("resume", ALIAS), ("reset-prefix-cache", ALIAS), ("abort", ALIAS)):
+            done = mlxq(*verb)
+            assert done.returncode == 0, (verb, done.stdout + done.stderr)
+        refused = mlxq("publish-weights", ALIAS, "4", str(version_dir / "nope"))
+        assert refused.returncode == 2 and "path" in refused.stderr
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out

@@ -40,6 +40,8 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # JSON request bodies
     max_queue_depth: int = Field(10_000, ge=0)  # 429 when the target queue is this deep; 0: no limit
     tenant_max_in_flight: int = Field(1024, ge=1)  # a tenant's jobs submitted and not ended, at most
+    # Tenants that may drive the control plane (/v1/control: weights, pause, abort; docs/rl.md), comma-separated.
+    admin_tenants: tuple[str, ...] = ()
     result_ttl: int = Field(3600, ge=1)  # seconds a gateway job's result is kept
     request_timeout_s: float = Field(3600.0, gt=0)  # a blocking request waits this long at most
     models: Annotated[tuple[str, ...], NoDecode] = ()  # served names known even while no worker is live (503, not 404)
@@ -74,7 +76,7 @@ class GatewaySettings(BaseSettings):
             return tuple(parsed)
         return value
 
-    @field_validator("models", "priorities", mode="before")
+    @field_validator("models", "priorities", "admin_tenants", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
