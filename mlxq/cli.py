@@ -32,6 +32,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_mb=args.prefix_cache_mb,
+        metrics_port=args.metrics_port,
         blas=args.blas,
         blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
+    p.add_argument("--metrics-port", type=int, help=(
+        "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--blas-threads", type=int,
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")

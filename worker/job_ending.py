@@ -12,6 +12,7 @@ goes back to the loop (`done`), which alone removes it from its table of running
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -26,6 +27,7 @@ from worker import retry_policy
 from worker.bookkeeping import Bookkeeper
 from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
 from worker.intake import Unreadable
+from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
 from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable
 from worker.settings import WorkerSettings
@@ -43,6 +45,7 @@ class Ending:
     streams: bool  # the job publishes a token stream, which its end event closes
     callbacks_allowed: bool  # its function and callbacks passed the allowlist: its callbacks may run
     entry: object  # the loop's own record of the job, handed back through `done`
+    handed_at: float = 0.0  # time.monotonic() when the loop handed it over
 
     @property
     def job_id(self) -> str:
@@ -66,8 +69,9 @@ class RQEnds(Protocol):
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
-                 worker_name: str) -> None:
+                 worker_name: str, metrics: Optional[WorkerMetrics] = None) -> None:
         self._connection = connection
+        self._metrics = metrics
         self._worker_name = worker_name
         self._bookkeeper = bookkeeper
         self._rq = rq
@@ -128,6 +132,8 @@ class JobEnding:
             retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
                                self._settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        if self._metrics is not None and not retried:
+            self._metrics.ended(result, time.monotonic() - ending.handed_at)
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=ending.streams and not retried,
                            encoded=None if retried else ending.outcome.encoded())

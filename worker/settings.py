@@ -41,6 +41,8 @@ class WorkerSettings:
     metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
     trust_remote_code: bool = False
     callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
+    # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
+    metrics_port: Optional[int] = None
     # A failed job runs again at most this many times, whatever its Retry asks (never after a refusal).
     max_retries: int = 5
     retry_backoff_s: float = 1.0  # pause before the first retry, doubled for each next one (at most 60 s)
