@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -57,6 +58,32 @@ class Ending:
         return self.ended
 
 
+class JobTally:
+    """Jobs ended and tokens made since the worker started, and tokens in the last minute: published
+    in the worker's stats hash (`jobs_finished`, `jobs_failed_<type>`, `tokens`, `tokens_per_s_1m`,
+    `updated_at`) for `mlxq stats`."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {"jobs_finished": 0, "tokens": 0}
+        self._recent: deque[tuple[float, int]] = deque()  # (time.time(), completion tokens)
+
+    def add(self, result: GenerationResult) -> None:
+        name = "jobs_finished" if result.status != "failed" or result.error is None else (
+            f"jobs_failed_{result.error.type}")
+        self._counts[name] = self._counts.get(name, 0) + 1
+        self._counts["tokens"] += result.usage.completion_tokens
+        self._recent.append((time.time(), result.usage.completion_tokens))
+
+    def counters(self) -> dict[str, float]:
+        now = time.time()
+        while self._recent and self._recent[0][0] < now - self.WINDOW_S:
+            self._recent.popleft()
+        return {**self._counts, "tokens_per_s_1m": sum(t for _, t in self._recent) / self.WINDOW_S,
+                "updated_at": now}
+
+
 class RQEnds(Protocol):
     """A job's end in RQ's terms (BatchWorker), called on the bookkeeping thread."""
 
@@ -77,6 +104,7 @@ class JobEnding:
         self._rq = rq
         self._settings = settings
         self.done: "queue.SimpleQueue[Ending]" = queue.SimpleQueue()
+        self._tally = JobTally()  # the bookkeeping thread's
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
     def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
@@ -123,6 +151,8 @@ class JobEnding:
                 gate.wait()
                 publications.append(self._publication(ending))
             gate.wait()
+            if stats is not None:
+                stats.counters.update(self._tally.counters())
             publish_results(self._connection, publications, stats=stats)
             stats = None
 
@@ -132,8 +162,10 @@ class JobEnding:
             retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
                                self._settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
-        if self._metrics is not None and not retried:
-            self._metrics.ended(result, time.monotonic() - ending.handed_at)
+        if not retried:
+            self._tally.add(result)
+            if self._metrics is not None:
+                self._metrics.ended(result, time.monotonic() - ending.handed_at)
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=ending.streams and not retried,
                            encoded=None if retried else ending.outcome.encoded())
