@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import info, producer_commands
+from mlxq import api_command, batch_command, control_commands, info, producer_commands
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
@@ -32,10 +32,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_mb=args.prefix_cache_mb,
+        metrics_port=args.metrics_port,
         blas=args.blas,
         blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
+        priorities=tuple(p.strip() for p in args.priorities.split(",") if p.strip()) if args.priorities else None,
         image_dir=args.image_dir,
     )
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
@@ -119,12 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL}; {URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
     p.add_argument("--alias", help="name requests use for this model (default: last path component)")
+    p.add_argument("--priorities", help=(
+        "priorities, highest first, e.g. high,default,low (MLXQ_PRIORITIES): without queues, listen on each "
+        "priority's queues in turn (mlxq:<alias>@high, mlxq@high, mlxq:<alias>, mlxq, ...)"))
     p.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once (default 32)")
     p.add_argument("--default-max-tokens", type=int, help="max_tokens for requests that leave it unset (256)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for (4096)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
+    p.add_argument("--metrics-port", type=int, help=(
+        "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--blas-threads", type=int,
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
@@ -160,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)
+    control_commands.register(sub)
+    batch_command.register(sub)
+    api_command.register(sub)
     bench_cli.register(sub)
     info.register(sub)
     return parser

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -159,6 +161,31 @@ class AsyncControlCalls:
         names = await self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
         entries = await self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
         return serving(entries, model, now)
+
+
+def abort_target(model: Optional[str], job_id: Optional[str], job_model: Optional[str]) -> tuple[str, Optional[str]]:
+    """The model an abort goes to: `model`, else the model of the job (`job_model`, read from it)."""
+    if model is None and job_id is None:
+        raise InvalidRequest("abort: name a model (every job it runs) or a job_id", "model")
+    target = model or job_model
+    if not target:
+        raise InvalidRequest(f"model: job {job_id} names no model; give the model its workers serve", "model")
+    return target, job_id
+
+
+def job_model(data: Optional[bytes]) -> Optional[str]:
+    """The `model` a job's request names, from its rq job data (JSON, maybe zlib-compressed)."""
+    if not data:
+        return None
+    try:
+        data = zlib.decompress(data)
+    except zlib.error:
+        pass
+    try:
+        request = json.loads(data)[3].get("request", {})
+        return request.get("model") if isinstance(request, dict) else None
+    except (ValueError, TypeError, IndexError, AttributeError):
+        return None
 
 
 def pause_command(model: str, mode: PauseMode) -> ControlCommand:

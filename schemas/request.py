@@ -199,7 +199,7 @@ class GenerationRequest(BaseModel):
         try:
             return cls.model_validate(payload, context={"limits": limits} if limits else None)
         except ValidationError as exc:
-            raise _as_invalid_request(exc) from None
+            raise as_invalid_request(exc) from None
 
     def to_payload(self) -> dict[str, Any]:
         """The JSON object that goes on the wire: only fields the caller set."""
@@ -237,7 +237,8 @@ def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> No
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-union\[.*\]|function-.*)$")
 
 
-def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+def as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+    """A pydantic ValidationError as an InvalidRequestError that names the first bad field."""
     errors = exc.errors(include_url=False)
     parts = []
     first_field = None

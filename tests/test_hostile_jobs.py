@@ -261,6 +261,7 @@ def test_generated_job_hashes_never_hurt_the_worker_or_the_good_jobs(redis_url):
     planted: dict[str | bytes, object] = {}
     good: list[str] = []
     examples = int(os.environ.get("MLXQ_FUZZ_EXAMPLES", "300"))
+    patience = 120 * max(1, examples // 300)  # seconds: a long run takes longer to work through
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -280,9 +281,9 @@ def test_generated_job_hashes_never_hurt_the_worker_or_the_good_jobs(redis_url):
         rss_early = rss_kb(worker.pid)
         enqueue()
         good.append(client.submit(GOOD_REQUEST))
-        results = client.wait_many(good, timeout=120)
+        results = client.wait_many(good, timeout=patience)
         identified = [j for j in planted if isinstance(j, str) and j.isprintable()]
-        wait_for(lambda: all(conn.exists(keys.result_key(j)) for j in identified), timeout=120,
+        wait_for(lambda: all(conn.exists(keys.result_key(j)) for j in identified), timeout=patience,
                  what="a result key for every identifiable entry (retries included)")
         wait_for(lambda: leftovers(conn, ["mlxq"]) == {}, timeout=30, what="the queue and intermediate list to empty")
         rss_late = rss_kb(worker.pid)

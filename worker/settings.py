@@ -50,9 +50,14 @@ class WorkerSettings:
     image_fetch_timeout_s: float = ImagePolicy.fetch_timeout_s
     image_fetch_max_redirects: int = ImagePolicy.fetch_max_redirects
     callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
+    # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
+    metrics_port: Optional[int] = None
     # A failed job runs again at most this many times, whatever its Retry asks (never after a refusal).
     max_retries: int = 5
     retry_backoff_s: float = 1.0  # pause before the first retry, doubled for each next one (at most 60 s)
+    # Priorities, highest first (e.g. high,default,low): without explicit queues, the worker listens on each
+    # priority's queues in turn (docs/producer.md). Empty: the contract's queues only.
+    priorities: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None, **overrides: Any) -> "WorkerSettings":
@@ -95,6 +100,8 @@ class WorkerSettings:
             raise ValueError(f"MLXQ_BLAS_THREADS must be >= 1, got {self.blas_threads}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"MLXQ_PREFIX_CACHE_MB must be >= 0 (0 turns the cache off), got {self.prefix_cache_mb}")
+        if self.priorities:
+            keys.check_priorities(self.priorities, "MLXQ_PRIORITIES")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
 
@@ -113,7 +120,8 @@ class WorkerSettings:
 
     def default_queues(self) -> list[str]:
         alias = self.served_alias
-        return [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+        queues = [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+        return keys.prioritized_queues(queues, self.priorities) if self.priorities else queues
 
     @property
     def heartbeat_ttl_s(self) -> int:

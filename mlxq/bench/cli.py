@@ -112,6 +112,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--soak-invalid", type=float, default=0.1, help="fraction of invalid jobs")
     g.add_argument("--soak-engine", choices=("model", "fake"), default="model")
     g.add_argument("--soak-sample", type=float, default=1.0, help="seconds between RSS samples")
+    g.add_argument("--gateway-clients", type=int, default=256, help="gateway scenarios: concurrent clients (256)")
+    g.add_argument("--gateway-requests", type=int, default=3000, help="gateway-blocking: requests per arm (3000)")
     g.add_argument("--image-model", help="images: a vision-language model (default: build --image-shape)")
     g.add_argument("--image-shape", default="small", help="images: tiny | small random qwen2_vl (default small)")
     g.add_argument("--image-requests", type=int, default=32, help="images: image jobs sent at once (32)")
@@ -141,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_cache_mb=args.prefix_cache_mb, soak_jobs=args.soak_jobs,
         soak_rate=args.soak_rate, soak_max_tokens=args.soak_max_tokens, soak_invalid=args.soak_invalid,
         soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
+        gateway_clients=args.gateway_clients, gateway_requests=args.gateway_requests,
         image_model=args.image_model, image_shape=args.image_shape, image_requests=args.image_requests,
         image_new_tokens=args.image_new_tokens,
     )

@@ -25,6 +25,15 @@ def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed:
     return base
 
 
+def fake_chat_template(request: GenerationRequest) -> str:
+    """The fake engine's chat template: `role: text` lines (the gateway's chat tests run on it)."""
+    lines = []
+    for message in request.messages or []:
+        parts = [message.content] if isinstance(message.content, str) else [getattr(p, "text", "") for p in message.content]
+        lines.append(f"{message.role}: {''.join(parts)}")
+    return "\n".join(lines) + "\nassistant:"
+
+
 @dataclass
 class _Seq:
     spec: SequenceSpec
@@ -76,9 +85,8 @@ class FakeEngine:
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return [min(ord(ch), VOCAB - 1) for ch in request.prompt]
-        raise ValueError("messages: the fake engine has no chat template")
+        text = request.prompt if request.prompt is not None else fake_chat_template(request)
+        return [min(ord(ch), VOCAB - 1) for ch in text]
 
     def prepare(self, request: GenerationRequest) -> Prompt:
         return Prompt(self.prompt_token_ids(request))
