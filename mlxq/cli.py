@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import api_command, batch_command, control_commands, info, producer_commands
+from mlxq import api_command, batch_command, control_commands, info, producer_commands, stats_command
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     api_command.register(sub)
     bench_cli.register(sub)
     info.register(sub)
+    stats_command.register(sub)
     return parser
 
 
