@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Optional
 
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.fleet_stats import FleetSnapshot, read_snapshot
-from producer.wire import resolve_url
+from producer.wire import redact_url, resolve_url
 
 __all__ = ["register", "render"]
 
@@ -58,7 +59,8 @@ def render(snapshot: FleetSnapshot) -> Group:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    connection = redis.Redis.from_url(resolve_url(args.url))
+    url = resolve_url(args.url)
+    connection = redis.Redis.from_url(url)
     queues = tuple(args.queues)
     console = Console()
     try:
@@ -77,6 +79,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 live.update(render(read_snapshot(connection, queues)), refresh=True)
     except KeyboardInterrupt:
         return 0
+    except redis.RedisError as exc:
+        print(f"mlxq stats: {redact_url(url)}: {exc}", file=sys.stderr)
+        return 1
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
