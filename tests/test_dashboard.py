@@ -9,15 +9,11 @@ import pytest
 import redis
 
 from producer import Client
+from tests.browser import chromium_page
 from tests.gateway import running_gateway, wait_live
 from tests.workers import start_fake_worker, stop
 
 pytestmark = pytest.mark.slow
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run"]
-
 
 def flow_jobs(url: str, tokens: dict[str, int], stop_flowing: threading.Event) -> None:
     """Jobs for each model (of `tokens[model]` tokens each), a few at a time, until told to stop."""
@@ -32,8 +28,6 @@ def flow_jobs(url: str, tokens: dict[str, int], stop_flowing: threading.Event) -
 
 
 def test_dashboard_shows_the_fleet_and_its_charts_have_points(redis_url, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     conn = redis.Redis.from_url(redis_url)
     workers = [start_fake_worker(redis_url, name=name, env={"MLXQ_ALIAS": alias}, step_delay_s=0.01)
                for name, alias in (("page-a", "alpha"), ("page-b", "beta"))]
@@ -44,9 +38,7 @@ def test_dashboard_shows_the_fleet_and_its_charts_have_points(redis_url, tmp_pat
             wait_live(conn, name)
         Client(redis_url).submit({"model": "alpha", "prompt_token_ids": [5, 300], "max_tokens": 2})  # one failure
         producer.start()
-        with running_gateway(redis_url, history_interval_s=0.5) as base, sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        with running_gateway(redis_url, history_interval_s=0.5) as base, chromium_page() as page:
             page.goto(base.removesuffix("/v1") + "/dashboard")
             # Each worker's tokens/s line has points, and the TTFT chart has some.
             page.wait_for_function(
@@ -62,7 +54,6 @@ def test_dashboard_shows_the_fleet_and_its_charts_have_points(redis_url, tmp_pat
                 id => document.querySelectorAll('#' + id + ' .scatterlayer .trace .points path').length)""")
             names = page.evaluate("() => document.getElementById('chart-tokens').data.map(t => t.name)")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-            browser.close()
     finally:
         stop_flowing.set()
         if producer.is_alive():
