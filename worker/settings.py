@@ -27,8 +27,7 @@ class SettingsError(ValueError):
 
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, env_ignore_empty=True, extra="ignore",
-                                      frozen=False)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, env_ignore_empty=True, extra="ignore")
 
     # Redis, when not given by `--url` (MLXQ_REDIS_URL; a .env file may hold it): a secret.
     redis_url: Optional[SecretStr] = None

@@ -13,7 +13,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from producer import Client, InvalidRequest, JobNotFound
+from producer import Client, JobNotFound
 
 
 @lru_cache(maxsize=1)
@@ -43,5 +43,3 @@ def job(request: HttpRequest, job_id: str) -> JsonResponse:
     text = result.choices[0].text if result is not None and result.choices else None
     return JsonResponse({"id": job_id, "status": status, "text": text})
 
-
-__all__ = ["create_job", "job", "InvalidRequest"]
