@@ -14,7 +14,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+from tqdm import tqdm
 
 from mlxq.redis_server import existing_or_private
 
@@ -117,9 +119,16 @@ def run_demo(
         client.wait(client.submit({"prompt": "warm up", "max_tokens": 2}), timeout=300)
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
+        with ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=jobs, desc="jobs done", unit="job", file=sys.stderr, disable=None, leave=False) as bar:
             ids = list(pool.map(client.submit, requests))
-            results = list(pool.map(lambda job_id: client.wait(job_id, timeout=600), ids))
+
+            def wait(job_id: str) -> Any:
+                result = client.wait(job_id, timeout=600)
+                bar.update()
+                return result
+
+            results = list(pool.map(wait, ids))
         elapsed = time.perf_counter() - start
 
         print(f"\n{'custom_id':<10} {'status':<9} {'finish':<7} {'prompt':>6} {'compl':>6}  text")

@@ -93,6 +93,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="jobs/s offered in the sustained run (default: the target rate)")
     g.add_argument("--overhead-publish", type=int, default=256, help="results finishing in one step")
     g.add_argument("--overhead-step-ms", type=float, default=10.0, help="fake step cost for the publish test")
+    g.add_argument("--metrics-port", type=int, help="overhead: the worker serves Prometheus metrics on this port "
+                                                     "(mlxq worker --metrics-port), scraped every second")
     g.add_argument("--late-long", type=int, default=31)
     g.add_argument("--late-long-tokens", type=int, default=256)
     g.add_argument("--late-short-tokens", type=int, default=8)
@@ -135,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overhead_jobs=args.overhead_jobs, overhead_tokens=args.overhead_tokens,
         overhead_offered_per_s=args.overhead_offered,
         overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
+        metrics_port=args.metrics_port,
         late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
         late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
         rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens,

@@ -54,6 +54,7 @@ class BenchConfig:
     overhead_offered_per_s: float = 3000.0  # the target: does one worker keep up?
     overhead_publish: int = 256
     overhead_step_ms: float = 10.0
+    metrics_port: Optional[int] = None  # overhead: the fake worker serves metrics here, scraped every second
     late_long: int = 31
     late_long_tokens: int = 256
     late_short_tokens: int = 8

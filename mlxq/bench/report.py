@@ -230,7 +230,8 @@ def _overhead_line(o: dict[str, Any]) -> str:
             f"{p['burst_jobs']} jobs (their batch's plain steps {_f(p.get('burst_batch_step_p50_ms'))} ms), "
             f"{_f(p.get('publishing_step_ms'))} ms at most in the steps while their "
             f"results were published, {_f(p['admit_step_ms'])} ms at most while "
-            f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)")
+            f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)"
+            + (f"; worker metrics on, scraped {o['metrics']['scrapes']} times" if o.get("metrics") else ""))
 
 
 def _late_joiner_line(s: dict[str, Any]) -> str:
