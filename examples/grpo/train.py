@@ -3,11 +3,12 @@
     python examples/grpo/train.py --steps 6                    # its own Redis, tiny model and worker
     python examples/grpo/train.py --url redis://... --model DIR --steps 20   # your workers (serving DIR)
 
-Each step submits the next batch (prompts x n samples, at least the version just published), waits
-for the batch submitted the step before, checks it (every job finished, none below its minimum
-version, the returned logprobs equal the trainer's replay under the versions each result records,
-within 1e-4), takes one GRPO step on it, and publishes the new parameters as the next version under
-the step's policy (drain, abort, inflight in turn) while the next batch decodes. README.md says more.
+Each step waits for the batch submitted the step before (prompts x n samples), checks it (every job
+finished, none on a version below its minimum, the returned logprobs equal the trainer's replay
+under the versions each result records, within 1e-4), takes one GRPO step on it, submits the next
+batch (at least the version just published), and once that batch is decoding publishes the new
+parameters as the next version under the step's policy (drain, abort, inflight in turn), so that
+every swap lands on running sequences. README.md says more.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
