@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.errors import InvalidRequest
 from schemas import ChatMessage, GenerationRequest, RequestLimits
+from schemas.constraints import GuidedGrammar, GuidedRegex, ResponseFormat
 from schemas.request import MAX_N, MAX_TOP_LOGPROBS, as_invalid_request
 
 __all__ = [
@@ -63,6 +64,13 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
     logprobs_mode: Optional[Literal["raw", "processed"]] = None
+    # Structured output (OpenAI's response_format, and mlxq's regex and grammar) and RL's fields, as in
+    # GenerationRequest (docs/structured-output.md, docs/rl.md).
+    response_format: Optional[ResponseFormat] = None
+    guided_regex: Optional[GuidedRegex] = None
+    guided_grammar: Optional[GuidedGrammar] = None
+    adapter: Optional[str] = Field(None, min_length=1, max_length=256)
+    min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
     return_token_ids: bool = False
     priority: Optional[str] = Field(None, max_length=32)
 

@@ -1,17 +1,15 @@
 """Many Redis commands in one atomic server-side call, cheaply.
 
 A batching worker writes ~30 commands per job (rq's registries, executions, results; the result
-key) for hundreds of jobs per step, and a producer ~8 per job it enqueues. Through a redis-py
-pipeline each command costs ~9 us of Python (argument checks, packing, one parsed reply each),
-which capped one worker near 1,500 jobs/s. A `CommandBatch` is handed to rq's helpers where they
-take a `pipeline=`: redis-py's own command methods build each command, the batch only records it,
-and `execute` sends them all to one Lua script, which runs them in order and returns every reply:
-atomic like MULTI/EXEC.
+key) for hundreds of jobs per step, and a producer ~8 per job it enqueues; a redis-py pipeline's
+Python per command is too slow for that (docs/design-notes.md). A `CommandBatch` is handed to rq's
+helpers where they take a `pipeline=`: redis-py's own command methods build each command, the batch
+only records it, and `execute` sends them all to one Lua script, which runs them in order and
+returns every reply: atomic like MULTI/EXEC.
 
 The commands travel as one MessagePack array (the script's one argument, unpacked by Redis's
-built-in cmsgpack): msgpack packs a batch's ~40,000 arguments in ~1.3 ms where packing each as its
-own RESP argument (hiredis) took 6-11 ms, ~24 us per job, in one C call that held the GIL (and so
-the worker's decode loop) all along. Numbers reach the script as Lua numbers (doubles), which
+built-in cmsgpack), packed in one C call far cheaper than packing each as its own RESP argument,
+which held the GIL (and so the worker's decode loop) all along. Numbers reach the script as Lua numbers (doubles), which
 Redis writes back in shortest round-trip form (7.0 and later; 6.x writes 17 significant digits,
 the same double): integers must stay within +-2**53, as every rq and mlxq write does (TTLs,
 counts, Unix timestamps).

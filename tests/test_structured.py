@@ -352,3 +352,32 @@ def test_results_say_whether_a_constrained_text_is_complete(engine):
     assert cut.finish_reason == "length" and cut.constraint_complete is False
     assert stopped.finish_reason == "stop" and stopped.constraint_complete is False  # the stop string cut it
     assert results["free"].choices[0].constraint_complete is None
+
+
+@pytest.mark.slow
+def test_the_gateway_passes_constraints_through_to_the_openai_client(redis_url, tiny_model_dir):
+    import openai
+
+    from tests.gateway import running_gateway, wait_live
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    worker = start_worker(redis_url, tiny_model_dir, "--alias", "tiny", name="gw-structured")
+    try:
+        wait_live(redis.Redis.from_url(redis_url), "gw-structured")
+        with running_gateway(redis_url, insecure=True) as base:
+            client = openai.OpenAI(base_url=base, api_key="unused")
+            answer = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=60, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+            regex = client.completions.create(model="tiny", prompt="code:", max_tokens=20, temperature=0,
+                                              extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
+    finally:
+        stop(worker)
+    choice = answer.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    else:  # it ran out of tokens: still a prefix of a valid answer
+        assert choice.message.content.startswith("{")
+    # six characters, then only EOS is allowed: it must end there
+    assert regex.choices[0].finish_reason == "stop" and re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)

@@ -35,6 +35,7 @@ from worker.gate import StepRhythm
 from worker.intake import Unreadable
 from worker.job_ending import Ending, JobEnding
 from worker.loop_clock import LoopClock
+from worker.metrics import WorkerMetrics
 from worker.output import EndedJob
 from worker.poll import Poll, TakenJob
 from worker.publish import WorkerStats
@@ -77,7 +78,8 @@ class InFlight:
         return isinstance(self.payload, dict) and self.payload.get("stream") is True
 
     def ending_record(self, ended: Optional[EndedJob]) -> Ending:
-        return Ending(ended, self.job, self.queue, self.execution, self.streams, self.callbacks_allowed, self)
+        return Ending(ended, self.job, self.queue, self.execution, self.streams, self.callbacks_allowed, self,
+                      time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -150,12 +152,13 @@ class BatchLoop:
                  ending: JobEnding, health: RedisHealth, settings: WorkerSettings, stats_key: str,
                  clock: Callable[[], float] = time.monotonic,
                  watchdog: Callable[[], ContextManager[None]] = contextlib.nullcontext,
-                 controller: Optional[Controller] = None) -> None:
+                 controller: Optional[Controller] = None, metrics: Optional[WorkerMetrics] = None) -> None:
         """`watchdog` wraps each engine step (worker/liveness.py: a step that hangs exits the process);
         `controller` applies the control plane's commands (worker/control.py)."""
         self.scheduler = scheduler
         self._watchdog = watchdog
         self._controller = controller
+        self._metrics = metrics
         self._source, self._rq, self._bookkeeper, self._ending = source, rq, bookkeeper, ending
         self._health, self._settings, self._stats_key, self._clock = health, settings, stats_key, clock
         self._table: dict[str, InFlight] = {}
@@ -278,6 +281,7 @@ class BatchLoop:
             time.sleep(PAUSED_TURN_S)  # paused with its sequences kept: no step, and no spinning
             return
         self._bookkeeper.step_started(self._rhythm.step_started())
+        started = time.perf_counter()
         try:
             with self._watchdog():
                 ended = self.scheduler.step()
@@ -287,6 +291,8 @@ class BatchLoop:
             return
         if self._rhythm.step_ended():
             self._bookkeeper.step_ended()
+        if self._metrics is not None:
+            self._metrics.step(time.perf_counter() - started, self.scheduler.last_step_tokens)
         self.time.lap("step")
         self._hand_off(ended)
         self.time.lap("hand_off")

@@ -12,6 +12,8 @@ goes back to the loop (`done`), which alone removes it from its table of running
 from __future__ import annotations
 
 import queue
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -26,6 +28,7 @@ from worker import retry_policy
 from worker.bookkeeping import Bookkeeper
 from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
 from worker.intake import Unreadable
+from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
 from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable
 from worker.settings import WorkerSettings
@@ -43,6 +46,7 @@ class Ending:
     streams: bool  # the job publishes a token stream, which its end event closes
     callbacks_allowed: bool  # its function and callbacks passed the allowlist: its callbacks may run
     entry: object  # the loop's own record of the job, handed back through `done`
+    handed_at: float = 0.0  # time.monotonic() when the loop handed it over
 
     @property
     def job_id(self) -> str:
@@ -52,6 +56,32 @@ class Ending:
     def outcome(self) -> EndedJob:
         assert self.ended is not None, "a re-queued job has no outcome"
         return self.ended
+
+
+class JobTally:
+    """Jobs ended and tokens made since the worker started, and tokens in the last minute: published
+    in the worker's stats hash (`jobs_finished`, `jobs_failed_<type>`, `tokens`, `tokens_per_s_1m`,
+    `updated_at`) for `mlxq stats`."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {"jobs_finished": 0, "tokens": 0}
+        self._recent: deque[tuple[float, int]] = deque()  # (time.time(), completion tokens)
+
+    def add(self, result: GenerationResult) -> None:
+        name = "jobs_finished" if result.status != "failed" or result.error is None else (
+            f"jobs_failed_{result.error.type}")
+        self._counts[name] = self._counts.get(name, 0) + 1
+        self._counts["tokens"] += result.usage.completion_tokens
+        self._recent.append((time.time(), result.usage.completion_tokens))
+
+    def counters(self) -> dict[str, float]:
+        now = time.time()
+        while self._recent and self._recent[0][0] < now - self.WINDOW_S:
+            self._recent.popleft()
+        return {**self._counts, "tokens_per_s_1m": sum(t for _, t in self._recent) / self.WINDOW_S,
+                "updated_at": now}
 
 
 class RQEnds(Protocol):
@@ -66,13 +96,15 @@ class RQEnds(Protocol):
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
-                 worker_name: str) -> None:
+                 worker_name: str, metrics: Optional[WorkerMetrics] = None) -> None:
         self._connection = connection
+        self._metrics = metrics
         self._worker_name = worker_name
         self._bookkeeper = bookkeeper
         self._rq = rq
         self._settings = settings
         self.done: "queue.SimpleQueue[Ending]" = queue.SimpleQueue()
+        self._tally = JobTally()  # the bookkeeping thread's
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
     def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
@@ -119,6 +151,8 @@ class JobEnding:
                 gate.wait()
                 publications.append(self._publication(ending))
             gate.wait()
+            if stats is not None:
+                stats.counters.update(self._tally.counters())
             publish_results(self._connection, publications, stats=stats)
             stats = None
 
@@ -128,6 +162,10 @@ class JobEnding:
             retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
                                self._settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        if not retried:
+            self._tally.add(result)
+            if self._metrics is not None:
+                self._metrics.ended(result, time.monotonic() - ending.handed_at)
         return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
                            ends_stream=ending.streams and not retried,
                            encoded=None if retried else ending.outcome.encoded())

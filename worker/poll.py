@@ -4,12 +4,10 @@ One server-side script does both, so a loop turn costs a single short round trip
 queues the worker listens on and however many sequences run:
 - the running jobs' ids are kept in a set (`mlxq:running:<worker>`, added as jobs start, removed
   by the first poll after they end); the script looks for their cancel keys (`mlxq:cancel:<id>`),
-  with one EXISTS per 512 ids and per-id calls only when one exists (256 single EXISTS calls per
-  turn made this the costliest part of a turn at 256 in flight);
+  with one EXISTS per 512 ids and per-id calls only when one exists (docs/design-notes.md);
 - in a process group (`mlxq worker --processes N`), `room` is first cut to the worker's fair share:
   the running and waiting jobs of the group over its live workers, less what it runs itself. An
-  idle worker would otherwise take a whole burst that its siblings could share (on an H200 one of
-  two workers took 127 of a wave of 128 jobs while the other ran one). In a group, taken ids enter
+  idle worker would otherwise take a whole burst that its siblings could share. In a group, taken ids enter
   the running set in the same script, so a sibling's next poll counts them;
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id

@@ -33,6 +33,7 @@ class RedisHealth:
         self._next_try = 0.0
         self._lock = threading.Lock()
         self.down_since: Optional[float] = None
+        self.losses = 0  # times Redis went away (a metric)
 
     @property
     def up(self) -> bool:
@@ -43,6 +44,7 @@ class RedisHealth:
             if self.down_since is not None:
                 return
             self.down_since = time.monotonic()
+            self.losses += 1
             self._backoff = self._first
             self._next_try = self.down_since + self._backoff
         log.error("lost Redis (%r): decoding goes on; results are kept until it is back", exc)

@@ -43,6 +43,7 @@ from worker.intake import Unreadable, fetch_job_fields, read_job
 from worker.job_ending import Ending, JobEnding
 from worker.liveness import Liveness
 from worker.loading import ModelLoadError
+from worker.metrics import WorkerMetrics
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
 from worker.recovery import finish_cancelled, sweep_abandoned
@@ -93,7 +94,8 @@ class BatchWorker(SimpleWorker):
         self._registries = Registries(self)
         self._health = RedisHealth(self.connection)
         self._bookkeeper = Bookkeeper(self._health)
-        self._ending = JobEnding(self.connection, self._bookkeeper, self, self.settings, self.name)
+        self._metrics = self._start_metrics() if self.settings.metrics_port is not None else None
+        self._ending = JobEnding(self.connection, self._bookkeeper, self, self.settings, self.name, self._metrics)
         self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s,
                               self.settings.max_job_bytes)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
@@ -194,7 +196,8 @@ class BatchWorker(SimpleWorker):
                                         self.job_class.key_for(""))
             self._controller = self._control_plane(scheduler)
             loop = BatchLoop(scheduler, self._queues, self, self._bookkeeper, self._ending, self._health, self.settings,
-                             keys.stats_key(self.name), watchdog=self._liveness.step, controller=self._controller)
+                             keys.stats_key(self.name), watchdog=self._liveness.step, controller=self._controller,
+                             metrics=self._metrics)
             self._loop = loop
             self._liveness.beat_now()  # in the live-worker list at once
             self._liveness.start()
@@ -218,6 +221,24 @@ class BatchWorker(SimpleWorker):
             self.notice_stop()
             self.teardown()
         return taken > 0
+
+    def _start_metrics(self) -> WorkerMetrics:
+        metrics = WorkerMetrics(self.name, self.settings.served_alias, self._gauges)
+        assert self.settings.metrics_port is not None
+        metrics.serve(self.settings.metrics_port)
+        return metrics
+
+    def _gauges(self) -> dict[str, float]:
+        """Read when Prometheus scrapes (any thread): the scheduler's state and the engine's counters."""
+        loop = self._loop
+        if loop is None:
+            return {"redis_losses": self._health.losses}
+        stats = loop.scheduler.stats()
+        prefix = stats.engine.prefix_cache
+        return {"running": stats.jobs - stats.waiting, "waiting": stats.waiting, "sequences": stats.sequences,
+                "kv_usage": stats.kv_reserved_bytes / stats.kv_budget_bytes if stats.kv_budget_bytes else 0.0,
+                "prefix_cache_queries": float(prefix.get("prompt_tokens", 0)),
+                "prefix_cache_hits": float(prefix.get("reused_tokens", 0)), "redis_losses": self._health.losses}
 
     def _control_plane(self, scheduler: BatchScheduler) -> Optional[Controller]:
         """The commands a trainer sends to this model's workers (docs/rl.md); none without a model name."""

@@ -51,6 +51,8 @@ class SchedulerStats:
     jobs: int  # admitted and not ended
     waiting: int  # of those, not in the engine yet (memory, a solo job)
     sequences: int  # sequences decoding or about to
+    kv_reserved_bytes: int  # the KV cache admission counts the running jobs as needing
+    kv_budget_bytes: int  # what admission may commit (0: no budget)
     engine: EngineStats
 
 
@@ -80,9 +82,14 @@ class BatchScheduler:
         self._uid_to_job: dict[str, str] = {}
         self._streams: list[StreamDelta] = []
         self._live_sequences = 0
+        self.last_step_tokens = 0  # tokens the last step made
 
     def stats(self) -> SchedulerStats:
+        running = [job for job in self._jobs.values() if job.in_engine]
+        longest = max((job.kv_tokens for job in running), default=0)
+        reserved = sum(job.live for job in running) * longest * self.engine.kv_bytes_per_token
         return SchedulerStats(jobs=len(self._jobs), waiting=len(self._waiting), sequences=self._live_sequences,
+                              kv_reserved_bytes=reserved, kv_budget_bytes=self.kv_budget_bytes or 0,
                               engine=self.engine.stats())
 
     # --- capacity -------------------------------------------------------------------------
@@ -280,6 +287,7 @@ class BatchScheduler:
         means the step as a whole failed: see `reset`."""
         self._admit_waiting()
         events = self.engine.step()
+        self.last_step_tokens = len(events)
         now = time.time()
         ended: list[EndedJob] = []
         touched: dict[str, ActiveJob] = {}

@@ -8,7 +8,7 @@ from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
-             "gateway-blocking")
+             "gateway-blocking", "images")
 
 # --scenario rl: n samples vs independent requests, the cost of a weight swap, mixed adapters
 RL_PARTS = ("samples", "swap", "adapters")
@@ -83,6 +83,10 @@ class BenchConfig:
     soak_sample_s: float = 1.0
     gateway_clients: int = 256  # gateway scenarios: concurrent clients (mlxq/bench/scenario_gateway.py)
     gateway_requests: int = 3000  # gateway-blocking: requests per arm
+    image_model: Optional[str] = None  # a vision-language model; default: build the `image_shape` one
+    image_shape: str = "small"
+    image_requests: int = 32
+    image_new_tokens: int = 32
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -110,6 +114,8 @@ class BenchConfig:
             raise ValueError(f"--rl-parts: choose from {','.join(RL_PARTS)}")
         if self.rl_swap_sequences < 1 or self.rl_swap_new_tokens < 2 or self.rl_swap_rounds < 1:
             raise ValueError("--rl-swap-sequences and --rl-swap-rounds must be >= 1, --rl-swap-new-tokens >= 2")
+        if self.image_requests < 1 or self.image_new_tokens < 1:
+            raise ValueError("--image-requests and --image-new-tokens must be >= 1")
         if self.soak_engine not in ("model", "fake"):
             raise ValueError("--soak-engine is model or fake")
 

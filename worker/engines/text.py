@@ -33,8 +33,8 @@ from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, M
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
 from worker.engines.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
-from worker.engines.sampling import (SamplerPool, greedy, has_processors, logits_processors, processed_logprobs,
-                                     repair_random_state)
+from worker.engines.sampling import (RawLogits, RowGuard, SamplerPool, attach_logprobs, greedy, logits_processors,
+                                     needs_raw_capture, repair_random_state, requested_distribution)
 
 
 # The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
@@ -110,7 +110,7 @@ class TextEngine:
         self._pacing = PrefillPacing()
         self._version = 0  # of the weights now (swap_weights)
         self._launched_with = 0  # the version mlx-lm's last call launched its forward pass with
-        self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
+        self._kv_bytes_per_token = measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
 
@@ -132,7 +132,7 @@ class TextEngine:
 
     @property
     def context_length(self) -> Optional[int]:
-        return _model_context_length(self.model)
+        return model_context_length(self.model)
 
     def reset(self) -> None:
         self._generator.close()
@@ -293,8 +293,8 @@ class TextEngine:
         constraint = None
         if isinstance(spec.inputs, CompiledConstraint):
             constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
-        capture = _RawLogits() if _needs_raw_capture(spec, constraint is not None) else None
-        guard = _RowGuard()
+        capture = RawLogits() if needs_raw_capture(spec, constraint is not None) else None
+        guard = RowGuard()
         sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
         processors = [guard.processor(p) for p in
                       logits_processors(spec.sampling, len(spec.prompt_token_ids), capture, constraint)]
@@ -357,12 +357,12 @@ class TextEngine:
                 row.constraint.release()
             events.append(event)
             if spec.logprobs or spec.top_logprobs:
-                wanted.append((event, spec, _distribution(spec, logprobs[0], raw_logits)))
+                wanted.append((event, spec, requested_distribution(spec, logprobs[0], raw_logits)))
             if finish is None:
                 row.emitted = True
                 going_on.append((row, first))
         if wanted:
-            _attach_logprobs(wanted)
+            attach_logprobs(wanted)
         self._early.extend(events)
         if going_on:
             caches = _handed_out(cache, len(going_on), owned=True)
@@ -495,12 +495,12 @@ class TextEngine:
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
             if spec.logprobs or spec.top_logprobs:
-                wanted.append((event, spec, _distribution(spec, response.logprobs, raw_logits)))
+                wanted.append((event, spec, requested_distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
                 self._keep_cache(spec, response.all_tokens, response.prompt_cache)
                 self._forget(spec.uid)
         if wanted:
-            _attach_logprobs(wanted)
+            attach_logprobs(wanted)
         return events
 
     def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
@@ -556,60 +556,12 @@ class _Row:
     """One sequence's own state in the batch: its spec, sampler, processors and their guard."""
 
     spec: SequenceSpec
-    capture: Optional["_RawLogits"]
-    guard: "_RowGuard"
+    capture: Optional["RawLogits"]
+    guard: "RowGuard"
     sampler: Any
     processors: list[Any]
     constraint: Optional[RowConstraint] = None
     emitted: bool = False  # it has produced a token
-
-
-class _RowGuard:
-    """Wraps one row's own callables (its processors, its seeded sampler) so an exception in them
-    ends that sequence only. Shared samplers (greedy, unseeded groups) are left unwrapped: wrapping
-    would give each row its own object and cost mlx-lm its one-call sampling of the batch."""
-
-    def __init__(self) -> None:
-        self.error: Optional[str] = None
-
-    def processor(self, fn: Any) -> Any:
-        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(tokens, logits)
-                except Exception as exc:
-                    self.error = f"{type(exc).__name__} in a logits processor: {exc}"
-            return logits
-
-        return guarded
-
-    def sampler(self, fn: Any) -> Any:
-        if fn is greedy or getattr(fn, "shared", False):
-            return fn
-
-        def guarded(logprobs: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(logprobs)
-                except Exception as exc:
-                    self.error = f"{type(exc).__name__} in the sampler: {exc}"
-            return greedy(logprobs)
-
-        return guarded
-
-
-class _RawLogits:
-    """First logits processor of a row whose raw logprobs were asked for while other processors
-    (bias, penalties) change the logits: it keeps the logits as the model produced them.
-    mlx-lm calls a row's processors once per sampled token, in order, and returns each token one
-    step after sampling it, so the oldest kept logits belong to the token being returned."""
-
-    def __init__(self) -> None:
-        self.pending: deque[mx.array] = deque()
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        self.pending.append(logits)
-        return logits
 
 
 def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
@@ -630,11 +582,6 @@ def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ..
     return shared
 
 
-def _needs_raw_capture(spec: SequenceSpec, constrained: bool) -> bool:
-    wants = spec.logprobs or spec.top_logprobs > 0
-    return wants and spec.logprobs_mode == "raw" and (constrained or has_processors(spec.sampling))
-
-
 def _note_constraint(row: "_Row", event: TokenEvent) -> None:
     """Tell a constrained row's matcher what it returned, and on its last token whether its text is complete."""
     if row.constraint is None:
@@ -644,40 +591,7 @@ def _note_constraint(row: "_Row", event: TokenEvent) -> None:
         event.constraint_complete = row.constraint.ended(stopped_by_token=event.finish_reason == "stop")
 
 
-def _distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
-    """The row's log-distribution the request asked to see (logprobs are after processors)."""
-    if spec.logprobs_mode == "processed":
-        return processed_logprobs(logprobs, spec.sampling)
-    if raw_logits is not None:
-        raw = raw_logits.reshape(-1).astype(mx.float32)
-        return raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    return logprobs
-
-
-def _attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) -> None:
-    """Gather the chosen token's logprob (and the top-k) for every row that asked, in one eval."""
-    rows = mx.stack([logprobs for _, _, logprobs in wanted])
-    tokens = mx.array([event.token for event, _, _ in wanted])
-    chosen = mx.take_along_axis(rows, tokens[:, None], axis=-1)[:, 0]
-    k = max(spec.top_logprobs for _, spec, _ in wanted)
-    if k:
-        candidates = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
-        candidate_vals = mx.take_along_axis(rows, candidates, axis=-1)
-        order = mx.argsort(-candidate_vals, axis=-1)
-        top_ids = mx.take_along_axis(candidates, order, axis=-1)
-        top_vals = mx.take_along_axis(candidate_vals, order, axis=-1)
-        mx.eval(chosen, top_ids, top_vals)
-        top_ids_list, top_vals_list = top_ids.tolist(), top_vals.tolist()
-    else:
-        mx.eval(chosen)
-    chosen_list = chosen.tolist()
-    for i, (event, spec, _) in enumerate(wanted):
-        event.logprob = float(chosen_list[i])
-        if spec.top_logprobs:
-            event.top_logprobs = list(zip(top_ids_list[i][: spec.top_logprobs], top_vals_list[i][: spec.top_logprobs]))
-
-
-def _measure_kv_bytes_per_token(model: Any) -> int:
+def measure_kv_bytes_per_token(model: Any) -> int:
     """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
     time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
     try:
@@ -702,6 +616,6 @@ def _model_vocab_size(model: Any, tokenizer: Any) -> int:
     return int(size) if size else len(tokenizer)
 
 
-def _model_context_length(model: Any) -> Optional[int]:
+def model_context_length(model: Any) -> Optional[int]:
     length = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     return int(length) if isinstance(length, int) and length > 0 else None
