@@ -16,19 +16,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import worker  # noqa: F401  (points MLX at an optimized BLAS on Linux, before mlx is imported)
 
 from policy import Sample, Trainer, save_version
 from rollouts import Batch, BatchCheck, batch_requests, collect
 
+from mlxq.demo import worker_process
 from mlxq.redis_server import existing_or_private
 from producer import Client, WaitTimeout
 from schemas import GenerationResult
@@ -62,24 +61,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.url and not args.model:
         p.error("--model: with --url, name the model directory the workers serve (the trainer starts from it)")
     return args
-
-
-@contextlib.contextmanager
-def own_worker(url: str, model: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """An `mlxq worker` process for the run, as `mlxq demo` starts one; its log goes to `log_path`."""
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--model", model, "--name",
-                                 f"grpo-{os.getpid()}", "--log-level", "INFO"],
-                                env={**os.environ, "MLXQ_REDIS_URL": url}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class Loop:
@@ -179,7 +160,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         client = stack.enter_context(Client(url))
         if args.url is None:
             log_path = (args.report.parent if args.report else workdir) / "grpo-worker.log"
-            stack.enter_context(own_worker(url, model, log_path))
+            log = stack.enter_context(log_path.open("ab"))
+            stack.enter_context(worker_process(url, model, name="grpo", log_level="INFO", log=log))
             print(f"started a worker on {model} (log: {log_path})", flush=True)
         loop = Loop(args, client, model, args.versions_dir or workdir / "versions")
         # the first job waits for a worker that has loaded the model
