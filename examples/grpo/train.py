@@ -30,7 +30,8 @@ from rollouts import Batch, BatchCheck, batch_requests, collect
 from mlxq.demo import worker_process
 from mlxq.redis_server import existing_or_private
 from producer import Client, WaitTimeout
-from schemas import GenerationResult
+from schemas import GenerationResult, keys
+from schemas.control import ControlCommand
 
 POLICIES = ("drain", "abort", "inflight")
 
@@ -88,11 +89,23 @@ class Loop:
     def check(self, batch: Batch, results: dict[str, GenerationResult]) -> tuple[list[Sample], BatchCheck]:
         return collect(batch, results, set(self.trainer.versions.versions), self.trainer.replay)
 
-    def publish(self, policy: str, decoding: Batch) -> dict[str, Any]:
+    def catch_up(self) -> Optional[dict[str, Any]]:
+        """Workers on a version an earlier run published get the trainer's starting parameters as
+        the next version first, so that both go on from the same weights."""
+        raw = self.client.connection.get(keys.weights_key(self.name))
+        latest = ControlCommand.model_validate_json(raw).version if raw else None
+        if not latest:
+            return None
+        self.version = latest
+        published = self.publish("drain", None)
+        self.trainer.versions.forget_below(self.version)
+        return published
+
+    def publish(self, policy: str, decoding: Optional[Batch]) -> dict[str, Any]:
         """The current parameters as the next version, while `decoding` runs."""
         version = self.version + 1
         path = save_version(self.trainer.snapshot(version), self.versions_dir / f"v{version}")
-        running = sum(self.client.status(j) == "started" for j in decoding.job_ids)
+        running = sum(self.client.status(j) == "started" for j in decoding.job_ids) if decoding else 0
         started = time.perf_counter()
         outcome = self.client.publish_weights(self.name, version, str(path), policy, upload=self.args.upload,
                                               timeout=self.args.timeout)
@@ -160,12 +173,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         client = stack.enter_context(Client(url))
         if args.url is None:
             log_path = (args.report.parent if args.report else workdir) / "grpo-worker.log"
-            log = stack.enter_context(log_path.open("ab"))
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = stack.enter_context(log_path.open("wb"))
             stack.enter_context(worker_process(url, model, name="grpo", log_level="INFO", log=log))
             print(f"started a worker on {model} (log: {log_path})", flush=True)
         loop = Loop(args, client, model, args.versions_dir or workdir / "versions")
         # the first job waits for a worker that has loaded the model
         client.wait(client.submit({"model": loop.name, "prompt": "warm up", "max_tokens": 2}), timeout=args.timeout)
+        if (start := loop.catch_up()) is not None:
+            print(f"the workers were on version {start['version'] - 1}: published the starting weights as "
+                  f"version {start['version']}", flush=True)
+            if not start["ok"]:
+                print(f"that publish failed: {start['errors'] or start['missing']}")
+                return 1
         started = time.perf_counter()
         ok = loop.run()
         summary = {"ok": ok, "seconds": time.perf_counter() - started, "policies": list(args.policies),

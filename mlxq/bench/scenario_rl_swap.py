@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import redis
 
+from mlxq.bench import scenarios
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
@@ -76,6 +77,7 @@ class ClosedLoad:
         """Submit nothing more and wait until every job submitted has ended."""
         self._stopping.set()
         self._thread.join(timeout)
+        self._conn.close()
         if self.error is not None:
             raise RuntimeError(f"the load's driver failed: {self.error!r}")
 
@@ -127,7 +129,9 @@ class Swap:
 
 
 def _fleet_run(cfg: BenchConfig, url: str, procs: ProcessSet, model: str, blas_path: Optional[str],
-               tokenizer: Tokenizer, version_dir: Path, workers: int, first_version: int) -> tuple[list[Swap], LoadTrace]:
+               tokenizer: Tokenizer, version_dir: Path, workers: int, first_version: int
+               ) -> tuple[list[Swap], "LoadTrace"]:
+    """One fleet of `workers` under the load, a publish under each policy each round; its trace."""
     sequences = cfg.rl_swap_sequences
 
     def argv(name: str, queues: list[str]) -> list[str]:  # INFO: the swap's duration is in its log line
@@ -274,12 +278,10 @@ def _series(trace: LoadTrace, start: float, end: float) -> dict[str, Any]:
             "sequences_decoding": [round(d, 2) for d in decoding]}
 
 
-def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: Any, url: str, procs: ProcessSet, model: str,
-       blas_path: Optional[str]) -> dict[str, Any]:
+def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: scenarios.ClusterFactory, url: str, procs: ProcessSet,
+       model: str, blas_path: Optional[str]) -> dict[str, Any]:
     """The rl scenario's parts (--rl-parts): n samples against independent requests
     (scenarios.rl, whose figures stay at the top level), `swap` and `adapters`."""
-    from mlxq.bench import scenarios
-
     out = scenarios.rl(cfg, tokenizer, make_cluster) if "samples" in cfg.rl_parts else {}
     if "swap" in cfg.rl_parts:
         out["swap"] = weight_swap(cfg, url, procs, model, blas_path, tokenizer)
