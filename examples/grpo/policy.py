@@ -2,11 +2,12 @@
 recomputes, and one GRPO update.
 
 Two recomputations of a sample's logprobs, for two purposes:
-- `replay_logprobs`: the distribution that sampled each token, as the worker computed it. The
-  prompt and the tokens are run through a KV cache segment by segment, each segment under the
-  version that sampled its tokens (`Choice.weight_versions`). Under the `inflight` policy the
-  keys and values of the positions before a swap were written by the old weights: a plain
-  teacher-forced pass under the new version is not the distribution that sampled the later tokens.
+- `replay_logprobs`: the distribution that sampled each token, as the worker computed it. A sample
+  of one version is one teacher-forced pass under it; one whose tokens came from several
+  (`Choice.weight_versions`, the `inflight` policy) is run through a KV cache segment by segment,
+  each under the version that sampled its tokens: the keys and values of the positions before a
+  swap were written by the old weights, so a plain teacher-forced pass under the new version is
+  not the distribution that sampled the later tokens.
 - `sequence_logprobs`: the current parameters' logprobs of every sample, one batched
   teacher-forced pass, differentiable: the policy-gradient loss is built on it.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -170,17 +172,13 @@ class Trainer:
     def __init__(self, model_path: str, learning_rate: float, clip: float) -> None:
         from mlx_lm import load
 
-        self.model, self.tokenizer = load(model_path)
+        self.model, _ = load(model_path)
         self.replay_model, _ = load(model_path)  # loaded with old versions to check results
         self.optimizer = optim.Adam(learning_rate=learning_rate)
         self.clip = clip
         self.versions = VersionStore()
         self.versions.keep(0, flat_parameters(self.model))  # the weights the workers started with
         self._loss_and_grad = nn.value_and_grad(self.model, lambda m, b: grpo_loss(m, b, self.clip))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.args.vocab_size)
 
     def update(self, samples: list[Sample]) -> float:
         """One optimizer step on the samples; returns the loss before it."""
