@@ -224,8 +224,32 @@ def test_a_weight_version_swapped_in_between_steps_samples_the_next_tokens_and_s
     assert before.choices[0].weight_version == 0 and after.choices[0].weight_version == 7
 
 
-def test_structured_output_is_refused_on_the_vision_path(vlm):
+def test_constrained_image_rows_beside_free_rows_each_under_its_own_constraint(vlm):
+    import json
+    import re
+
+    import jsonschema
+
     model, processor = vlm
-    scheduler = BatchScheduler(VisionEngine(model, processor))
-    failed = scheduler.admit("j", {"prompt": "x", "max_tokens": 3, "guided_regex": "[ab]+"})
-    assert failed is not None and failed.error.message.startswith("guided_regex: structured output is served by")
+    engine = VisionEngine(model, processor, max_num_seqs=8)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    free = chat("describe", picture(3), max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    requests = {
+        "schema": chat("as json", picture(4), max_tokens=24, temperature=0,
+                       response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}),
+        "regex": {"prompt": "code", "max_tokens": 12, "temperature": 0.7, "seed": 5, "guided_regex": "[a-c]{2}[0-9]"},
+        "free": free,
+    }
+    results = run_all(BatchScheduler(engine, max_num_seqs=8), requests)
+    regex = results["regex"].choices[0]
+    assert regex.finish_reason == "stop" and re.fullmatch("[a-c]{2}[0-9]", regex.text) and regex.constraint_complete
+    constrained = results["schema"].choices[0]
+    if constrained.finish_reason == "stop":
+        jsonschema.validate(json.loads(constrained.text), schema)
+        assert constrained.constraint_complete
+    else:
+        assert constrained.text.startswith("{") and constrained.constraint_complete is False
+    _, (tokens, distributions) = alone(engine, free)
+    assert results["free"].choices[0].token_ids == tokens  # its neighbours' masks never reach it
+    assert results["free"].choices[0].constraint_complete is None

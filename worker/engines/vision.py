@@ -31,6 +31,7 @@ from mlx_vlm.generate import BatchGenerator
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.row_sampler import RowSampler, SampledRow
 from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logits_processors, needs_raw_capture,
                                      repair_random_state, requested_distribution)
@@ -44,11 +45,13 @@ SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """What an image request carries beside its token ids (`Prompt.inputs`): the processor's output."""
+    """What a request carries beside its token ids (`Prompt.inputs`): the processor's output for its
+    images, and its compiled constraint (structured output)."""
 
-    pixel_values: mx.array  # (patches, channels x temporal x patch x patch)
-    image_grid_thw: mx.array  # (images, 3): each image's grid of patches
-    images: int
+    pixel_values: Optional[mx.array] = None  # (patches, channels x temporal x patch x patch)
+    image_grid_thw: Optional[mx.array] = None  # (images, 3): each image's grid of patches
+    images: int = 0
+    constraint: Optional[CompiledConstraint] = None
 
 
 @dataclass
@@ -91,6 +94,16 @@ class _Row:
     namer: Any  # its first logits processor: names the row to the RowSampler
     guard: RowGuard
     capture: Optional[RawLogits]  # its raw logits, where processors change them and raw logprobs are asked
+    constraint: Optional[RowConstraint] = None  # its structured-output mask
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why the row's own code failed (a processor, its constraint's matcher), if it did."""
+        return self.guard.error or (self.constraint.error if self.constraint is not None else None)
+
+    def release(self) -> None:
+        if self.constraint is not None:
+            self.constraint.release()
 
 
 class VisionEngine:
@@ -127,6 +140,9 @@ class VisionEngine:
             compute_logprobs=False,  # taken per row, from the distributions the sampler keeps
         )
         self._sampler = RowSampler()
+        self._constraints = ConstraintCompiler(self.tokenizer, self._vocab_size, self._eos)
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._max_num_seqs = max_num_seqs
         self._generator = self._new_generator()
         self._live: dict[int, _Row] = {}
         self._engine_uid: dict[str, int] = {}
@@ -139,8 +155,18 @@ class VisionEngine:
         self._embed_bytes_per_token = int(model.language_model.args.hidden_size) * 4
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(self.model.language_model, NoBatchStop(), sampler=self._sampler,
+        # The constrained rows' masks are filled together right before the batch is sampled.
+        return BatchGenerator(self.model.language_model, NoBatchStop(), sampler=fenced(self._sampler, self._fill_masks),
                               **self._generator_options)
+
+    def _fill_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.fill()
+
+    def _mask_batch(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._vocab_size, 2 * self._max_num_seqs)
+        return self._masks
 
     # --- the Engine protocol's properties --------------------------------------------------
     @property
@@ -184,29 +210,34 @@ class VisionEngine:
 
     # --- requests -------------------------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> Prompt:
+        constraint = None
         if request.constraint is not None:
-            raise RequestRejected(f"{request.constraint.field.split('.')[0]}: structured output is served by text "
-                                  "models only, not by this worker's vision engine")
+            if request.ignore_eos:
+                raise RequestRejected(f"ignore_eos: cannot be combined with {request.constraint.field.split('.')[0]}, "
+                                      "which ends the text where the constraint allows EOS")
+            constraint = self._constraints.compile(request.constraint)
+        plain = None if constraint is None else VisionInputs(constraint=constraint)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             if self._image_token_id in ids:
                 raise RequestRejected(f"prompt_token_ids: the image token ({self._image_token_id}) needs its image; "
                                       "send images as image_url parts of messages")
-            return Prompt(ids)
+            return Prompt(ids, inputs=plain)
         if request.prompt is not None:
-            return Prompt(list(self.tokenizer.encode(request.prompt)))
+            return Prompt(list(self.tokenizer.encode(request.prompt)), inputs=plain)
         assert request.messages is not None
         messages, sources = _template_messages(request)
         text = self._apply_chat_template(messages)
         if not sources:
-            return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)))
+            return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)), inputs=plain)
         images = [load_image(url, field, self._images, self._fit_pixels) for field, url in sources]
         try:
             features = self.processor(text=[text], images=images, add_special_tokens=False)
         except Exception as exc:  # e.g. an aspect ratio the model's resizing refuses
             raise RequestRejected(f"messages: the model's image processor refused the images: {exc}") from None
         ids = [int(t) for t in features["input_ids"][0].tolist()]
-        inputs = VisionInputs(mx.array(features["pixel_values"]), mx.array(features["image_grid_thw"]), len(images))
+        inputs = VisionInputs(mx.array(features["pixel_values"]), mx.array(features["image_grid_thw"]), len(images),
+                              constraint)
         return Prompt(ids, extra_bytes=self._encoder_bytes(inputs, len(ids)), inputs=inputs)
 
     def _apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
@@ -219,6 +250,7 @@ class VisionEngine:
         """An estimate of the memory the vision encoder and the input embeddings take while the
         request enters: the patches' activations in one encoder block, each image's attention
         scores, and the embedded prompt."""
+        assert inputs.image_grid_thw is not None and inputs.pixel_values is not None
         grids = [int(t) * int(h) * int(w) for t, h, w in inputs.image_grid_thw.tolist()]
         patches = sum(grids)
         return (patches * (inputs.pixel_values.shape[-1] * 4 + self._encoder_bytes_per_patch)
@@ -256,13 +288,13 @@ class VisionEngine:
         """The prompt's input embeddings and rope positions (the vision encoder's output merged in)."""
         started = time.perf_counter()
         ids = mx.array([token_ids])
-        if inputs is None:
+        if inputs is None or inputs.pixel_values is None:
             output = self.model.get_input_embeddings(ids, None)
         else:
             output = self.model.get_input_embeddings(ids, inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
         embedded = {k: v for k, v in output.to_dict().items() if v is not None}
         mx.eval(list(embedded.values()))
-        if inputs is not None:
+        if inputs is not None and inputs.pixel_values is not None:
             self._counters.vision_calls += 1
             self._counters.images += inputs.images
         self._counters.vision_s += time.perf_counter() - started
@@ -271,12 +303,17 @@ class VisionEngine:
     def _row(self, spec: SequenceSpec) -> _Row:
         wants = spec.logprobs or spec.top_logprobs > 0
         sampled, namer = self._sampler.row(spec.sampling, spec.choice_index, wants)
-        return _Row(spec, sampled, namer, RowGuard(), RawLogits() if needs_raw_capture(spec) else None)
+        compiled = spec.inputs.constraint if isinstance(spec.inputs, VisionInputs) else None
+        constraint = (None if compiled is None else
+                      RowConstraint(compiled, len(spec.prompt_token_ids), self._mask_batch()))
+        capture = RawLogits() if needs_raw_capture(spec, constraint is not None) else None
+        return _Row(spec, sampled, namer, RowGuard(), capture, constraint)
 
     def _processors(self, row: _Row) -> list[Any]:
         """The namer first, unguarded (it must run even after another processor of the row failed),
-        then the row's own processors, each guarded so its failure ends this row alone."""
-        own = logits_processors(row.spec.sampling, len(row.spec.prompt_token_ids), row.capture)
+        then the row's own processors (its constraint's mask last), each guarded so its failure ends
+        this row alone."""
+        own = logits_processors(row.spec.sampling, len(row.spec.prompt_token_ids), row.capture, row.constraint)
         return [row.namer, *(row.guard.processor(p) for p in own)]
 
     # --- stepping -------------------------------------------------------------------------
@@ -287,6 +324,8 @@ class VisionEngine:
         if not self._live:
             return []
         self._sampler.begin()
+        if self._masks is not None:
+            self._masks.begin_step()
         before = self._generator.stats()
         # mlx-vlm returns the tokens its previous call sampled while it launches the next forward
         # pass: after a swap, one more call's tokens come from the old weights.
@@ -311,14 +350,18 @@ class VisionEngine:
             spec = row.spec
             drawn = row.sampled.drawn_from.popleft() if row.sampled.keep_distributions else None
             raw = row.capture.pending.popleft() if row.capture is not None and row.capture.pending else None
-            if row.guard.error is not None:  # this row's own code failed: end it alone
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=row.guard.error))
+            if row.error is not None:  # this row's own code failed: end it alone
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=row.error))
                 self.remove([spec.uid])
                 continue
             token = int(response.token)
             finish = "stop" if token in spec.stop_token_ids else response.finish_reason
             event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
                                weight_version=sampled_with)
+            if row.constraint is not None:
+                row.constraint.observe(token)
+                if finish is not None:
+                    event.constraint_complete = row.constraint.ended(stopped_by_token=finish == "stop")
             events.append(event)
             if drawn is not None:
                 wanted.append((event, spec, requested_distribution(spec, drawn, raw)))
@@ -340,11 +383,16 @@ class VisionEngine:
     def _forget(self, uid: str) -> None:
         engine_uid = self._engine_uid.pop(uid, None)
         if engine_uid is not None:
-            self._live.pop(engine_uid, None)
+            row = self._live.pop(engine_uid, None)
+            if row is not None:
+                row.release()
 
     def reset(self) -> None:
         self._generator.close()
         self._sampler = RowSampler()
+        self._constraints = ConstraintCompiler(self.tokenizer, self._vocab_size, self._eos)
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._max_num_seqs = max_num_seqs
         self._generator = self._new_generator()
         self._live.clear()
         self._engine_uid.clear()
