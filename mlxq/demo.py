@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional
+from typing import IO, Any, Iterator, Optional
 
 from tqdm import tqdm
 
@@ -77,11 +77,15 @@ def _picture(i: int) -> str:
 
 
 @contextlib.contextmanager
-def _worker(url: str, model: str, max_num_seqs: int) -> Iterator[subprocess.Popen[bytes]]:
+def worker_process(url: str, model: str, *args: str, name: str = "demo", log_level: str = "WARNING",
+                   log: Optional[IO[bytes]] = None) -> Iterator[subprocess.Popen[bytes]]:
+    """An `mlxq worker` on `model` while the block runs (`args`: more of its flags; `log`: where its
+    output goes, else this process's). The demo's, and examples/grpo's."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "worker", "--model", model,
-         "--max-num-seqs", str(max_num_seqs), "--name", f"demo-{os.getpid()}", "--log-level", "WARNING"],
+        [sys.executable, "-m", "mlxq", "worker", "--model", model, *args, "--name", f"{name}-{os.getpid()}",
+         "--log-level", log_level],
         env={**os.environ, "MLXQ_REDIS_URL": url},  # not argv: a password there shows in `ps`
+        stdout=log, stderr=subprocess.STDOUT if log is not None else None,
     )
     try:
         yield proc
@@ -106,7 +110,7 @@ def run_demo(
     from producer import Client
 
     with existing_or_private(url, announce=True) as redis_url, _model(model, vision) as model_path, \
-            _worker(redis_url, model_path, max_num_seqs):
+            worker_process(redis_url, model_path, "--max-num-seqs", str(max_num_seqs)):
         client = Client(redis_url)
         requests = [
             {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8,

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
-from mlxq.bench import scenario_gateway
+from mlxq.bench import scenario_gateway, scenario_rl_swap
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
@@ -280,7 +280,7 @@ def _soak_line(s: dict[str, Any]) -> str:
 _SCENARIO_LINES = {
     "overhead": _overhead_line,
     "late-joiner": _late_joiner_line,
-    "rl": _rl_line,
+    "rl": lambda r: "\n".join(([_rl_line(r)] if "grouped" in r else []) + scenario_rl_swap.rl_lines(r)),
     "prefix-cache": _prefix_cache_line,
     "soak": _soak_line,
     "structured": structured_summary_line,

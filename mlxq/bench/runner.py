@@ -227,7 +227,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import images, scenario_gateway, scenarios, soak, structured
+        from mlxq.bench import images, scenario_gateway, scenario_rl_swap, scenarios, soak, structured
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -246,7 +246,7 @@ class Runner:
         runs = {
             "overhead": lambda: scenarios.overhead(cfg, url, procs),
             "late-joiner": lambda: scenarios.late_joiner(cfg, self.tokenizer, make_cluster),
-            "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
+            "rl": lambda: scenario_rl_swap.rl(cfg, self.tokenizer, make_cluster, url, procs, self.model, self.blas.path),
             "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
             "structured": lambda: structured.structured(cfg, self.model),
