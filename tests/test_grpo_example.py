@@ -71,9 +71,6 @@ def test_grpo_steps_under_each_policy_pass_every_check(redis_url, tiny_model_dir
     assert steps[-1]["min_weight_version"] == 2 and steps[0]["mean_reward"] is not None
 
 
-@pytest.mark.xfail(strict=True, reason="worker/engines/text.py: after an inflight swap, sequences that began "
-                   "before it offer their caches (keys and values of the old weights) to the prefix cache, and the "
-                   "next requests on the new version start from them")
 def test_requests_after_an_inflight_swap_sample_from_the_new_weights_alone(redis_url, tiny_model_dir, tiny_worker,
                                                                           tmp_path):
     report_path = tmp_path / "report.json"
