@@ -349,7 +349,8 @@ class Client:
         """Iterate a job's events as its worker writes them (one per choice per decode step):
         `{"event": "token", "index", "token_ids", "text"}`, then one `{"event": "end", "status",
         "finish_reasons"}`. The texts of a choice add up to its final `text`; its token_ids to its
-        `token_ids`. It ends after the end event, whether the job finished, failed, was cancelled
+        `token_ids`, counted from the last `{"event": "restart", "reason"}`, which says the job went back
+        to its queue and what came before is void. It ends after the end event, whether the job finished, failed, was cancelled
         or was ended by RQ without a result; a job submitted without `stream` yields its whole
         result as one token event per choice. The iterator's `last_event_id` is the id of the
         last event it yielded: pass it as `last_event_id` to resume after a dropped connection.
