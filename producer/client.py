@@ -48,7 +48,7 @@ from producer.wire import (
     STREAM_BATCH,
 )
 from schemas import GenerationResult, RequestLimits, keys
-from schemas.control import ControlOutcome, PauseMode, WeightPolicy
+from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import CommandBatch
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
@@ -335,6 +335,10 @@ class Client:
         if job_id is not None:
             self.cancel(job_id)
         return self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    def latest_weights(self, model: str) -> ControlCommand | None:
+        """The latest version published for `model` (where it came from, its policy), or None."""
+        return self._control.latest_weights(model)
 
     def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
         return self._control.send(control_command("reset_prefix_cache", model), {}, timeout)

@@ -30,8 +30,7 @@ from rollouts import Batch, BatchCheck, batch_requests, collect
 from mlxq.demo import worker_process
 from mlxq.redis_server import existing_or_private
 from producer import Client, WaitTimeout
-from schemas import GenerationResult, keys
-from schemas.control import ControlCommand
+from schemas import GenerationResult
 
 POLICIES = ("drain", "abort", "inflight")
 
@@ -92,8 +91,8 @@ class Loop:
     def catch_up(self) -> Optional[dict[str, Any]]:
         """Workers on a version an earlier run published get the trainer's starting parameters as
         the next version first, so that both go on from the same weights."""
-        raw = self.client.connection.get(keys.weights_key(self.name))
-        latest = ControlCommand.model_validate_json(raw).version if raw else None
+        published = self.client.latest_weights(self.name)
+        latest = published.version if published is not None else None
         if not latest:
             return None
         self.version = latest
