@@ -60,10 +60,9 @@ def vlm_alone(model, prompt, max_tokens: int, stop_ids: set[int] = frozenset(), 
     ids, and the processor's pixels for an image request): its tokens and full log-distributions."""
     from mlx_vlm.generate.ar import generate_step as vlm_generate_step
 
-    inputs = prompt.inputs
-    kwargs = {} if inputs is None else {"image_grid_thw": inputs.image_grid_thw}
-    steps = vlm_generate_step(mx.array([prompt.token_ids]), model, None if inputs is None else inputs.pixel_values,
-                              None, max_tokens=max_tokens, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
+    pixel_values, image_grid_thw = (None, None) if prompt.inputs is None else prompt.inputs.image_arrays()
+    kwargs = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
+    steps = vlm_generate_step(mx.array([prompt.token_ids]), model, pixel_values, None, max_tokens=max_tokens, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
                               **kwargs)
     tokens, distributions = [], []
     for token, logprobs in steps:

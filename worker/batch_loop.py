@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import math
 import queue
 import sys
@@ -40,6 +41,7 @@ from worker.output import EndedJob
 from worker.poll import Poll, TakenJob
 from worker.publish import WorkerStats
 from worker.redis_health import REDIS_ERRORS, RedisHealth
+from worker.engines.base import Prompt
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 
@@ -173,6 +175,9 @@ class BatchLoop:
         self._next_maintenance = clock()  # rq cleans its registries when a worker starts
         self._rhythm = StepRhythm()
         self.time = LoopClock()
+        # Jobs whose input is being prepared off this thread (images), and the thread that does it.
+        self._preparing: dict[str, tuple[StartedJob, Future[Prompt]]] = {}
+        self._preparer: Optional[ThreadPoolExecutor] = None
 
     # --- the turns --------------------------------------------------------------------------
     def run(self, burst: bool = False, max_jobs: Optional[int] = None, max_idle_time: Optional[int] = None) -> int:
@@ -215,6 +220,8 @@ class BatchLoop:
         clock = self.time
         clock.lap("between")  # blocking waits and maintenance, when nothing was in flight
         self._forget_done()
+        if self._preparing:
+            self._admit_prepared()
         taken = 0
         if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler)):
             self._rq.beat_now()  # before any sweep can take our jobs for abandoned
@@ -226,6 +233,8 @@ class BatchLoop:
             taken = self._redis_call(self._take, room) or 0
         clock.lap("poll")
         if not len(self.scheduler) and not taken:
+            if self._preparing:  # only inputs being prepared: wait for one, don't spin
+                wait([future for _, future in self._preparing.values()], timeout=0.05, return_when=FIRST_COMPLETED)
             self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
             self._forget_done()
             clock.lap("idle")
@@ -342,7 +351,35 @@ class BatchLoop:
         if item.cancelled:
             return self.scheduler.failed_result(job_id, inflight.payload, "Cancelled", "",
                                                 enqueued_at=item.enqueued_at, status="cancelled")
+        work = self.scheduler.slow_prepare(inflight.payload)
+        if work is not None:  # images take long to decode and process: not on this thread
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="mlxq-prepare")
+            self._preparing[job_id] = (item, self._preparer.submit(work))
+            return None
         return self.scheduler.admit(job_id, inflight.payload, enqueued_at=item.enqueued_at, solo=inflight.solo)
+
+    def _admit_prepared(self) -> None:
+        """Admit the jobs whose inputs are ready; one the engine refused ends at once, naming its field."""
+        ended = []
+        for job_id, (item, future) in list(self._preparing.items()):
+            if not future.done():
+                continue
+            del self._preparing[job_id]
+            payload = item.inflight.payload
+            try:
+                result = self.scheduler.admit(job_id, payload, enqueued_at=item.enqueued_at, solo=item.inflight.solo,
+                                              prepared=future.result())
+            except ValueError as exc:
+                result = self.scheduler.failed_result(job_id, payload, "InvalidRequest", str(exc),
+                                                      enqueued_at=item.enqueued_at, started_at=time.time())
+            except Exception as exc:  # one bad job must never take the worker down
+                log.exception("could not prepare job %s", job_id)
+                result = self.scheduler.failed_result(job_id, None, "WorkerError", f"could not start: {exc!r}",
+                                                      enqueued_at=item.enqueued_at)
+            if result is not None:
+                ended.append(result)
+        self._hand_off(ended)
 
     def _hand_off(self, ended: list[Any]) -> None:
         """The step's stream deltas and the jobs that ended, to the bookkeeping thread."""
@@ -433,6 +470,7 @@ class BatchLoop:
             return
         held = set(self.scheduler.job_ids)
         never_admitted = [job_id for job_id, f in self._table.items() if not f.ending and job_id not in held]
+        self._preparing.clear()
         try:
             self._hand_off(self.scheduler.abort_all("WorkerShutdown", reason))
             self._hand_off([self.scheduler.failed_result(job_id, None, "WorkerShutdown", reason)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
 from schemas.request import InvalidRequestError, RequestLimits
@@ -116,17 +116,26 @@ class BatchScheduler:
         return len(self._jobs)
 
     # --- admission ------------------------------------------------------------------------
+    def slow_prepare(self, payload: object) -> Optional[Callable[[], Prompt]]:
+        """For a request whose input takes long to prepare (images to decode and process), that work,
+        to run off the loop's thread before `admit(..., prepared=)`; None for the others."""
+        if not _has_images(payload):
+            return None
+        return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
+
     def admit(
-        self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False
+        self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,
+        prepared: Optional[Prompt] = None,
     ) -> Optional[GenerationResult]:
         """Take a job. Returns a failed result at once if it can never run here; otherwise it
         enters the engine at the next step, or as soon as memory allows after that (`solo`: only
-        into an empty batch). Jobs admitted between two steps enter together."""
+        into an empty batch). Jobs admitted between two steps enter together. `prepared`: the
+        engine's Prompt for it, made already (`slow_prepare`)."""
         started_at = time.time()
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
             self._check_model(request)
-            prompt = self.engine.prepare(request)
+            prompt = prepared if prepared is not None else self.engine.prepare(request)
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
             max_tokens = request.max_tokens or self.default_max_tokens
@@ -394,3 +403,11 @@ class BatchScheduler:
         return no_output_result(job_id, status, error_type=error_type, message=message,  # type: ignore[arg-type]
                                 request=payload, model=self.model_name, worker=self.worker_name,
                                 enqueued_at=enqueued_at, started_at=started_at)
+
+
+def _has_images(payload: object) -> bool:
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") == "image_url" for part in m["content"])
+        for m in messages)

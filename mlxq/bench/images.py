@@ -92,9 +92,9 @@ def run_alone(vlm: _LocalVlm, payloads: list[dict[str, Any]]) -> tuple[list[Requ
     for i, payload in enumerate(payloads):
         record = RequestRecord(i, 0.0, started=time.perf_counter() - t0)
         prompt = vlm.prepare(payload)
-        kwargs = {"image_grid_thw": prompt.inputs.image_grid_thw} if prompt.inputs is not None else {}
-        steps = generate_step(mx.array([prompt.token_ids]), vlm.model,
-                              prompt.inputs.pixel_values if prompt.inputs is not None else None, None,
+        pixel_values, image_grid_thw = (None, None) if prompt.inputs is None else prompt.inputs.image_arrays()
+        kwargs = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
+        steps = generate_step(mx.array([prompt.token_ids]), vlm.model, pixel_values, None,
                               max_tokens=payload["max_tokens"], sampler=lambda x: mx.argmax(x, axis=-1), **kwargs)
         tokens = []
         for token, _ in steps:
@@ -122,9 +122,9 @@ def run_batched(vlm: _LocalVlm, payloads: list[dict[str, Any]], cfg: BenchConfig
     by_uid: dict[int, int] = {}
     for i, payload in enumerate(payloads):
         prompt = vlm.prepare(payload)
-        inputs = prompt.inputs
-        embedded = vlm.model.get_input_embeddings(mx.array([prompt.token_ids]), inputs.pixel_values,
-                                                  image_grid_thw=inputs.image_grid_thw)
+        pixel_values, image_grid_thw = prompt.inputs.image_arrays()
+        embedded = vlm.model.get_input_embeddings(mx.array([prompt.token_ids]), pixel_values,
+                                                  image_grid_thw=image_grid_thw)
         kwargs = {k: v for k, v in embedded.to_dict().items() if v is not None}
         (uid,) = generator.insert([prompt.token_ids], max_tokens=payload["max_tokens"], prompt_kwargs=[kwargs])
         by_uid[uid] = i

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm.generate import BatchGenerator
 
 from schemas import GenerationRequest
@@ -48,10 +49,18 @@ class VisionInputs:
     """What a request carries beside its token ids (`Prompt.inputs`): the processor's output for its
     images, and its compiled constraint (structured output)."""
 
-    pixel_values: Optional[mx.array] = None  # (patches, channels x temporal x patch x patch)
-    image_grid_thw: Optional[mx.array] = None  # (images, 3): each image's grid of patches
+    # NumPy, not MLX: `prepare` may run on another thread, and an MLX array belongs to the stream
+    # of the thread that made it. (patches, channels x temporal x patch x patch); (images, 3).
+    pixel_values: Optional[np.ndarray] = None
+    image_grid_thw: Optional[np.ndarray] = None  # each image's grid of patches
     images: int = 0
     constraint: Optional[CompiledConstraint] = None
+
+    def image_arrays(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """The pixel values and grids as MLX arrays, made on the calling thread's stream."""
+        if self.pixel_values is None:
+            return None, None
+        return mx.array(self.pixel_values), mx.array(self.image_grid_thw)
 
 
 @dataclass
@@ -236,7 +245,7 @@ class VisionEngine:
         except Exception as exc:  # e.g. an aspect ratio the model's resizing refuses
             raise RequestRejected(f"messages: the model's image processor refused the images: {exc}") from None
         ids = [int(t) for t in features["input_ids"][0].tolist()]
-        inputs = VisionInputs(mx.array(features["pixel_values"]), mx.array(features["image_grid_thw"]), len(images),
+        inputs = VisionInputs(np.asarray(features["pixel_values"]), np.asarray(features["image_grid_thw"]), len(images),
                               constraint)
         return Prompt(ids, extra_bytes=self._encoder_bytes(inputs, len(ids)), inputs=inputs)
 
@@ -291,7 +300,8 @@ class VisionEngine:
         if inputs is None or inputs.pixel_values is None:
             output = self.model.get_input_embeddings(ids, None)
         else:
-            output = self.model.get_input_embeddings(ids, inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
+            pixel_values, image_grid_thw = inputs.image_arrays()
+            output = self.model.get_input_embeddings(ids, pixel_values, image_grid_thw=image_grid_thw)
         embedded = {k: v for k, v in output.to_dict().items() if v is not None}
         mx.eval(list(embedded.values()))
         if inputs is not None and inputs.pixel_values is not None:
