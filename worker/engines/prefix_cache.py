@@ -221,6 +221,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """For each prompt, the longest prefix (but its last token) it shares with another of `prompts`.
+    In sorted order the longest common prefix of a prompt with any other is with a neighbour."""
+    ordered = sorted(prompts)
+    shared = dict.fromkeys(ordered, 0)
+    for a, b in zip(ordered, ordered[1:]):
+        n = common_prefix_length(a, b)
+        shared[a] = max(shared[a], min(n, len(a) - 1))
+        shared[b] = max(shared[b], min(n, len(b) - 1))
+    return shared
+
+
 def _discard(index: dict[int, set[int]], h: int, key: int) -> None:
     keys = index.get(h)
     if keys is not None:

@@ -29,8 +29,15 @@ from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
-from worker.engines.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
-from worker.engines.sampling import SamplerPool, greedy, has_processors, logits_processors, processed_logprobs
+from worker.engines.prefix_cache import PrefixCache, unsupported_reason
+from worker.engines.prefix_cache import shared_prefix_lengths as _shared_prefix_lengths
+from worker.engines.rows import RawLogits as _RawLogits, Row as _Row, RowGuard as _RowGuard
+from worker.engines.rows import attach_logprobs as _attach_logprobs, distribution as _distribution
+from worker.engines.rows import needs_raw_capture as _needs_raw_capture
+from worker.engines.sampling import SamplerPool, greedy, logits_processors
+from worker.engines.text_model import prompt_token_ids
+from worker.engines.text_model import measure_kv_bytes_per_token as _measure_kv_bytes_per_token
+from worker.engines.text_model import model_vocab_size as _model_vocab_size
 
 
 # The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
@@ -53,10 +60,6 @@ EAGER_REFILL_STEPS = 16
 # a large fixed cost (mlx-lm evaluates and clears MLX's buffer cache after each one): on an H200 at
 # 256 in flight with output lengths 128 +- 64, 406 prefill calls took a third of the run.
 JOINER_HOLD_STEPS = 4
-
-
-class RequestRejected(ValueError):
-    """The request cannot run on this model; the message names the field."""
 
 
 class TextEngine:
@@ -146,24 +149,7 @@ class TextEngine:
         return Prompt(self.prompt_token_ids(request))
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return list(self.tokenizer.encode(request.prompt))
-        assert request.messages is not None
-        if not getattr(self.tokenizer, "has_chat_template", False):
-            raise RequestRejected("messages: this model has no chat template; send `prompt` or `prompt_token_ids`")
-        messages = []
-        for i, message in enumerate(request.messages):
-            content = message.content
-            if not isinstance(content, str):
-                if any(part.type != "text" for part in content):
-                    raise RequestRejected(
-                        f"messages[{i}].content: image parts need a vision model; this worker serves a text model"
-                    )
-            messages.append(message.model_dump(exclude_none=True))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return prompt_token_ids(self.tokenizer, request)
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
@@ -479,142 +465,7 @@ class _Held:
     since_step: int  # the engine's decode step count when it arrived
 
 
-@dataclass
-class _Row:
-    """One sequence's own state in the batch: its spec, sampler, processors and their guard."""
-
-    spec: SequenceSpec
-    capture: Optional["_RawLogits"]
-    guard: "_RowGuard"
-    sampler: Any
-    processors: list[Any]
-    emitted: bool = False  # it has produced a token
-
-
-class _RowGuard:
-    """Wraps one row's own callables (its processors, its seeded sampler) so an exception in them
-    ends that sequence only. Shared samplers (greedy, unseeded groups) are left unwrapped: wrapping
-    would give each row its own object and cost mlx-lm its one-call sampling of the batch."""
-
-    def __init__(self) -> None:
-        self.error: Optional[str] = None
-
-    def processor(self, fn: Any) -> Any:
-        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(tokens, logits)
-                except Exception as exc:
-                    self.error = f"{type(exc).__name__} in a logits processor: {exc}"
-            return logits
-
-        return guarded
-
-    def sampler(self, fn: Any) -> Any:
-        if fn is greedy or getattr(fn, "shared", False):
-            return fn
-
-        def guarded(logprobs: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(logprobs)
-                except Exception as exc:
-                    self.error = f"{type(exc).__name__} in the sampler: {exc}"
-            return greedy(logprobs)
-
-        return guarded
-
-
-class _RawLogits:
-    """First logits processor of a row whose raw logprobs were asked for while other processors
-    (bias, penalties) change the logits: it keeps the logits as the model produced them.
-    mlx-lm calls a row's processors once per sampled token, in order, and returns each token one
-    step after sampling it, so the oldest kept logits belong to the token being returned."""
-
-    def __init__(self) -> None:
-        self.pending: deque[mx.array] = deque()
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        self.pending.append(logits)
-        return logits
-
-
 def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
     """`count` caches for sequences to start from: `cache` itself first if it is ours to give
     (copies cost a device copy per layer), copies for the others."""
     return [cache if owned and i == 0 else copy.deepcopy(cache) for i in range(count)]
-
-
-def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
-    """For each prompt, the longest prefix (but its last token) it shares with another of `prompts`.
-    In sorted order the longest common prefix of a prompt with any other is with a neighbour."""
-    ordered = sorted(prompts)
-    shared = dict.fromkeys(ordered, 0)
-    for a, b in zip(ordered, ordered[1:]):
-        n = common_prefix_length(a, b)
-        shared[a] = max(shared[a], min(n, len(a) - 1))
-        shared[b] = max(shared[b], min(n, len(b) - 1))
-    return shared
-
-
-def _needs_raw_capture(spec: SequenceSpec) -> bool:
-    wants = spec.logprobs or spec.top_logprobs > 0
-    return wants and spec.logprobs_mode == "raw" and has_processors(spec.sampling)
-
-
-def _distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
-    """The row's log-distribution the request asked to see (logprobs are after processors)."""
-    if spec.logprobs_mode == "processed":
-        return processed_logprobs(logprobs, spec.sampling)
-    if raw_logits is not None:
-        raw = raw_logits.reshape(-1).astype(mx.float32)
-        return raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    return logprobs
-
-
-def _attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) -> None:
-    """Gather the chosen token's logprob (and the top-k) for every row that asked, in one eval."""
-    rows = mx.stack([logprobs for _, _, logprobs in wanted])
-    tokens = mx.array([event.token for event, _, _ in wanted])
-    chosen = mx.take_along_axis(rows, tokens[:, None], axis=-1)[:, 0]
-    k = max(spec.top_logprobs for _, spec, _ in wanted)
-    if k:
-        candidates = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
-        candidate_vals = mx.take_along_axis(rows, candidates, axis=-1)
-        order = mx.argsort(-candidate_vals, axis=-1)
-        top_ids = mx.take_along_axis(candidates, order, axis=-1)
-        top_vals = mx.take_along_axis(candidate_vals, order, axis=-1)
-        mx.eval(chosen, top_ids, top_vals)
-        top_ids_list, top_vals_list = top_ids.tolist(), top_vals.tolist()
-    else:
-        mx.eval(chosen)
-    chosen_list = chosen.tolist()
-    for i, (event, spec, _) in enumerate(wanted):
-        event.logprob = float(chosen_list[i])
-        if spec.top_logprobs:
-            event.top_logprobs = list(zip(top_ids_list[i][: spec.top_logprobs], top_vals_list[i][: spec.top_logprobs]))
-
-
-def _measure_kv_bytes_per_token(model: Any) -> int:
-    """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
-    time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
-    try:
-        cache = make_prompt_cache(model)
-        model(mx.array([[0]]), cache=cache)
-        arrays = [a for c in cache for a in _flatten(c.state) if isinstance(a, mx.array) and a.ndim == 4]
-        mx.eval(arrays)
-        return int(sum(a.nbytes // a.shape[2] for a in arrays))
-    except Exception:
-        return 0
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _flatten(item)]
-    return [value]
-
-
-def _model_vocab_size(model: Any, tokenizer: Any) -> int:
-    args = getattr(model, "args", None)
-    size: Optional[int] = getattr(args, "vocab_size", None)
-    return int(size) if size else len(tokenizer)
