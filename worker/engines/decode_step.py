@@ -54,15 +54,16 @@ class DecodeStep:
     """`step(tokens, positions, buffers) -> logits`: one token of every slot through the model,
     the buffers updated in place (the caller's `SlotBuffers` takes the new arrays)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, grouped_mask: bool = False) -> None:
         self.model = model
+        self.grouped_mask = grouped_mask
         self._compiled = mx.compile(self._decode, inputs=[model])
         self.shapes: dict[tuple[int, int], CompileRecord] = {}
 
     def _decode(self, tokens: mx.array, positions: mx.array, arrays: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
         half = len(arrays) // 2
         buffers = SlotBuffers(arrays[:half], arrays[half:])
-        caches = buffers.layer_caches(positions)
+        caches = buffers.layer_caches(positions, self.grouped_mask)
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
         buffers.absorb(caches)
         return logits, buffers.arrays()
@@ -89,8 +90,9 @@ class DecodeStep:
         is where MLX builds its kernels), and record how long it took."""
         started = time.perf_counter()
         scratch = SlotBuffers([mx.zeros_like(a) for a in buffers.keys], [mx.zeros_like(a) for a in buffers.values])
-        zeros = mx.zeros((buffers.slots,), mx.int32)
-        logits, arrays = self._compiled(zeros, zeros, scratch.arrays())
+        tokens = mx.zeros((buffers.slots,), mx.uint32)  # the dtypes of a real step: a new dtype recompiles
+        positions = mx.zeros((buffers.slots,), mx.int32)
+        logits, arrays = self._compiled(tokens, positions, scratch.arrays())
         mx.eval(logits, arrays)
         record = CompileRecord(buffers.slots, buffers.length, time.perf_counter() - started, at_start)
         self.shapes[(buffers.slots, buffers.length)] = record

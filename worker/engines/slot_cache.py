@@ -25,10 +25,11 @@ class SlotLayerCache:
     """One layer's view of the slot buffers for one model call: slot b's new tokens go to positions
     `positions[b]`, `positions[b] + 1`, ... and it attends to every position up to its own."""
 
-    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, grouped_mask: bool = False) -> None:
         self.keys = keys
         self.values = values
         self.positions = positions
+        self.grouped_mask = grouped_mask
 
     @property
     def offset(self) -> mx.array:
@@ -63,6 +64,8 @@ class SlotLayerCache:
             raise ValueError("slot caches have no sliding window: this model needs mlx-lm's own caches")
         queries = self.positions[:, None] + mx.arange(N)[None]  # (slots, N): each query's position
         visible = mx.arange(self.keys.shape[2])[None, None, :] <= queries[:, :, None]
+        if self.grouped_mask:
+            return visible[:, None, None]  # (slots, 1, 1, N, length): over kv heads and their groups
         return visible[:, None]  # (slots, 1, N, length): broadcast over heads
 
 
@@ -94,8 +97,8 @@ class SlotBuffers:
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
 
-    def layer_caches(self, positions: mx.array) -> list[SlotLayerCache]:
-        return [SlotLayerCache(k, v, positions) for k, v in zip(self.keys, self.values)]
+    def layer_caches(self, positions: mx.array, grouped_mask: bool = False) -> list[SlotLayerCache]:
+        return [SlotLayerCache(k, v, positions, grouped_mask) for k, v in zip(self.keys, self.values)]
 
     def absorb(self, caches: Sequence[SlotLayerCache]) -> None:
         """Take the arrays a model call left in `caches` (made by `layer_caches`)."""
@@ -152,12 +155,16 @@ class SlotBuffers:
 
 
 class KVLayout:
-    """The per-layer shapes and dtype of a model's KV cache, read off one token run through it."""
+    """The per-layer shapes and dtype of a model's KV cache, read off one token run through it, and
+    the mask shape its attention broadcasts: gemma2's grouped-query attention computes its scores as
+    (batch, kv heads, repeats, queries, keys) and applies the mask to those itself."""
 
-    def __init__(self, key_shapes: list[tuple[int, int]], value_shapes: list[tuple[int, int]], dtype: Any) -> None:
+    def __init__(self, key_shapes: list[tuple[int, int]], value_shapes: list[tuple[int, int]], dtype: Any,
+                 grouped_mask: bool = False) -> None:
         self.key_shapes = key_shapes
         self.value_shapes = value_shapes
         self.dtype = dtype
+        self.grouped_mask = grouped_mask
 
     @classmethod
     def of(cls, model: Any) -> "KVLayout":
@@ -168,8 +175,10 @@ class KVLayout:
         keys = [c.state[0] for c in cache]
         values = [c.state[1] for c in cache]
         mx.eval(keys, values)
+        attention = getattr(model.layers[0], "self_attn", None)
+        grouped = getattr(model, "model_type", None) == "gemma2" and getattr(attention, "repeats", 1) > 1
         return cls([(k.shape[1], k.shape[3]) for k in keys], [(v.shape[1], v.shape[3]) for v in values],
-                   keys[0].dtype)
+                   keys[0].dtype, grouped)
 
     @property
     def bytes_per_token(self) -> int:

@@ -29,8 +29,7 @@ from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
-from worker.engines.prefix_cache import PrefixCache, unsupported_reason
-from worker.engines.prefix_cache import shared_prefix_lengths as _shared_prefix_lengths
+from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.rows import RawLogits as _RawLogits, Row as _Row, RowGuard as _RowGuard
 from worker.engines.rows import attach_logprobs as _attach_logprobs, distribution as _distribution
 from worker.engines.rows import needs_raw_capture as _needs_raw_capture
@@ -38,11 +37,6 @@ from worker.engines.sampling import SamplerPool, greedy, logits_processors
 from worker.engines.text_model import prompt_token_ids
 from worker.engines.text_model import measure_kv_bytes_per_token as _measure_kv_bytes_per_token
 from worker.engines.text_model import model_vocab_size as _model_vocab_size
-
-
-# The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
-# caller's own copy (else the prefix cache keeps it, and it must be copied before use).
-_Start = tuple[Optional[list[Any]], int, bool]
 
 
 # Joiners prefilled one by one at admission: each stalls the running batch for its own prefill (on
@@ -173,7 +167,7 @@ class TextEngine:
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
+        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()}, self._prefill)
         for prompt, group in groups.items():
             cache, cached, owned = starts[prompt]
             rows = [self._row(spec) for spec in group]
@@ -188,32 +182,6 @@ class TextEngine:
             else:
                 self._insert_or_hold(joining, rows, [list(prompt[cached:]) for _ in rows],
                                      _handed_out(cache, len(rows), owned), [list(prompt[:cached]) for _ in rows])
-
-    def _starts(self, copies: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], _Start]:
-        """For each prompt (run `copies` times), the cache it starts from and the tokens it holds."""
-        shared = _shared_prefix_lengths(list(copies)) if self._prefix.enabled else {}
-        starts: dict[tuple[int, ...], _Start] = {}
-        # Sorted: prompts sharing a prefix are neighbours, so the first one's prefill is the others' hit.
-        for prompt in sorted(copies):
-            if copies[prompt] > 1:
-                want = len(prompt) - 1
-            else:
-                want = shared.get(prompt, 0)
-                want = want if want >= self._prefix.min_match else 0
-            starts[prompt] = self._start(list(prompt), want)
-        return starts
-
-    def _start(self, prompt: list[int], want: int) -> _Start:
-        """The cache a prompt starts from and how many of its tokens it holds: the longest cached
-        prefix, extended here to `want` tokens (stored for later prompts) when that is longer."""
-        found = self._prefix.lookup(prompt)  # a copy: ours
-        cache, cached = found if found is not None else (None, 0)
-        if want > cached:
-            cache = self._prefill(prompt[cached:want], cache)
-            cached = want
-            if self._prefix.store(prompt[:want], cache):
-                return cache, cached, False
-        return cache, cached, True
 
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""

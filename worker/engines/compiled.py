@@ -1,0 +1,497 @@
+"""CompiledEngine: mlxq's own continuous-batching decode loop over shape-stable slot buffers.
+
+Every sequence owns a slot of preallocated per-layer KV buffers (worker/engines/slot_cache.py)
+and is written at its own position, so a decode step has the same shapes whatever the sequences'
+lengths: it is one `mx.compile`d call per (slots, length) bucket (worker/engines/decode_step.py).
+The next step is built and handed to the device (`mx.async_eval`) before the tokens of the one in
+flight are read back, so the host's work for step k+1 runs while the device computes step k; a
+step's tokens are therefore returned by the following `step()` call.
+
+Prompts are prefilled here, a prefill batch at a time, right-padded into their slots: every prompt
+token but the last, whose token enters the next decode step (as mlx-lm's `generate_step` does),
+which samples the first generated token. Sampling, logits processors, seeds, logprobs, the prefix
+cache and the n choices sharing one prefill are the text engine's (worker/engines/text.py):
+the same modules, the same per-row rules, in the order mlx-lm applies them.
+
+Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
+run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from schemas import GenerationRequest
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.counters import EngineCounters
+from worker.engines.decode_step import MIN_LENGTH_BUCKET, DecodeStep, bucket, ladder
+from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
+from worker.engines.rows import LogprobGather, Row, RowGuard, distribution, needs_raw_capture
+from worker.engines.sampling import SamplerPool, greedy, logits_processors
+from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.engines.text_model import model_vocab_size, prompt_token_ids
+
+log = logging.getLogger("mlxq.engine")
+
+# Buffers are padded past what the sequences need to the next bucket; when a budget is set and the
+# padded shape would exceed it, lengths are rounded up to this many positions instead.
+EXACT_LENGTH_STEP = 64
+
+
+@dataclass
+class _Sequence:
+    row: Row
+    prompt: list[int]
+    custom: bool  # it has processors that change its logits (beyond naming a seeded row)
+    slot: int = -1
+    position: int = 0  # where its next input token's keys and values go: the tokens its slot holds
+    launches: int = 0  # decode steps it was in
+    generated: list[int] = field(default_factory=list)
+    context: Optional[mx.array] = None  # prompt and tokens fed so far, for its processors
+    done: bool = False
+
+
+@dataclass
+class _Waiting:
+    seq: _Sequence
+    cache: Optional[list[Any]]  # mlx-lm caches of a prefix it starts from (read, never changed)
+    cached: int  # the prompt tokens that cache holds
+
+    @property
+    def rest(self) -> list[int]:
+        """The prompt tokens to prefill: all but those cached and the last."""
+        return self.seq.prompt[self.cached:-1]
+
+
+@dataclass
+class _Launched:
+    """A decode step handed to the device, read back by the next `step()`."""
+
+    tokens: mx.array  # (slots,)
+    rows: list[tuple[int, _Sequence]]  # (slot at launch, sequence) of every occupied slot
+    errors: list[Optional[str]]  # each row's own failure (processor, sampler) while building it
+    logprobs: Optional[LogprobGather]
+    wanting: list[int]  # positions in `rows` of the rows whose logprobs `logprobs` holds
+
+
+class CompiledEngine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        prefix_cache_bytes: int = 0,
+        prefix_min_match: int = 16,
+        kv_budget_bytes: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self._vocab_size = model_vocab_size(model, tokenizer)
+        self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self._max_slots = max_num_seqs
+        self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
+        self._prefill_step_size = prefill_step_size
+        self._kv_budget = kv_budget_bytes
+        self._layout = KVLayout.of(model)
+        self._decode = DecodeStep(model, self._layout.grouped_mask)
+        self._samplers = SamplerPool()
+        self._counters = EngineCounters()
+        self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
+                                   disabled_reason=unsupported_reason(make_prompt_cache(model)))
+        self._no_tokens = mx.array([], dtype=mx.int32)
+        self._buffers: Optional[SlotBuffers] = None
+        self._slots: list[Optional[_Sequence]] = []
+        self._inputs: Optional[mx.array] = None  # (slots,): each slot's token for the next step
+        self._waiting: deque[_Waiting] = deque()
+        self._by_uid: dict[str, _Sequence] = {}
+        self._in_flight: Optional[_Launched] = None
+
+    # --- the Engine protocol --------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def num_active(self) -> int:
+        return len(self._by_uid)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._layout.bytes_per_token
+
+    def kv_bytes_for(self, rows: int, tokens: int) -> int:
+        """The slot buffers' bytes when `rows` sequences of up to `tokens` tokens decode: what
+        admission should count (the buckets pad both)."""
+        slots, length = self._shape_for(rows, tokens)
+        return slots * length * self._layout.bytes_per_token
+
+    def prepare(self, request: GenerationRequest) -> Prompt:
+        return Prompt(prompt_token_ids(self.tokenizer, request))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def stats(self) -> EngineStats:
+        counters: dict[str, Any] = dict(self._counters.as_dict())
+        counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
+                        slot_buffer_bytes=self._buffers.nbytes if self._buffers else 0)
+        return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
+
+    def time_stats(self) -> dict[str, Any]:
+        return self._counters.as_dict()
+
+    def warm_up(self, max_tokens: int) -> float:
+        """Compile the decode step for every slot bucket up to max_num_seqs at every length
+        bucket up to `max_tokens`; the seconds it took."""
+        shapes = [(slots, length) for slots in self._slot_ladder()
+                  for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
+        return self._decode.warm_up(self._layout, shapes)
+
+    def add(self, specs: list[SequenceSpec]) -> None:
+        """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
+        one prefill of the prompt but its last token. With the prefix cache on, every prompt first
+        takes the longest cached prefix, and prompts of one `add` share their common prefixes'
+        prefills; with it off, nothing is shared across requests."""
+        if self._prefix.enabled:
+            self._add(specs)
+        else:
+            by_request: dict[str, list[SequenceSpec]] = {}
+            for spec in specs:
+                by_request.setdefault(spec.request_id, []).append(spec)
+            for request_specs in by_request.values():
+                self._add(request_specs)
+
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
+        return the tokens of the step handed over by the previous call."""
+        started = time.perf_counter()
+        prefill_s = self._admit()
+        self._fit()
+        launched = self._launch() if any(self._slots) else None
+        events = self._collect(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        if launched is not None:
+            self._counters.decode_steps += 1
+        self._counters.decode_tokens += sum(1 for e in events if e.error is None)
+        self._counters.decode_s += time.perf_counter() - started - prefill_s
+        return events
+
+    def remove(self, uids: list[str]) -> None:
+        gone = set()
+        for uid in uids:
+            seq = self._by_uid.get(uid)
+            if seq is not None:
+                gone.add(id(seq))
+                self._end(seq)
+        if gone:
+            self._waiting = deque(w for w in self._waiting if id(w.seq) not in gone)
+
+    def reset(self) -> None:
+        self._buffers = None
+        self._slots = []
+        self._inputs = None
+        self._waiting.clear()
+        self._by_uid.clear()
+        self._in_flight = None
+        self._prefix.clear()  # after a failed step nothing it made is trusted
+
+    # --- admission and prefill ------------------------------------------------------------
+    def _add(self, specs: list[SequenceSpec]) -> None:
+        groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
+        for spec in specs:
+            groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
+        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()},
+                             self._prefill_alone)
+        for prompt, group in groups.items():
+            cache, cached, _owned = starts[prompt]  # only read here: ownership does not matter
+            for spec in group:
+                seq = self._sequence(spec)
+                self._by_uid[spec.uid] = seq
+                self._waiting.append(_Waiting(seq, cache, cached))
+
+    def _sequence(self, spec: SequenceSpec) -> _Sequence:
+        """A sequence's own sampler and logits processors, each guarded so that its failure ends
+        that sequence alone (as the text engine's rows)."""
+        guard = RowGuard()
+        sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
+        processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids))]
+        custom = bool(processors)
+        if namer is not None:  # unguarded: it must run even after another processor of the row failed
+            processors.insert(0, namer)
+        row = Row(spec, None, guard, guard.sampler(sampler), processors)
+        return _Sequence(row, list(spec.prompt_token_ids), custom,
+                         context=mx.array(spec.prompt_token_ids) if custom else None)
+
+    def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
+        """Run `tokens` through the model on top of `cache` (mlx-lm caches; fresh ones if None),
+        in place: a prefix several sequences start from."""
+        cache = make_prompt_cache(self.model) if cache is None else cache
+        started = time.perf_counter()
+        for start in range(0, len(tokens), self._prefill_step_size):
+            self.model(mx.array(tokens[start:start + self._prefill_step_size])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
+        return cache
+
+    def _admit(self) -> float:
+        """Move waiting sequences into free slots, in order: those with nothing left to prefill,
+        and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
+        beyond the first). Returns the seconds spent prefilling."""
+        room = self._max_slots - sum(1 for s in self._slots if s is not None)
+        taken: list[_Waiting] = []
+        prefills = budget = 0
+        while self._waiting and len(taken) < room:
+            entry = self._waiting[0]
+            rest = len(entry.rest)
+            if rest:
+                if prefills >= self._prefill_batch_size or (prefills and budget + rest > self._prefill_step_size):
+                    break
+                prefills += 1
+                budget += rest
+            taken.append(self._waiting.popleft())
+        if not taken:
+            return 0.0
+        started = time.perf_counter()
+        span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
+        self._reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
+        assert self._buffers is not None and self._inputs is not None
+        free = (i for i, s in enumerate(self._slots) if s is None)
+        for entry in taken:
+            entry.seq.slot = next(free)
+            self._slots[entry.seq.slot] = entry.seq
+            entry.seq.position = len(entry.seq.prompt) - 1
+        by_cache: dict[int, list[_Waiting]] = {}
+        for entry in taken:
+            if entry.cache is not None:
+                by_cache.setdefault(id(entry.cache), []).append(entry)
+        for entries in by_cache.values():
+            self._buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
+        prefilling = [e for e in taken if e.rest]
+        if prefilling:
+            self._prefill_slots(prefilling)
+        slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
+        self._inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=self._inputs.dtype)
+        if not prefilling:
+            return 0.0
+        mx.eval(self._buffers.arrays())
+        seconds = time.perf_counter() - started
+        self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
+        return seconds
+
+    def _prefill_slots(self, entries: list[_Waiting]) -> None:
+        """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
+        chunks of prefill_step_size positions); padding positions lie past each slot's position,
+        where the mask hides them until decoding overwrites them."""
+        assert self._buffers is not None
+        slots = [e.seq.slot for e in entries]
+        rests = [e.rest for e in entries]
+        width = max(len(r) for r in rests)
+        part = self._buffers.gather(slots, max(e.cached for e in entries) + width)
+        tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
+        for start in range(0, width, self._prefill_step_size):
+            if start:
+                mx.eval(part.arrays())
+            caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
+                                       self._layout.grouped_mask)
+            self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
+            part.absorb(caches)
+        self._buffers.scatter(slots, part)
+
+    # --- buffers --------------------------------------------------------------------------
+    def _slot_ladder(self) -> list[int]:
+        return sorted({min(b, self._max_slots) for b in ladder(self._max_slots)})
+
+    def _shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The buffer shape that holds `rows` sequences of `tokens` positions: both bucketed, or,
+        when that exceeds the KV budget, the rows exactly and the length in EXACT_LENGTH_STEPs."""
+        slots = min(bucket(rows), self._max_slots)
+        length = bucket(tokens, MIN_LENGTH_BUCKET)
+        if self._kv_budget and slots * length * self._layout.bytes_per_token > self._kv_budget:
+            slots, length = rows, -(-tokens // EXACT_LENGTH_STEP) * EXACT_LENGTH_STEP
+        return slots, length
+
+    def _needed_length(self) -> int:
+        """Positions the next step writes up to (each slot's position, plus one)."""
+        return max((s.position + 1 for s in self._slots if s is not None), default=1)
+
+    def _reserve(self, rows: int, tokens: int) -> None:
+        """Make room for `rows` more sequences of up to `tokens` positions."""
+        occupied = sum(1 for s in self._slots if s is not None)
+        need_rows, need_length = occupied + rows, max(tokens, self._needed_length())
+        if self._buffers is not None and need_rows <= len(self._slots) and need_length <= self._buffers.length:
+            return
+        self._resize(*self._shape_for(need_rows, need_length))
+
+    def _fit(self) -> None:
+        """Before a step: grow the buffers for the positions it writes; shrink them once the
+        sequences need half of them or less (the hysteresis keeps churn from resizing every step),
+        the slots only while nothing waits for one; drop them when idle."""
+        if self._buffers is None:
+            return
+        occupied = sum(1 for s in self._slots if s is not None)
+        if not occupied and not self._waiting:
+            self._buffers, self._slots, self._inputs = None, [], None
+            return
+        needed = self._needed_length()
+        slots, length = self._shape_for(occupied, needed)
+        if self._waiting or slots > len(self._slots) // 2:
+            slots = len(self._slots)
+        if needed <= self._buffers.length and length > self._buffers.length // 2:
+            length = self._buffers.length
+        if (slots, length) != (len(self._slots), self._buffers.length):
+            self._resize(slots, length)
+
+    def _resize(self, slots: int, length: int) -> None:
+        """New buffers of `slots x length`; the occupied slots move to the first ones, in order."""
+        keep = [s for s in self._slots if s is not None]
+        if self._buffers is None:
+            self._buffers = SlotBuffers.allocate(self._layout, slots, length)
+        else:
+            self._buffers = self._buffers.resized(slots, length, [s.slot for s in keep])
+        inputs = mx.zeros((slots,), dtype=mx.uint32)
+        if keep and self._inputs is not None:
+            inputs[: len(keep)] = self._inputs[mx.array([s.slot for s in keep], dtype=mx.int32)]
+        self._inputs = inputs
+        for i, seq in enumerate(keep):
+            seq.slot = i
+        self._slots = keep + [None] * (slots - len(keep))
+
+    # --- decoding -------------------------------------------------------------------------
+    def _launch(self) -> _Launched:
+        assert self._buffers is not None and self._inputs is not None
+        occupied = [s for s in self._slots if s is not None]
+        positions = [0] * len(self._slots)
+        for seq in occupied:
+            positions[seq.slot] = seq.position
+        inputs = self._inputs
+        logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
+        tokens, gather, wanting = self._sample(logits, inputs, occupied)
+        errors = [seq.row.guard.error for seq in occupied]
+        for seq in occupied:
+            seq.position += 1
+            seq.launches += 1
+        self._inputs = tokens
+        mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
+        return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting)
+
+    def _sample(self, logits: mx.array, inputs: mx.array, occupied: list[_Sequence]
+                ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
+        """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
+        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
+        self._samplers.seeded.begin()
+        processed = logits
+        changed: list[tuple[int, mx.array]] = []
+        for seq in occupied:
+            if not seq.row.processors:
+                continue
+            context = self._no_tokens
+            if seq.custom:
+                assert seq.context is not None
+                if seq.launches:  # the token it is fed now joins its context
+                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
+                context = seq.context
+            row_logits = logits[seq.slot:seq.slot + 1]
+            for processor in seq.row.processors:
+                row_logits = processor(context, row_logits)
+            if seq.custom:
+                changed.append((seq.slot, row_logits))
+        if changed:
+            where = mx.array([slot for slot, _ in changed], dtype=mx.int32)[:, None]
+            rows = mx.concatenate([row for _, row in changed])
+            processed = mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+        tokens = self._draw(logprobs, occupied)
+        wanting = [i for i, seq in enumerate(occupied) if seq.row.spec.logprobs or seq.row.spec.top_logprobs]
+        if not wanting:
+            return tokens, None, wanting
+        specs = [occupied[i].row.spec for i in wanting]
+        slots = [occupied[i].slot for i in wanting]
+        index = mx.array(slots, dtype=mx.int32)
+        if all(s.logprobs_mode == "raw" and not needs_raw_capture(s) for s in specs):
+            rows = logprobs[index]
+        else:
+            rows = mx.stack([distribution(spec, logprobs[slot], logits[slot] if needs_raw_capture(spec) else None)
+                             for spec, slot in zip(specs, slots)])
+        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
+
+    def _draw(self, logprobs: mx.array, occupied: list[_Sequence]) -> mx.array:
+        """One token per slot (free slots get the greedy one): each group of rows that shares a
+        sampler object is sampled in one call, on its rows in slot order."""
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for seq in occupied:
+            groups.setdefault(id(seq.row.sampler), (seq.row.sampler, []))[1].append(seq.slot)
+        tokens = greedy(logprobs).astype(mx.uint32)
+        for sampler, slots in groups.values():
+            if sampler is greedy:
+                continue
+            if len(slots) == len(self._slots):
+                tokens = sampler(logprobs).astype(mx.uint32)
+                continue
+            index = mx.array(slots, dtype=mx.int32)
+            drawn = sampler(logprobs[index]).astype(mx.uint32)
+            tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
+        return tokens
+
+    def _collect(self, launched: _Launched) -> list[TokenEvent]:
+        """Read a launched step's tokens back and turn them into events; end the sequences that
+        stopped, hit their length or failed."""
+        tokens = launched.tokens.tolist()
+        events: list[TokenEvent] = []
+        wanted_events: list[Optional[TokenEvent]] = [None] * len(launched.wanting)
+        wanted_at = {row: i for i, row in enumerate(launched.wanting)}
+        for i, (slot, seq) in enumerate(launched.rows):
+            if seq.done:  # removed, or ended by an earlier step, while this one was in flight
+                continue
+            spec = seq.row.spec
+            if launched.errors[i] is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=launched.errors[i]))
+                self._end(seq)
+                continue
+            token = int(tokens[slot])
+            seq.generated.append(token)
+            finish = ("stop" if token in spec.stop_token_ids
+                      else "length" if len(seq.generated) >= spec.max_tokens else None)
+            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish)
+            events.append(event)
+            seq.row.emitted = True
+            if i in wanted_at:
+                wanted_events[wanted_at[i]] = event
+            if finish is not None:
+                self._keep_cache(seq)
+                self._end(seq)
+        if launched.logprobs is not None:
+            launched.logprobs.fill(wanted_events)
+        return events
+
+    def _keep_cache(self, seq: _Sequence) -> None:
+        """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
+        prefix cache."""
+        if not self._prefix.enabled or self._buffers is None:
+            return
+        held = seq.position  # the step in flight has fed its last token too
+        tokens = (seq.prompt + seq.generated)[:held]
+        if len(tokens) == held > len(seq.prompt):
+            self._prefix.store(tokens, self._buffers.extract(seq.slot, held), speculative=True)
+
+    def _end(self, seq: _Sequence) -> None:
+        seq.done = True
+        self._by_uid.pop(seq.row.spec.uid, None)
+        if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
