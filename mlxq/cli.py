@@ -31,6 +31,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_mb=args.prefix_cache_mb,
+        decode=args.decode,
         blas=args.blas,
         blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
@@ -76,7 +77,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     import worker  # noqa: F401  (BLAS preload before MLX)
     from worker.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed)
+    path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
     print(path)
     return 0
 
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
+    p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
+                   help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--blas-threads", type=int,
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")

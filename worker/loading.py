@@ -41,17 +41,25 @@ def build_engine(settings: WorkerSettings) -> Any:
         return FakeEngine(step_delay_s=settings.fake_step_delay_s)
     if settings.engine != "mlx":
         raise ValueError(f"MLXQ_ENGINE: unknown engine {settings.engine!r} (mlx | fake)")
-    from worker.engines.text import TextEngine
+    from worker.engines.decode_path import choose_decode_path
 
     model, tokenizer = load_model(settings)
-    return TextEngine(
-        model,
-        tokenizer,
-        max_num_seqs=settings.max_num_seqs,
-        prefill_batch_size=settings.prefill_batch_size,
-        prefill_step_size=settings.prefill_step_size,
-        prefix_cache_bytes=settings.prefix_cache_bytes,
-    )
+    path = choose_decode_path(model, settings.decode)
+    log.info("decode path: %s (%s)", path.name, path.reason)
+    options = dict(max_num_seqs=settings.max_num_seqs, prefill_batch_size=settings.prefill_batch_size,
+                   prefill_step_size=settings.prefill_step_size, prefix_cache_bytes=settings.prefix_cache_bytes)
+    if path.name == "compiled":
+        from worker.engines.compiled import CompiledEngine
+
+        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes, **options)
+        if settings.decode_warmup_tokens:
+            shapes, seconds = engine.warm_up(settings.decode_warmup_tokens)
+            log.info("decode step warm-up: %d shapes (up to %d slots x %d tokens) compiled in %.1f s",
+                     shapes, settings.max_num_seqs, settings.decode_warmup_tokens, seconds)
+        return engine
+    from worker.engines.text import TextEngine
+
+    return TextEngine(model, tokenizer, **options)
 
 
 def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None):  # -> BatchScheduler

@@ -157,12 +157,20 @@ class CompiledEngine:
     def time_stats(self) -> dict[str, Any]:
         return self._counters.as_dict()
 
-    def warm_up(self, max_tokens: int) -> float:
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        return self._prefix.stats()
+
+    @property
+    def compiled_shapes(self) -> list[tuple[int, int]]:
+        """The (slots, length) shapes the decode step is compiled for, in the order compiled."""
+        return list(self._decode.shapes)
+
+    def warm_up(self, max_tokens: int) -> tuple[int, float]:
         """Compile the decode step for every slot bucket up to max_num_seqs at every length
-        bucket up to `max_tokens`; the seconds it took."""
+        bucket up to `max_tokens`: how many shapes, and the seconds it took."""
         shapes = [(slots, length) for slots in self._slot_ladder()
                   for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
-        return self._decode.warm_up(self._layout, shapes)
+        return len(shapes), self._decode.warm_up(self._layout, shapes)
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
