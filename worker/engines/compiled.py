@@ -195,6 +195,8 @@ class CompiledEngine:
         launched = self._launch() if any(self._slots) else None
         events = self._collect(self._in_flight) if self._in_flight is not None else []
         self._in_flight = launched
+        if not any(self._slots) and not self._waiting:  # idle: give the buffers' memory back
+            self._buffers, self._slots, self._inputs = None, [], None
         if launched is not None:
             self._counters.decode_steps += 1
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
@@ -350,21 +352,19 @@ class CompiledEngine:
     def _fit(self) -> None:
         """Before a step: grow the buffers for the positions it writes; shrink them once the
         sequences need half of them or less (the hysteresis keeps churn from resizing every step),
-        the slots only while nothing waits for one; drop them when idle."""
+        the slots only while nothing waits for one."""
         if self._buffers is None:
             return
         occupied = sum(1 for s in self._slots if s is not None)
-        if not occupied and not self._waiting:
-            self._buffers, self._slots, self._inputs = None, [], None
-            return
         needed = self._needed_length()
         slots, length = self._shape_for(occupied, needed)
-        if self._waiting or slots > len(self._slots) // 2:
-            slots = len(self._slots)
-        if needed <= self._buffers.length and length > self._buffers.length // 2:
-            length = self._buffers.length
-        if (slots, length) != (len(self._slots), self._buffers.length):
-            self._resize(slots, length)
+        target = (len(self._slots) if self._waiting or slots > len(self._slots) // 2 else slots,
+                  self._buffers.length if length > self._buffers.length // 2 and needed <= self._buffers.length
+                  else length)
+        if self._kv_budget and target[0] * target[1] * self._layout.bytes_per_token > self._kv_budget:
+            target = (slots, length)
+        if target != (len(self._slots), self._buffers.length):
+            self._resize(*target)
 
     def _resize(self, slots: int, length: int) -> None:
         """New buffers of `slots x length`; the occupied slots move to the first ones, in order."""
