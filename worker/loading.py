@@ -41,9 +41,15 @@ def build_engine(settings: WorkerSettings) -> Any:
         return FakeEngine(step_delay_s=settings.fake_step_delay_s)
     if settings.engine != "mlx":
         raise ValueError(f"MLXQ_ENGINE: unknown engine {settings.engine!r} (mlx | fake)")
+    model, tokenizer = load_model(settings)
+    return engine_for_model(settings, model, tokenizer)
+
+
+def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> Any:
+    """The text engine for a loaded model: mlxq's compiled decode path where it is exact (its decode
+    step compiled here, before any job), mlx-lm's BatchGenerator otherwise (worker/engines/decode_path.py)."""
     from worker.engines.decode_path import choose_decode_path
 
-    model, tokenizer = load_model(settings)
     path = choose_decode_path(model, settings.decode)
     log.info("decode path: %s (%s)", path.name, path.reason)
     options = dict(max_num_seqs=settings.max_num_seqs, prefill_batch_size=settings.prefill_batch_size,
