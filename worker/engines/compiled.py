@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
-from worker.engines.decode_step import MIN_LENGTH_BUCKET, DecodeStep, bucket, ladder
+from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.rows import LogprobGather, Row, RowGuard, distribution, needs_raw_capture
 from worker.engines.sampling import SamplerPool, greedy, logits_processors
@@ -39,6 +39,14 @@ from worker.engines.slot_cache import KVLayout, SlotBuffers
 from worker.engines.text_model import model_vocab_size, prompt_token_ids
 
 log = logging.getLogger("mlxq.engine")
+
+# Reading back the step that samples the first tokens of sequences that join a decoding batch, in
+# the call that admits them, costs the overlap of that step with the host's next one; under
+# steady churn (sequences joining every step) that would be every step. At most EAGER_MAX such
+# calls at once; one more is allowed per EAGER_REFILL_STEPS decode steps. Other joiners get their
+# first token one call later.
+EAGER_MAX = 4
+EAGER_REFILL_STEPS = 16
 
 # Buffers are padded past what the sequences need to the next bucket; when a budget is set and the
 # padded shape would exceed it, lengths are rounded up to this many positions instead.
@@ -115,6 +123,7 @@ class CompiledEngine:
         self._waiting: deque[_Waiting] = deque()
         self._by_uid: dict[str, _Sequence] = {}
         self._in_flight: Optional[_Launched] = None
+        self._eager_allowance = float(EAGER_MAX)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -165,11 +174,16 @@ class CompiledEngine:
         """The (slots, length) shapes the decode step is compiled for, in the order compiled."""
         return list(self._decode.shapes)
 
-    def warm_up(self, max_tokens: int) -> tuple[int, float]:
-        """Compile the decode step for every slot bucket up to max_num_seqs at every length
-        bucket up to `max_tokens`: how many shapes, and the seconds it took."""
-        shapes = [(slots, length) for slots in self._slot_ladder()
-                  for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
+    @property
+    def compile_records(self) -> list[CompileRecord]:
+        """How long each shape took to compile, and whether the warm-up or a running batch did it."""
+        return list(self._decode.shapes.values())
+
+    def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
+        """Compile the decode step for every slot bucket up to max_num_seqs (or those of `slots`)
+        at every length bucket up to `max_tokens`: how many shapes, and the seconds it took."""
+        buckets = self._slot_ladder() if slots is None else sorted({self._shape_for(n, 1)[0] for n in slots})
+        shapes = [(n, length) for n in buckets for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
         return len(shapes), self._decode.warm_up(self._layout, shapes)
 
     def add(self, specs: list[SequenceSpec]) -> None:
@@ -188,17 +202,23 @@ class CompiledEngine:
 
     def step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
-        return the tokens of the step handed over by the previous call."""
+        return the tokens of the step handed over by the previous call. Sequences just admitted
+        get their first token in this call, while the eager allowance lasts: the step that samples
+        it is read back at once, which costs the overlap of one step."""
         started = time.perf_counter()
-        prefill_s = self._admit()
+        admitted, prefill_s = self._admit()
         self._fit()
+        previous, self._in_flight = self._in_flight, None
         launched = self._launch() if any(self._slots) else None
-        events = self._collect(self._in_flight) if self._in_flight is not None else []
+        events = self._collect(previous) if previous is not None else []
+        eager = admitted and previous is not None and self._eager_allowance >= 1
+        if launched is not None and (previous is None or eager):
+            self._eager_allowance -= eager
+            events += self._collect(launched)
+            launched = self._launch() if any(self._slots) else None
         self._in_flight = launched
         if not any(self._slots) and not self._waiting:  # idle: give the buffers' memory back
             self._buffers, self._slots, self._inputs = None, [], None
-        if launched is not None:
-            self._counters.decode_steps += 1
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
         self._counters.decode_s += time.perf_counter() - started - prefill_s
         return events
@@ -260,10 +280,10 @@ class CompiledEngine:
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         return cache
 
-    def _admit(self) -> float:
+    def _admit(self) -> tuple[int, float]:
         """Move waiting sequences into free slots, in order: those with nothing left to prefill,
         and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
-        beyond the first). Returns the seconds spent prefilling."""
+        beyond the first). Returns how many, and the seconds spent prefilling."""
         room = self._max_slots - sum(1 for s in self._slots if s is not None)
         taken: list[_Waiting] = []
         prefills = budget = 0
@@ -277,7 +297,7 @@ class CompiledEngine:
                 budget += rest
             taken.append(self._waiting.popleft())
         if not taken:
-            return 0.0
+            return 0, 0.0
         started = time.perf_counter()
         span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
         self._reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
@@ -299,11 +319,11 @@ class CompiledEngine:
         slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
         self._inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=self._inputs.dtype)
         if not prefilling:
-            return 0.0
+            return len(taken), 0.0
         mx.eval(self._buffers.arrays())
         seconds = time.perf_counter() - started
         self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
-        return seconds
+        return len(taken), seconds
 
     def _prefill_slots(self, entries: list[_Waiting]) -> None:
         """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
@@ -396,6 +416,8 @@ class CompiledEngine:
             seq.position += 1
             seq.launches += 1
         self._inputs = tokens
+        self._counters.decode_steps += 1
+        self._eager_allowance = min(EAGER_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
         mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
         return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting)
 
