@@ -8,6 +8,7 @@ up front (what a worker does at start-up), and kept for every workload of that s
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -39,8 +40,11 @@ class CompiledEngineArm(_BatchingArm):
         path = choose_decode_path(model, "auto")
         if path.name != "compiled":
             raise ArmSkipped(f"the compiled decode path does not run this model: {path.reason}")
+        # MLXQ_BENCH_K_OVERLAP=0 reads every step back before building the next (worker/engines/compiled.py).
+        overlap = os.environ.get("MLXQ_BENCH_K_OVERLAP", "1") != "0"
         self.engine = CompiledEngine(model, self.local.tokenizer, max_num_seqs=self.max_num_seqs,
-                                     prefill_batch_size=self.prefill_batch_size)
+                                     prefill_batch_size=self.prefill_batch_size, overlap=overlap)
+        self.overlap = overlap
         shapes, seconds = self.engine.warm_up(self.warmup_tokens)
         self.warmup = {"shapes": shapes, "seconds": seconds}
 
@@ -49,6 +53,7 @@ class CompiledEngineArm(_BatchingArm):
 
     def info(self) -> dict[str, Any]:
         return {"max_num_seqs": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size,
+                "overlap": getattr(self, "overlap", True),
                 "warm_up": self.warmup, "compiled_shapes": len(self.engine.compiled_shapes) if self.engine else 0}
 
     def _run(self, workload: Workload) -> list[RequestRecord]:

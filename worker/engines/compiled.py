@@ -101,8 +101,10 @@ class CompiledEngine:
         prefix_cache_bytes: int = 0,
         prefix_min_match: int = 16,
         kv_budget_bytes: int = 0,
+        overlap: bool = True,
     ) -> None:
         self.model = model
+        self._overlap = overlap  # False: every step is read back in the call that launched it
         self.tokenizer = tokenizer
         self._vocab_size = model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -212,7 +214,10 @@ class CompiledEngine:
         launched = self._launch() if any(self._slots) else None
         events = self._collect(previous) if previous is not None else []
         eager = admitted and previous is not None and self._eager_allowance >= 1
-        if launched is not None and (previous is None or eager):
+        if launched is not None and not self._overlap:
+            events += self._collect(launched)
+            launched = None
+        elif launched is not None and (previous is None or eager):
             self._eager_allowance -= eager
             events += self._collect(launched)
             launched = self._launch() if any(self._slots) else None

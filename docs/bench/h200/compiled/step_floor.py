@@ -33,8 +33,8 @@ def prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
     return [[(i * 7919 + k * 104729) % (vocab - 10) + 5 for k in range(length)] for i in range(rows)]
 
 
-def compiled_step_ms(model, tokenizer, rows: int, cache: int, steps: int) -> tuple[float, dict]:
-    engine = CompiledEngine(model, tokenizer, max_num_seqs=rows, prefill_batch_size=64)
+def compiled_step_ms(model, tokenizer, rows: int, cache: int, steps: int, overlap: bool = True) -> tuple[float, dict]:
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=rows, prefill_batch_size=64, overlap=overlap)
     started = time.perf_counter()
     shapes, seconds = engine.warm_up(cache + steps + 16, slots=[rows])
     records = [{"slots": r.slots, "length": r.length, "s": round(r.seconds, 3)} for r in engine.compile_records]
@@ -123,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--also-rows", type=int, default=32, help="a second batch size for the step times (0: none)")
     parser.add_argument("--cache", type=int, default=200)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default="step_floor.json")
@@ -138,6 +139,18 @@ def main() -> None:
     vocab = len(tokenizer)
     report["batch_generator_step_ms"] = batch_generator_step_ms(model, args.rows, args.cache, args.steps, vocab)
     print(f"BatchGenerator: {report['batch_generator_step_ms']:.2f} ms a step", flush=True)
+    report["compiled_engine_step_ms_no_overlap"] = compiled_step_ms(model, tokenizer, args.rows, args.cache, args.steps,
+                                                                    overlap=False)[0]
+    print(f"compiled engine, each step read back before the next: "
+          f"{report['compiled_engine_step_ms_no_overlap']:.2f} ms a step", flush=True)
+    if args.also_rows:
+        rows = args.also_rows
+        report[f"at_{rows}_rows"] = {
+            "compiled_engine_step_ms": compiled_step_ms(model, tokenizer, rows, args.cache, args.steps)[0],
+            "compiled_engine_step_ms_no_overlap": compiled_step_ms(model, tokenizer, rows, args.cache, args.steps,
+                                                                   overlap=False)[0],
+            "batch_generator_step_ms": batch_generator_step_ms(model, rows, args.cache, args.steps, vocab)}
+        print(f"at {rows} rows: {report[f'at_{rows}_rows']}", flush=True)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     kv_per_token = CompiledEngine(model, tokenizer).kv_bytes_per_token
     kv_read = args.rows * (args.cache + args.steps // 2) * kv_per_token
