@@ -9,7 +9,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import info, producer_commands
+from mlxq import api_command, batch_command, control_commands, info, producer_commands
+from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
 
@@ -32,18 +33,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_mb=args.prefix_cache_mb,
         decode=args.decode,
+        metrics_port=args.metrics_port,
         blas=args.blas,
         blas_threads=args.blas_threads,
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
+        priorities=tuple(p.strip() for p in args.priorities.split(",") if p.strip()) if args.priorities else None,
     )
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
     processes = _processes(args)
     if processes > 1:
         return _run_worker_group(args, settings, processes)
-    connection = redis.Redis.from_url(resolve_url(args.url))
-    worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
-    worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    from worker.loading import ModelLoadError, check_model_setting
+
+    try:
+        if settings.engine != "fake":
+            check_model_setting(settings.model)
+        connection = redis.Redis.from_url(resolve_url(args.url))
+        worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
+        worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    except ModelLoadError as exc:
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -103,9 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a BatchWorker. Without queues it listens on mlxq:<alias> then mlxq. "
         "Every flag has an MLXQ_* environment variable twin (e.g. MLXQ_MAX_NUM_SEQS)."))
     p.add_argument("queues", nargs="*", help="queues to listen on, in priority order")
-    p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL})")
+    p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL}; {URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
     p.add_argument("--alias", help="name requests use for this model (default: last path component)")
+    p.add_argument("--priorities", help=(
+        "priorities, highest first, e.g. high,default,low (MLXQ_PRIORITIES): without queues, listen on each "
+        "priority's queues in turn (mlxq:<alias>@high, mlxq@high, mlxq:<alias>, mlxq, ...)"))
     p.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once (default 32)")
     p.add_argument("--default-max-tokens", type=int, help="max_tokens for requests that leave it unset (256)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for (4096)")
@@ -114,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
                    help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
+    p.add_argument("--metrics-port", type=int, help=(
+        "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
     p.add_argument("--blas-threads", type=int,
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
@@ -137,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
-    p.add_argument("--url", help="use this Redis instead of starting a private one")
+    p.add_argument("--url", help=f"use this Redis instead of starting a private one ({URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="use this model instead of building the tiny one")
     p.add_argument("--jobs", type=int, default=48)
     p.add_argument("--threads", type=int, default=4)
@@ -146,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)
+    control_commands.register(sub)
+    batch_command.register(sub)
+    api_command.register(sub)
     bench_cli.register(sub)
     info.register(sub)
     return parser

@@ -45,8 +45,9 @@ def _model(model: Optional[str]) -> Iterator[str]:
 @contextlib.contextmanager
 def _worker(url: str, model: str, max_num_seqs: int) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "worker", "--url", url, "--model", model,
+        [sys.executable, "-m", "mlxq", "worker", "--model", model,
          "--max-num-seqs", str(max_num_seqs), "--name", f"demo-{os.getpid()}", "--log-level", "WARNING"],
+        env={**os.environ, "MLXQ_REDIS_URL": url},  # not argv: a password there shows in `ps`
     )
     try:
         yield proc

@@ -22,6 +22,7 @@ from rq.registry import (
     StartedJobRegistry,
 )
 
+from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import resolve_url
 from schemas import keys
 from schemas.serializer import JSON_SERIALIZER
@@ -42,8 +43,9 @@ def collect(connection: redis.Redis, queue_names: list[str], cleanup: bool) -> d
     swept: list[str] = []
     if cleanup:
         from worker.recovery import sweep_abandoned
+        from worker.settings import WorkerSettings
 
-        swept = sweep_abandoned(connection, queues)
+        swept = sweep_abandoned(connection, queues, WorkerSettings.from_env())
     report: dict[str, Any] = {"queues": {}, "workers": [], "recovered_jobs": swept}
     for queue in queues:
         counts = {"queued": queue.count}
@@ -97,7 +99,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         "entries: the safe replacement for `rq info`, whose cleanup rewrites JSON jobs' meta through pickle.",
     )
     parser.add_argument("queues", nargs="*", help="queues to show (default: all)")
-    parser.add_argument("--url", help="Redis URL (default: $MLXQ_REDIS_URL)")
+    parser.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL; {URL_PASSWORD_NOTE})")
     parser.add_argument("--cleanup", action="store_true", help="recover dead workers' jobs and prune registries")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=cmd_info)

@@ -22,15 +22,18 @@ __all__ = ["register"]
 
 Handler = Callable[[argparse.Namespace], int]
 
+# Every --url help ends with this: a command line is visible to every user of the host.
+URL_PASSWORD_NOTE = f"a password in --url shows in `ps` and shell history: prefer ${URL_ENV}"
+
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the submit, status, result and cancel verbs to the main CLI's subparsers."""
     _add_submit(subparsers)
 
     status = subparsers.add_parser("status", help="print a job's status", description="Print a job's status.")
-    _add_url(status)
+    add_url(status)
     status.add_argument("job_id", help="the job id")
-    status.set_defaults(func=_handler(_status))
+    status.set_defaults(func=handler(_status))
 
     result = subparsers.add_parser(
         "result",
@@ -38,29 +41,30 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         description="Print a job's result (pretty JSON). Exit 0 if it finished, 1 if it failed, was "
         "cancelled, or has no result yet.",
     )
-    _add_url(result)
-    result.add_argument("job_id", help="the job id")
+    add_url(result)
+    # Optional here only so that `--wait ID` (the flag without SECONDS, then the id) reads right.
+    result.add_argument("job_id", nargs="?", help="the job id")
     result.add_argument(
-        "--wait", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
+        "--wait", nargs="?", const="-1", default=None, metavar="SECONDS",
         help="wait for the result (for at most SECONDS; no limit without a value)",
     )
-    result.set_defaults(func=_handler(_result))
+    result.set_defaults(func=handler(_result))
 
     cancel = subparsers.add_parser(
         "cancel",
         help="cancel a job",
         description="Cancel a job: a queued job is removed from its queue, a running one stops within one step.",
     )
-    _add_url(cancel)
+    add_url(cancel)
     cancel.add_argument("job_id", help="the job id")
-    cancel.set_defaults(func=_handler(_cancel))
+    cancel.set_defaults(func=handler(_cancel))
 
 
-def _add_url(parser: argparse.ArgumentParser) -> None:
+def add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=os.environ.get(URL_ENV),
         help=f"Redis URL: redis://, rediss:// or unix://, may carry user:password (default: ${URL_ENV}, "
-        "else redis://127.0.0.1:6379/0)",
+        f"else redis://127.0.0.1:6379/0; {URL_PASSWORD_NOTE})",
     )
 
 
@@ -71,7 +75,7 @@ def _add_submit(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
         description="Validate and enqueue one generation request; print its job id. With --wait, print "
         "the result JSON instead (the id goes to stderr) and exit 0 only if it finished.",
     )
-    _add_url(parser)
+    add_url(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="plain-text prompt (no chat template)")
     source.add_argument("--messages", metavar="JSON", help='chat messages, e.g. \'[{"role":"user","content":"hi"}]\'')
@@ -87,15 +91,16 @@ def _add_submit(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument("--n", type=int, help="number of completions")
     parser.add_argument("--logprobs", action="store_true", default=None, help="return per-token logprobs")
     parser.add_argument("--queue", help="queue name (default: mlxq:<model>, or mlxq without a model)")
+    parser.add_argument("--priority", help="high | default | low: the queue's @<priority> sibling (docs/producer.md)")
     parser.add_argument("--timeout", type=int, help="job timeout in seconds (-1: none)")
     parser.add_argument(
         "--wait", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
         help="wait for the result and print it (for at most SECONDS; no limit without a value)",
     )
-    parser.set_defaults(func=_handler(_submit))
+    parser.set_defaults(func=handler(_submit))
 
 
-def _handler(body: Callable[[argparse.Namespace, Client], int]) -> Handler:
+def handler(body: Callable[[argparse.Namespace, Client], int]) -> Handler:
     """Open a client for `args.url`, run `body`, and map errors to one line and an exit code."""
 
     def run(args: argparse.Namespace) -> int:
@@ -166,7 +171,7 @@ def _load_json(source: str) -> dict[str, Any]:
 
 
 def _submit(args: argparse.Namespace, client: Client) -> int:
-    job_id = client.submit(_request_from_args(args), queue=args.queue, timeout=args.timeout)
+    job_id = client.submit(_request_from_args(args), queue=args.queue, priority=args.priority, timeout=args.timeout)
     if args.wait is None:
         print(job_id)
         return 0
@@ -180,13 +185,27 @@ def _status(args: argparse.Namespace, client: Client) -> int:
 
 
 def _result(args: argparse.Namespace, client: Client) -> int:
+    if args.job_id is None and args.wait is not None and not _is_number(args.wait):
+        args.job_id, args.wait = args.wait, "-1"  # `mlxq result --wait ID`
+    if args.job_id is None:
+        raise InvalidRequest("job_id: give the id of the job to read", "job_id")
     if args.wait is not None:
-        return _print_result(client.wait(args.job_id, _wait_timeout(args.wait)))
+        if not _is_number(args.wait):
+            raise InvalidRequest(f"--wait: expected a number of seconds, got {args.wait!r}", "wait")
+        return _print_result(client.wait(args.job_id, _wait_timeout(float(args.wait))))
     result = client.result(args.job_id)
     if result is None:
         print(f"mlxq: job {args.job_id} has no result yet (status: {client.status(args.job_id)})", file=sys.stderr)
         return 1
     return _print_result(result)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:

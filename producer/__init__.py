@@ -1,13 +1,16 @@
-"""mlxq producer: what a web backend installs to enqueue, poll, wait for and cancel jobs.
+"""mlxq producer: what a web backend installs to enqueue, poll, wait for, stream and cancel jobs,
+with a sync `Client` and its asyncio twin `AsyncClient`.
 
 Imports no MLX and nothing from `worker`.
 """
 
+from producer.aio import AsyncClient
 from producer.client import Client
-from producer.errors import BrokerError, InvalidRequest, JobNotFound, MlxqError, WaitTimeout
+from producer.errors import BrokerError, InvalidRequest, JobNotFound, MlxqError, StreamExpired, WaitTimeout
 from schemas import GenerationRequest, GenerationResult, RequestLimits
 
 __all__ = [
+    "AsyncClient",
     "BrokerError",
     "Client",
     "GenerationRequest",
@@ -16,5 +19,6 @@ __all__ = [
     "JobNotFound",
     "MlxqError",
     "RequestLimits",
+    "StreamExpired",
     "WaitTimeout",
 ]

@@ -1,9 +1,9 @@
-"""Client: enqueue generation jobs, read their status and results, wait, cancel.
+"""Client: enqueue generation jobs, read their status and results, wait, stream, cancel.
 
 Jobs are plain RQ jobs (JSON serializer, function `worker.tasks.generate`, one kwarg
 `request`); results are read from the contract's `mlxq:result:<id>` key. Everything that
-does no I/O (validation, job data, key names, parsing) lives in module-level functions so
-an asyncio twin can share it; the Client methods only talk to Redis.
+does no I/O (validation, job data, the commands rq would send, parsing, stream reading) lives in
+producer/wire.py, shared with the asyncio twin (producer/aio.py); the Client methods only talk to Redis.
 """
 
 from __future__ import annotations
@@ -14,38 +14,44 @@ from types import TracebackType
 from typing import Any
 
 import redis
-from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
+from rq import Retry
 from rq.job import Job
-from rq.queue import EnqueueData
-from rq.registry import ScheduledJobRegistry
+from rq.utils import get_version
 
+from producer.control import ControlCalls, abort_target, control_command, job_model, pause_command, weights_command
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
 from producer.pubsub import read_burst
 from producer.wire import (
+    RQ_ENDED,
     JobState,
     PlannedJob,
-    RQ_ENDED,
     RequestLike,
-    cancelled_result,
+    StreamCursor,
+    block_slice,
+    cancel_removal,
+    cancelled_result_write,
+    check_priority,
     done_channels,
-    job_enqueued_at,
+    job_ended_without_result,
+    job_from_hash,
     job_options,
-    job_payload,
     job_state,
-    orphan_result,
+    latest_result_detail,
     plan_jobs,
     public_status,
+    record_cancelled,
+    record_enqueue,
     redact_url,
     resolve_url,
+    results_stream_key,
     rq_status,
+    STREAM_BATCH,
 )
 from schemas import GenerationResult, RequestLimits, keys
+from schemas.control import ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import CommandBatch
-from schemas.events import parse_event
-from schemas.serializer import JSON_SERIALIZER
 
-__all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client"]
+__all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
 
 CANCEL_TTL = 24 * 3600  # seconds a cancel flag outlives its job, at most
 # Waiters re-read the result key this often, in case a done message was missed (reconnects).
@@ -62,6 +68,7 @@ class Client:
     unix:// URLs may carry a password or ACL user. Pass `connection` to share an existing
     redis.Redis instead (it must not use decode_responses=True: RQ stores bytes); the client
     closes only a connection it opened. `limits` are operator caps checked before enqueueing.
+    `priorities` are the names `submit(priority=...)` accepts (docs/producer.md).
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class Client:
         *,
         connection: redis.Redis | None = None,
         limits: RequestLimits | None = None,
+        priorities: Sequence[str] = keys.DEFAULT_PRIORITIES,
     ) -> None:
         if connection is not None and url is not None:
             raise ValueError("pass url or connection, not both")
@@ -87,7 +95,8 @@ class Client:
             raise ValueError("the Redis connection must not use decode_responses=True (RQ stores bytes)")
         self.connection: redis.Redis = connection
         self.limits = limits
-        self._queues: dict[str, Queue] = {}
+        self.priorities = tuple(priorities)
+        self._control = ControlCalls(connection)
 
     def __repr__(self) -> str:
         return f"Client({redact_url(self.url) if self.url else self.connection!r})"
@@ -99,6 +108,7 @@ class Client:
         request: RequestLike,
         *,
         queue: str | None = None,
+        priority: str | None = None,
         job_id: str | None = None,
         timeout: int | None = None,
         ttl: int | None = None,
@@ -107,13 +117,16 @@ class Client:
     ) -> str:
         """Validate `request` and enqueue it; returns the job id.
 
-        `queue` defaults to `mlxq:<model>` (or `mlxq` without a model). `timeout` is the RQ
-        job timeout, `ttl` how long the job may wait in its queue, `result_ttl` how long its
-        result is kept (default 500 s, -1 forever), `retry` an rq.Retry or a retry count.
-        Raises InvalidRequest (nothing enqueued) or BrokerError.
+        `queue` defaults to `mlxq:<model>` (or `mlxq` without a model); `priority` (one of the
+        client's `priorities`) sends it to that queue's `@<priority>` sibling instead, "default"
+        to the queue itself. `timeout` is the RQ job timeout, `ttl` how long the job may wait in
+        its queue, `result_ttl` how long its result is kept (default 500 s, -1 forever), `retry`
+        an rq.Retry or a retry count. Raises InvalidRequest (nothing enqueued) or BrokerError.
         """
+        check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
-        planned = plan_jobs([request], self.limits, options, queue=queue, job_ids=[job_id], indexed=False)
+        planned = plan_jobs([request], self.limits, options, queue=queue, priority=priority, job_ids=[job_id],
+                            indexed=False)
         self._enqueue(planned)
         return planned[0].job_id
 
@@ -122,6 +135,7 @@ class Client:
         requests: Iterable[RequestLike],
         *,
         queue: str | None = None,
+        priority: str | None = None,
         job_ids: Sequence[str] | None = None,
         timeout: int | None = None,
         ttl: int | None = None,
@@ -133,29 +147,21 @@ class Client:
         All or nothing: if any request is invalid, InvalidRequest names it
         (`requests[3].max_tokens: ...`) and nothing is enqueued. Returns the job ids in order.
         """
+        check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
-        planned = plan_jobs(list(requests), self.limits, options, queue=queue, job_ids=job_ids)
+        planned = plan_jobs(list(requests), self.limits, options, queue=queue, priority=priority, job_ids=job_ids)
         self._enqueue(planned)
         return [job.job_id for job in planned]
-
-    def _queue(self, name: str) -> Queue:
-        if name not in self._queues:
-            self._queues[name] = Queue(name, connection=self.connection, serializer=JSON_SERIALIZER)
-        return self._queues[name]
 
     def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
         if not planned:
             return
-        by_queue: dict[str, list[EnqueueData]] = {}
-        for job in planned:
-            by_queue.setdefault(job.queue, []).append(job.data)
         # One atomic call for every queue: one round trip, and all or nothing. A CommandBatch
         # rather than a MULTI/EXEC pipeline: half the producer's CPU per job (8,000 jobs: 0.53 s
         # against 1.0 s). (RQ reads the server version once per connection before the first enqueue.)
         with broker_errors():
             batch = CommandBatch(self.connection)
-            for name, datas in by_queue.items():
-                self._queue(name).enqueue_many(datas, pipeline=batch)
+            record_enqueue(batch, planned, get_version(self.connection))
             batch.execute()
 
     # -- reading
@@ -178,21 +184,12 @@ class Client:
 
     def _orphan(self, state: JobState) -> GenerationResult:
         assert state.rq_status is not None
-        payload, enqueued_at, detail = None, None, None
-        with broker_errors():
-            try:
-                job = Job.fetch(state.job_id, connection=self.connection, serializer=JSON_SERIALIZER)
-            except NoSuchJobError:
-                job = None
-            if job is not None:
-                payload, enqueued_at = job_payload(job), job_enqueued_at(job)
-                try:
-                    latest = job.latest_result()
-                    if latest is not None and latest.exc_string:
-                        detail = latest.exc_string.strip().splitlines()[-1]
-                except Exception:  # the detail is a courtesy; never fail the read over it
-                    detail = None
-        return orphan_result(state.job_id, state.rq_status, payload, enqueued_at, detail)
+        with broker_errors(), self.connection.pipeline(transaction=False) as pipe:
+            pipe.hgetall(Job.key_for(state.job_id))
+            pipe.xrevrange(results_stream_key(state.job_id), "+", "-", count=1)
+            raw, latest = pipe.execute()
+        job = job_from_hash(state.job_id, raw) if raw else None
+        return job_ended_without_result(state.job_id, state.rq_status, job, latest_result_detail(state.job_id, latest))
 
     def status(self, job_id: str) -> str:
         """One of "queued", "started", "finished", "failed", "cancelled", "deferred",
@@ -284,62 +281,102 @@ class Client:
         result. Raises JobNotFound for an unknown job.
         """
         with broker_errors():
-            try:
-                job = Job.fetch(job_id, connection=self.connection, serializer=JSON_SERIALIZER)
-            except NoSuchJobError:
-                if self.connection.exists(keys.result_key(job_id)):
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.hgetall(Job.key_for(job_id))
+                pipe.exists(keys.result_key(job_id))
+                raw, has_result = pipe.execute()
+            if not raw:
+                if has_result:
                     return False
-                raise JobNotFound(job_id) from None
+                raise JobNotFound(job_id)
+            job = job_from_hash(job_id, raw)
             status = rq_status(job)
-            if status in RQ_ENDED or self.connection.exists(keys.result_key(job_id)):
+            if status in RQ_ENDED or has_result:
                 return False
             self.connection.set(keys.cancel_key(job_id), "1", ex=CANCEL_TTL)
             # LREM / ZREM are atomic: only the caller that actually removed the job finishes it,
             # so a worker that popped it meanwhile (and sees the flag) never races this write.
-            if status == "queued":
-                removed = self._queue(job.origin).remove(job)
-            elif status == "scheduled":
-                removed = ScheduledJobRegistry(queue=self._queue(job.origin)).remove(job)
-            else:
-                removed = 0
-            if removed:
-                self._finish_cancelled(job)
+            removal = cancel_removal(job, status)
+            if removal is not None and self.connection.execute_command(*removal):
+                key, value, expiry = cancelled_result_write(job, time.time())
+                try:
+                    self.connection.set(key, value, ex=expiry)
+                except redis.exceptions.NoPermissionError:
+                    pass  # read-only result keys (the producer ACL): a worker's sweep writes it
+                batch = CommandBatch(self.connection)
+                record_cancelled(batch, job)
+                batch.execute()
         return True
 
-    def _finish_cancelled(self, job: Job) -> None:
-        result = cancelled_result(job.id, job_payload(job), job_enqueued_at(job), time.time())
-        expiry = keys.result_key_ttl(job.result_ttl)
-        with self.connection.pipeline() as pipe:
-            # Result first, as the contract orders it (the MULTI makes it atomic anyway).
-            # It also keeps `pipe` non-empty: Job.cancel tests `pipeline or ...`, and an empty
-            # Pipeline is falsy, which would make it run on its own pipeline and never execute it.
-            pipe.set(keys.result_key(job.id), result.model_dump_json(), ex=expiry)
-            job.cancel(pipeline=pipe)
-            job.cleanup(ttl=expiry if expiry is not None else -1, pipeline=pipe)
-            pipe.publish(keys.done_channel(job.id), job.id)
-            pipe.execute()
+    # -- the control plane (docs/rl.md): each call returns once every live worker of the model has
+    # applied the command, or after `timeout` seconds with those that did not named in `missing`
+
+    def publish_weights(self, model: str, version: int, path: str, policy: WeightPolicy = "drain", *,
+                        upload: bool = False, timeout: float = 300) -> ControlOutcome:
+        """Make `version` (a directory of safetensors in MLX's parameter naming) the weights of
+        every worker serving `model`. The workers read `path` themselves, or with `upload` the files
+        are streamed through Redis in checksummed chunks (small models and adapters). `policy`:
+        drain (running sequences finish on the old weights), abort (they go back to their queues),
+        inflight (they go on under the new weights)."""
+        return self._control.send(*weights_command(model, version, path, policy, upload), timeout)
+
+    def pause(self, model: str, mode: PauseMode = "keep", *, timeout: float = 60) -> ControlOutcome:
+        """Stop the model's workers taking jobs and stepping: `keep` freezes running sequences until
+        `resume`, `abort` sends them back to their queues first."""
+        return self._control.send(pause_command(model, mode), {}, timeout)
+
+    def resume(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return self._control.send(control_command("resume", model), {}, timeout)
+
+    def abort(self, model: str | None = None, job_id: str | None = None, *, timeout: float = 60) -> ControlOutcome:
+        """End one job (`job_id`, queued or running) or every running job of `model`, each
+        `cancelled` with its partial output."""
+        model, job_id = abort_target(model, job_id, self._model_of(job_id) if job_id and not model else None)
+        if job_id is not None:
+            self.cancel(job_id)
+        return self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return self._control.send(control_command("reset_prefix_cache", model), {}, timeout)
+
+    def _model_of(self, job_id: str) -> str | None:
+        with broker_errors():
+            return job_model(self.connection.hget(Job.key_for(job_id), "data"))
 
     # -- lifecycle
 
-    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """Yield a streaming job's events as the worker writes them (one XADD per choice per
-        decode step): `{"event": "token", "index", "token_ids", "text"}`, then one
-        `{"event": "end", "status", "finish_reasons"}`. The texts of a choice add up to its
-        final `text`; its token_ids to its `token_ids`. Raises WaitTimeout if no event arrives
-        within `timeout` seconds (None: wait as long as it takes)."""
-        last_id = "0-0"
-        block_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        while True:
-            with broker_errors():
-                batch = self.connection.xread({keys.stream_key(job_id): last_id}, block=block_ms, count=256)
-            if not batch:
-                raise WaitTimeout(f"no stream event for job {job_id} within {timeout} s", pending=[job_id])
-            for entry_id, fields in batch[0][1]:
-                last_id = entry_id
-                event = parse_event(fields)
-                yield event.model_dump()
-                if event.event == "end":
-                    return
+    def stream(self, job_id: str, timeout: float | None = None, last_event_id: str | None = None) -> "JobStream":
+        """Iterate a job's events as its worker writes them (one per choice per decode step):
+        `{"event": "token", "index", "token_ids", "text"}`, then one `{"event": "end", "status",
+        "finish_reasons"}`. The texts of a choice add up to its final `text`; its token_ids to its
+        `token_ids`. It ends after the end event, whether the job finished, failed, was cancelled
+        or was ended by RQ without a result; a job submitted without `stream` yields its whole
+        result as one token event per choice. The iterator's `last_event_id` is the id of the
+        last event it yielded: pass it as `last_event_id` to resume after a dropped connection.
+        Raises WaitTimeout if no event arrives within `timeout` seconds (None: no limit),
+        JobNotFound for an unknown job, StreamExpired if the stream vanished after part of it was read."""
+        return JobStream(self, StreamCursor(job_id, last_event_id), timeout)
+
+    def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
+        """The events after the cursor: those in the stream; if none, the job's end if it ended; else
+        whatever arrives within `block_s` s (maybe nothing)."""
+        key = keys.stream_key(cursor.job_id)
+        with broker_errors():
+            for _ in range(2):  # an end event can arrive between the first read and the state's
+                batch = self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
+                if batch:
+                    return cursor.from_entries(batch[0][1])
+                settled = self._settled(self._read_states([cursor.job_id])[0])
+                if settled is None:
+                    break
+            else:
+                return cursor.from_result(settled, bool(self.connection.exists(key)))
+            batch = self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
+                                          count=STREAM_BATCH)
+            return cursor.from_entries(batch[0][1]) if batch else []
+
+    def _socket_timeout(self) -> float | None:
+        return self.connection.connection_pool.connection_kwargs.get("socket_timeout")
 
     def close(self) -> None:
         """Close the connection if this client opened it."""
@@ -356,6 +393,39 @@ class Client:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class JobStream(Iterator[dict[str, Any]]):
+    """The iterator `Client.stream` returns; `last_event_id` is where a new one would resume."""
+
+    def __init__(self, client: Client, cursor: StreamCursor, timeout: float | None) -> None:
+        self._client, self._cursor, self._timeout = client, cursor, timeout
+        self._pending: list[tuple[str, dict[str, Any]]] = []
+
+    @property
+    def job_id(self) -> str:
+        return self._cursor.job_id
+
+    @property
+    def last_event_id(self) -> str:
+        return self._cursor.last_event_id
+
+    def __iter__(self) -> "JobStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        deadline = None if self._timeout is None else time.monotonic() + max(self._timeout, 0.0)
+        while not self._pending:
+            if self._cursor.ended:
+                raise StopIteration
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WaitTimeout(f"no stream event for job {self.job_id} within {self._timeout} s",
+                                  pending=[self.job_id])
+            self._pending = self._client._read_stream(self._cursor, block_slice(left, self._client._socket_timeout()))
+        event_id, event = self._pending.pop(0)
+        self._cursor.last_event_id = event_id
+        return event
 
 
 def _time_left(deadline: float | None, cap: float) -> float:

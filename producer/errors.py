@@ -14,7 +14,8 @@ import redis
 
 from schemas import InvalidRequestError
 
-__all__ = ["BrokerError", "InvalidRequest", "JobNotFound", "MlxqError", "WaitTimeout", "broker_errors"]
+__all__ = ["BrokerError", "InvalidRequest", "JobNotFound", "MlxqError", "StreamExpired", "WaitTimeout",
+           "broker_errors"]
 
 
 class MlxqError(Exception):
@@ -64,6 +65,17 @@ class WaitTimeout(MlxqError, TimeoutError):
     def __init__(self, message: str, pending: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.pending = tuple(pending)
+
+
+class StreamExpired(MlxqError, LookupError):
+    """A job's token stream expired (or was deleted) after part of it was read: the rest cannot be
+    streamed. The job's result, while it lasts, holds the whole text (`result(job_id)`)."""
+
+    def __init__(self, job_id: str, last_event_id: str) -> None:
+        super().__init__(f"the token stream of job {job_id} is gone after event {last_event_id}; "
+                         "read the whole text with result()")
+        self.job_id = job_id
+        self.last_event_id = last_event_id
 
 
 class BrokerError(MlxqError, ConnectionError):

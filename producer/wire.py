@@ -1,24 +1,31 @@
 """What a producer puts on the wire and reads back, without any I/O: URLs, job options, RQ job
-data, result parsing, statuses. `Client` (sync) does the I/O around these; an asyncio twin can
-reuse them unchanged."""
+data and the commands that enqueue or cancel a job (recorded from rq's own helpers), result
+parsing, statuses, the reading of token streams. `Client` (sync) and `AsyncClient` (asyncio) do
+the I/O around these and nothing else."""
 
 from __future__ import annotations
 
-
+import functools
 import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, NoReturn, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from pydantic import ValidationError
 from rq import Queue, Retry
-from rq.job import Job, validate_job_id
+from rq.job import Job, JobStatus, validate_job_id
 from rq.queue import EnqueueData
+from rq.registry import CanceledJobRegistry, ScheduledJobRegistry
+from rq.results import Result
 
-from producer.errors import InvalidRequest, JobNotFound, MlxqError
+from producer.errors import InvalidRequest, JobNotFound, MlxqError, StreamExpired
+from schemas.command_batch import CommandBatch
+from schemas.events import EndStreamEvent, TokenStreamEvent, parse_event
 from schemas.result import request_echo
+from schemas.serializer import JSON_SERIALIZER
 from schemas import ErrorInfo, GenerationRequest, GenerationResult, InvalidRequestError, RequestLimits, Timings, keys
 
 URL_ENV = "MLXQ_REDIS_URL"
@@ -115,12 +122,25 @@ def describe(request: GenerationRequest) -> str:
     return " ".join(parts)
 
 
+def check_priority(priority: str | None, priorities: Sequence[str]) -> None:
+    """InvalidRequest unless `priority` is None or one of the client's `priorities`."""
+    if priority is not None and priority not in priorities:
+        raise InvalidRequest(f"priority: {priority!r} is not one of {list(priorities)}", "priority")
+
+
+def target_queue(request: GenerationRequest, queue: str | None, priority: str | None) -> str:
+    """`queue` if given, else the contract's queue for the request's model; `priority` then picks
+    that queue's sibling (`mlxq:qwen@high`)."""
+    return keys.priority_queue(queue or keys.queue_for_model(request.model), priority)
+
+
 def plan_jobs(
     requests: Sequence[RequestLike],
     limits: RequestLimits | None,
     options: JobOptions,
     *,
     queue: str | None = None,
+    priority: str | None = None,
     job_ids: Sequence[str | None] | None = None,
     indexed: bool = True,
 ) -> list[PlannedJob]:
@@ -153,8 +173,99 @@ def plan_jobs(
             job_id=job_id,
             retry=options.retry,
         )
-        planned.append(PlannedJob(job_id, queue or keys.queue_for_model(request.model), request, data))
+        planned.append(PlannedJob(job_id, target_queue(request, queue, priority), request, data))
     return planned
+
+
+# ---------------------------------------------------------------- rq's writes, recorded
+
+
+class _NoConnection(redis.Redis):
+    """The connection of rq objects that only record commands into a CommandBatch: any I/O is a bug."""
+
+    def execute_command(self, *args: Any, **options: Any) -> NoReturn:
+        raise RuntimeError(f"I/O through a recording-only rq object: {args[:2]!r}")
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+        raise RuntimeError("I/O through a recording-only rq object: pipeline()")
+
+
+NO_CONNECTION = _NoConnection()
+
+
+@functools.lru_cache(maxsize=1024)
+def _recording_queue(name: str, server_version: tuple[int, int, int]) -> Queue:
+    queue = Queue(name, connection=NO_CONNECTION, serializer=JSON_SERIALIZER)
+    queue.redis_server_version = server_version  # rq would ask the server (INFO) for it
+    return queue
+
+
+def parse_server_version(info: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The (major, minor, patch) of `INFO server`, as rq reads it."""
+    parts = [int(p) for p in str(info["redis_version"]).split(".")[:3]] + [0, 0]
+    return parts[0], parts[1], parts[2]
+
+
+def record_enqueue(batch: CommandBatch, planned: Sequence[PlannedJob], server_version: tuple[int, int, int]) -> None:
+    """Record rq's enqueue of every planned job (job hashes, queue pushes) into `batch`."""
+    by_queue: dict[str, list[EnqueueData]] = {}
+    for job in planned:
+        by_queue.setdefault(job.queue, []).append(job.data)
+    for name, datas in by_queue.items():
+        _recording_queue(name, server_version).enqueue_many(datas, pipeline=batch)  # type: ignore[arg-type]
+
+
+def job_from_hash(job_id: str, raw: Mapping[bytes, bytes]) -> Job:
+    """An rq Job restored from its hash (`HGETALL rq:job:<id>`), for reading only."""
+    job = Job(job_id, connection=NO_CONNECTION, serializer=JSON_SERIALIZER)
+    job.restore(raw)
+    return job
+
+
+def cancel_removal(job: Job, status: str | None) -> tuple[Any, ...] | None:
+    """The one atomic command that takes a waiting job out of where it waits (its queue, or the
+    scheduled registry for a retry); None for a job some worker holds. Only the caller whose
+    command removed it (reply 1) may then record its cancelled end."""
+    if status == "queued":
+        return ("LREM", f"{Queue.redis_queue_namespace_prefix}{job.origin}", 1, job.id)
+    if status == "scheduled":
+        return ("ZREM", ScheduledJobRegistry(job.origin, connection=NO_CONNECTION).key, job.id)
+    return None
+
+
+def cancelled_result_write(job: Job, now: float) -> tuple[str, str, int | None]:
+    """(key, JSON, expiry) of the result of a job cancelled before any worker took it. The caller
+    writes it first, as the contract orders it; under the documented producer ACL result keys are
+    read-only, and then a worker's next sweep writes it (readers see RQ's canceled status meanwhile)."""
+    result = cancelled_result(job.id, job_payload(job), job_enqueued_at(job), now)
+    return keys.result_key(job.id), result.model_dump_json(), keys.result_key_ttl(job.result_ttl)
+
+
+def record_cancelled(batch: CommandBatch, job: Job) -> None:
+    """Record the rest of that job's end: RQ's canceled status and registry, expiries, the done message."""
+    expiry = keys.result_key_ttl(job.result_ttl)
+    job.set_status(JobStatus.CANCELED, pipeline=batch)  # type: ignore[arg-type]
+    CanceledJobRegistry(job.origin, connection=NO_CONNECTION, serializer=JSON_SERIALIZER).add(
+        job, pipeline=batch)  # type: ignore[arg-type]
+    job.cleanup(ttl=expiry if expiry is not None else -1, pipeline=batch)  # type: ignore[arg-type]
+    batch.publish(keys.done_channel(job.id), job.id)
+
+
+def latest_result_detail(job_id: str, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> str | None:
+    """The last line of the exception rq recorded for a job (`XREVRANGE rq:results:<id> + - COUNT 1`)."""
+    if not entries:
+        return None
+    try:
+        entry_id, payload = entries[0]
+        result = Result.restore(job_id, entry_id.decode(), dict(payload), connection=NO_CONNECTION,
+                                serializer=JSON_SERIALIZER)
+        return result.exc_string.strip().splitlines()[-1] if result.exc_string else None
+    except Exception:  # the detail is a courtesy; never fail the read over it
+        return None
+
+
+def results_stream_key(job_id: str) -> str:
+    return Result.get_key(job_id)
 
 
 @dataclass(frozen=True)
@@ -242,3 +353,85 @@ def job_payload(job: Job) -> Any:
 
 def job_enqueued_at(job: Job) -> float | None:
     return job.enqueued_at.timestamp() if job.enqueued_at else None
+
+
+def job_ended_without_result(job_id: str, rq_status_: str, job: Job | None, detail: str | None) -> GenerationResult:
+    """The stand-in result of a job RQ ended without one, from what could still be read of it."""
+    payload = job_payload(job) if job is not None else None
+    enqueued_at = job_enqueued_at(job) if job is not None else None
+    return orphan_result(job_id, rq_status_, payload, enqueued_at, detail)
+
+
+def lost_result(job_id: str) -> GenerationResult:
+    """Stand-in for a job whose RQ hash and result both expired before anyone read the result."""
+    return GenerationResult(id=job_id, status="failed", error=ErrorInfo(
+        type="JobNotFound", message=f"job {job_id} and its result expired before the result was read"))
+
+
+# ---------------------------------------------------------------- token streams
+
+STREAM_START = "0-0"
+# A stream reader blocks this long at most per read: below redis-py's socket timeout (5 s by
+# default), which would otherwise cut a longer block, and often enough to notice a job that ended
+# without a stream.
+STREAM_POLL_S = 1.0
+STREAM_BATCH = 256  # entries per read
+
+
+def block_slice(timeout_left: float | None, socket_timeout: float | None) -> float:
+    """Seconds one blocking stream read may take: at most STREAM_POLL_S, half the connection's socket
+    timeout, and what is left of the caller's timeout; at least 1 ms (XREAD BLOCK 0 would never return)."""
+    cap = STREAM_POLL_S if not socket_timeout else min(STREAM_POLL_S, socket_timeout / 2)
+    if timeout_left is not None:
+        cap = min(cap, timeout_left)
+    return max(cap, 0.001)
+
+
+class StreamCursor:
+    """Where one reader of a job's token stream is, and which events to yield from what Redis returned.
+
+    Events carry the ids of their stream entries; `last_event_id` is the id of the last event
+    yielded, the place a reader resumes from after a dropped connection. A job that ended without
+    a stream entry (one submitted without `stream`, or whose stream expired before anything was
+    read) yields its result instead: one token event per choice with its whole text, then the end
+    event, under ids `0-1`, `0-2`, ... that sort below every real entry. A stream that vanished after
+    some of it was read cannot be finished that way: StreamExpired.
+    """
+
+    def __init__(self, job_id: str, last_event_id: str | None = None) -> None:
+        self.job_id = job_id
+        self.last_event_id = last_event_id or STREAM_START
+        self.ended = False
+
+    @property
+    def _synthetic_position(self) -> int | None:
+        """How many result-made events were yielded, or None once real entries were."""
+        major, _, minor = self.last_event_id.partition("-")
+        return int(minor or 0) if major == "0" else None
+
+    def from_entries(self, entries: Sequence[tuple[Any, Mapping[bytes, bytes]]]) -> list[tuple[str, dict[str, Any]]]:
+        """(id, event) pairs of the entries an XREAD returned, up to the end event."""
+        events = []
+        for entry_id, fields in entries:
+            event = parse_event(dict(fields))
+            events.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), event.model_dump()))
+            if event.event == "end":
+                self.ended = True
+                break
+        return events
+
+    def from_result(self, result: GenerationResult, stream_exists: bool) -> list[tuple[str, dict[str, Any]]]:
+        """The job ended and the stream holds nothing after `last_event_id`: the events left to yield."""
+        self.ended = True
+        end = EndStreamEvent(status=result.status, finish_reasons=[c.finish_reason for c in result.choices])
+        position = self._synthetic_position
+        if stream_exists:  # a stream its worker never ended (it was killed): only the end is missing
+            return [(self.last_event_id, end.model_dump())]
+        if position is None:
+            raise StreamExpired(self.job_id, self.last_event_id)
+        made: list[TokenStreamEvent | EndStreamEvent] = [
+            TokenStreamEvent(index=c.index, token_ids=c.token_ids, text=c.text)
+            for c in result.choices if c.token_ids or c.text
+        ]
+        made.append(end)
+        return [(f"0-{i}", event.model_dump()) for i, event in enumerate(made, start=1) if i > position]

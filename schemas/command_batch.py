@@ -1,17 +1,15 @@
 """Many Redis commands in one atomic server-side call, cheaply.
 
 A batching worker writes ~30 commands per job (rq's registries, executions, results; the result
-key) for hundreds of jobs per step, and a producer ~8 per job it enqueues. Through a redis-py
-pipeline each command costs ~9 us of Python (argument checks, packing, one parsed reply each),
-which capped one worker near 1,500 jobs/s. A `CommandBatch` is handed to rq's helpers where they
-take a `pipeline=`: redis-py's own command methods build each command, the batch only records it,
-and `execute` sends them all to one Lua script, which runs them in order and returns every reply:
-atomic like MULTI/EXEC.
+key) for hundreds of jobs per step, and a producer ~8 per job it enqueues; a redis-py pipeline's
+Python per command is too slow for that (docs/design-notes.md). A `CommandBatch` is handed to rq's
+helpers where they take a `pipeline=`: redis-py's own command methods build each command, the batch
+only records it, and `execute` sends them all to one Lua script, which runs them in order and
+returns every reply: atomic like MULTI/EXEC.
 
 The commands travel as one MessagePack array (the script's one argument, unpacked by Redis's
-built-in cmsgpack): msgpack packs a batch's ~40,000 arguments in ~1.3 ms where packing each as its
-own RESP argument (hiredis) took 6-11 ms, ~24 us per job, in one C call that held the GIL (and so
-the worker's decode loop) all along. Numbers reach the script as Lua numbers (doubles), which
+built-in cmsgpack), packed in one C call far cheaper than packing each as its own RESP argument,
+which held the GIL (and so the worker's decode loop) all along. Numbers reach the script as Lua numbers (doubles), which
 Redis writes back in shortest round-trip form (7.0 and later; 6.x writes 17 significant digits,
 the same double): integers must stay within +-2**53, as every rq and mlxq write does (TTLs,
 counts, Unix timestamps).
@@ -35,7 +33,7 @@ from redis.commands.core import CoreCommands
 
 # KEYS: guard keys: if any exists, run nothing and return nil. ARGV[1]: the commands as one
 # MessagePack array, each command its argument count followed by its arguments.
-_RUN_SCRIPT = """
+RUN_SCRIPT = """
 for _, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 1 then return nil end
 end
@@ -49,7 +47,7 @@ while i <= #argv do
 end
 return replies
 """
-_RUN_SCRIPT_SHA = hashlib.sha1(_RUN_SCRIPT.encode()).hexdigest()
+RUN_SCRIPT_SHA = hashlib.sha1(RUN_SCRIPT.encode()).hexdigest()
 
 
 class CommandBatch(CoreCommands):
@@ -70,19 +68,24 @@ class CommandBatch(CoreCommands):
     def __len__(self) -> int:
         return self._count
 
+    def take(self) -> tuple[list[Any], bytes]:
+        """The recorded commands, flat (argc, args..., argc, args...), and as RUN_SCRIPT's one argument;
+        the batch is empty afterwards. `execute` runs them; the asyncio producer runs them on its own."""
+        argv, self._argv, self._count = self._argv, [], 0
+        # Raw strings only: the cmsgpack of Redis 7.0 has no bin type (bytes and str both arrive as Lua strings).
+        return argv, msgpack.packb(argv, use_bin_type=False)
+
     def execute(self, unless_exists: Sequence[str] = ()) -> Optional[list[Any]]:
         """Run the recorded commands, atomically and in order; return their replies, or None
         (nothing ran) if any key in `unless_exists` exists. Raises the first command error."""
         if not self._count and not unless_exists:
             return []
-        argv, self._argv, self._count = self._argv, [], 0
-        # Raw strings only: the cmsgpack of Redis 7.0 has no bin type (bytes and str both arrive as Lua strings).
-        commands = msgpack.packb(argv, use_bin_type=False)
-        packed = hiredis.pack_command(("EVALSHA", _RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, commands))
+        argv, commands = self.take()
+        packed = hiredis.pack_command(("EVALSHA", RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, commands))
         try:
             replies = self._send(packed)
         except redis.exceptions.NoScriptError:  # a restarted or flushed server
-            self._connection.script_load(_RUN_SCRIPT)
+            self._connection.script_load(RUN_SCRIPT)
             replies = self._send(packed)
         except redis.exceptions.ResponseError as exc:
             if unless_exists or not str(exc).lower().startswith("unknown command"):
@@ -96,15 +99,7 @@ class CommandBatch(CoreCommands):
         return replies
 
     def _execute_as_transaction(self, argv: list[Any]) -> list[Any]:
-        """The same commands in MULTI/EXEC, for a server without Lua scripting (fakeredis without
-        lupa, in a producer's unit tests); the replies are then redis-py's parsed ones."""
-        with self._connection.pipeline() as pipe:
-            i = 0
-            while i < len(argv):
-                argc = argv[i]
-                pipe.execute_command(*argv[i + 1 : i + 1 + argc])
-                i += argc + 1
-            return pipe.execute(raise_on_error=False)
+        return run_as_transaction(self._connection, argv)
 
     def _send(self, packed: bytes) -> Any:
         pool = self._connection.connection_pool
@@ -121,3 +116,22 @@ class CommandBatch(CoreCommands):
             raise
         finally:
             pool.release(connection)
+
+
+def commands_of(argv: list[Any]) -> list[tuple[Any, ...]]:
+    """The commands of a flat argv from `CommandBatch.take`, one tuple each."""
+    commands, i = [], 0
+    while i < len(argv):
+        argc = argv[i]
+        commands.append(tuple(argv[i + 1 : i + 1 + argc]))
+        i += argc + 1
+    return commands
+
+
+def run_as_transaction(connection: redis.Redis, argv: list[Any]) -> list[Any]:
+    """The same commands in MULTI/EXEC, for a server without Lua scripting (fakeredis without
+    lupa, in a producer's unit tests); the replies are then redis-py's parsed ones."""
+    with connection.pipeline() as pipe:
+        for command in commands_of(argv):
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=False)

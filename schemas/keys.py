@@ -9,6 +9,8 @@ of the worker's engine counters (e.g. the prefix cache's), values as strings.
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "mlxq:"
 DEFAULT_QUEUE = "mlxq"
 JOB_FUNCTION = "worker.tasks.generate"
@@ -68,9 +70,65 @@ def worker_key(worker_name: str) -> str:
 WORKERS_KEY = f"{PREFIX}workers"
 
 
+def control_stream(model: str) -> str:
+    """The commands to the workers of one model (schemas/control.py), a Redis stream."""
+    return f"{PREFIX}control:{model}"
+
+
+def ack_key(command_id: str) -> str:
+    """Each worker's acknowledgement of one control command: worker name -> ControlAck JSON."""
+    return f"{PREFIX}ack:{command_id}"
+
+
+def weights_key(model: str) -> str:
+    """The latest weights command of a model (ControlCommand JSON), for workers that catch up."""
+    return f"{PREFIX}weights:{model}"
+
+
+def paused_key(model: str) -> str:
+    """Set while a model's workers are paused (its value the pause mode), for workers that start then."""
+    return f"{PREFIX}paused:{model}"
+
+
+def blob_key(prefix: str, file_name: str, chunk: int) -> str:
+    """One chunk of a safetensors file streamed through Redis for a weight version."""
+    return f"{PREFIX}blob:{prefix}:{file_name}:{chunk}"
+
+
 def queue_for_model(model: str | None) -> str:
     """The contract's routing: `mlxq:<model>` when a model is named, else `mlxq`."""
     return f"{PREFIX}{model}" if model else DEFAULT_QUEUE
+
+
+# Priorities, highest first, as `rq worker high default low` orders its queues: "default" is the
+# contract's queue itself, any other priority P a sibling queue `<queue>@P`.
+DEFAULT_PRIORITY = "default"
+DEFAULT_PRIORITIES = ("high", DEFAULT_PRIORITY, "low")
+
+
+def priority_queue(queue: str, priority: str | None) -> str:
+    """The queue a job of `priority` goes to instead of `queue` (`mlxq:qwen@high`); "default" or None: `queue`."""
+    return queue if priority in (None, DEFAULT_PRIORITY) else f"{queue}@{priority}"
+
+
+_PRIORITY_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+def check_priorities(priorities: tuple[str, ...], name: str = "priorities") -> None:
+    """ValueError naming `name` unless `priorities` are distinct short names that include "default"."""
+    bad = [p for p in priorities if not _PRIORITY_NAME.match(p)]
+    if bad:
+        raise ValueError(f"{name}: priority names are 1-32 letters, digits, '-' or '_', got {bad}")
+    if len(set(priorities)) != len(priorities):
+        raise ValueError(f"{name}: a priority is listed twice in {list(priorities)}")
+    if DEFAULT_PRIORITY not in priorities:
+        raise ValueError(f"{name}: must include {DEFAULT_PRIORITY!r} (the contract's queues), got {list(priorities)}")
+
+
+def prioritized_queues(queues: list[str], priorities: tuple[str, ...]) -> list[str]:
+    """What a worker listens on, in order: each priority's queue of every one of `queues`, highest first
+    (`[a@high, b@high, a, b, a@low, b@low]`), so a higher priority always goes first, as in rq."""
+    return [priority_queue(queue, priority) for priority in priorities for queue in queues]
 
 
 def model_alias(model: str) -> str:

@@ -18,6 +18,16 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.constraints import (
+    Constraint,
+    GuidedGrammar,
+    GuidedRegex,
+    ResponseFormat,
+    constraint_fields_given,
+    constraint_of,
+)
+from schemas.payload import ShapeError, check_shape
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
@@ -34,6 +44,7 @@ class RequestLimits:
     max_tokens: int = 4096
     max_prompt_tokens: int = 32768
     max_prompt_chars: int = 1_000_000
+    max_messages: int = 2048
 
 
 class InvalidRequestError(ValueError):
@@ -115,6 +126,13 @@ class GenerationRequest(BaseModel):
     metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = (
         Field(None, max_length=16)
     )
+    # RL (docs/rl.md): a LoRA adapter the worker serves, by name; the lowest weight version that may run it.
+    adapter: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")
+    min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
+    # Structured output (schemas/constraints.py, docs/structured-output.md): at most one per request.
+    response_format: Optional[ResponseFormat] = None
+    guided_regex: Optional[GuidedRegex] = None
+    guided_grammar: Optional[GuidedGrammar] = None
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +157,17 @@ class GenerationRequest(BaseModel):
             check_limits(self, limits)
         return self
 
+    @model_validator(mode="after")
+    def _check_one_constraint(self) -> "GenerationRequest":
+        given = constraint_fields_given(self.response_format, self.guided_regex, self.guided_grammar)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: at most one constraint per request, got {', '.join(given)}")
+        return self
+
+    @property
+    def constraint(self) -> Optional[Constraint]:
+        return constraint_of(self.response_format, self.guided_regex, self.guided_grammar)
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -149,17 +178,24 @@ class GenerationRequest(BaseModel):
 
     @classmethod
     def validate_payload(cls, payload: Any, limits: RequestLimits | None = None) -> "GenerationRequest":
-        """Validate a decoded JSON payload, raising InvalidRequestError that names the field."""
+        """Validate a decoded JSON payload, raising InvalidRequestError that names the field. Its size,
+        nesting and text are checked first, cheaply (schemas/payload.py), whether or not `limits` are
+        given: without them, RequestLimits' defaults bound the shape."""
         if isinstance(payload, GenerationRequest):
             payload = payload.model_dump(exclude_unset=True)
         if not isinstance(payload, dict):
             raise InvalidRequestError(
                 f"request: expected a JSON object, got {type(payload).__name__}", field="request"
             )
+        shape = limits or RequestLimits()
+        try:
+            check_shape(payload, shape.max_messages, shape.max_prompt_chars)
+        except ShapeError as exc:
+            raise InvalidRequestError(f"invalid request: {exc}", field=exc.field) from None
         try:
             return cls.model_validate(payload, context={"limits": limits} if limits else None)
         except ValidationError as exc:
-            raise _as_invalid_request(exc) from None
+            raise as_invalid_request(exc) from None
 
     def to_payload(self) -> dict[str, Any]:
         """The JSON object that goes on the wire: only fields the caller set."""
@@ -174,20 +210,14 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
             f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceeds the limit of "
             f"{limits.max_prompt_tokens}"
         )
-    chars = len(request.prompt or "") + sum(
-        len(m.content) if isinstance(m.content, str) else sum(len(getattr(p, "text", "")) for p in m.content)
-        for m in request.messages or []
-    )
-    if chars > limits.max_prompt_chars:
-        field = "prompt" if request.prompt is not None else "messages"
-        raise ValueError(f"{field}: {chars} characters exceeds the limit of {limits.max_prompt_chars}")
 
 
 # Pydantic puts the tried union member's type into error locations; users name fields, not types.
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-union\[.*\]|function-.*)$")
 
 
-def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+def as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+    """A pydantic ValidationError as an InvalidRequestError that names the first bad field."""
     errors = exc.errors(include_url=False)
     parts = []
     first_field = None

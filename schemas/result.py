@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
@@ -29,6 +30,14 @@ class Choice(_Model):
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
     finish_reason: Optional[FinishReason] = None
+    # Requests with a constraint (response_format, guided_regex, guided_grammar): whether `text` is a
+    # complete match; false when it ended first (`length`, a stop string, cancelled). Null otherwise.
+    constraint_complete: Optional[bool] = None
+    # The version of the weights that produced this choice (the one its first token came from), and,
+    # where weights were swapped while it decoded, each version from the token index it began at:
+    # [[first_token_index, version], ...]. Null for a worker whose weights carry no version.
+    weight_version: Optional[int] = None
+    weight_versions: Optional[list[tuple[int, int]]] = None
 
 
 class Usage(_Model):
@@ -80,3 +89,32 @@ class GenerationResult(_Model):
     worker: Optional[str] = None
     error: Optional[ErrorInfo] = None
     metadata: Optional[dict[str, str]] = None
+    weight_version: Optional[int] = None  # the weights that produced it (the oldest, if choices differ)
+
+
+def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_at: float,
+            first_token_at: Optional[float] = None) -> Timings:
+    """A job's instants (Unix seconds) and the durations they give."""
+    return Timings(
+        enqueued_at=enqueued_at,
+        started_at=started_at,
+        finished_at=finished_at,
+        queue_s=(started_at - enqueued_at) if enqueued_at and started_at else None,
+        ttft_s=(first_token_at - started_at) if first_token_at and started_at else None,
+        generation_s=(finished_at - started_at) if started_at else None,
+    )
+
+
+def no_output_result(job_id: str, status: Status, *, error_type: Optional[str] = None, message: str = "",
+                     request: Any = None, model: Optional[str] = None, worker: Optional[str] = None,
+                     enqueued_at: Optional[float] = None, started_at: Optional[float] = None) -> GenerationResult:
+    """The result of a job that ended without output: refused, failed before it ran, cancelled
+    while queued, abandoned by a dead worker. The one place such results are built, by workers and
+    producers alike; it echoes what it can of the raw `request` (custom_id, model, metadata)."""
+    echo = request_echo(request)
+    return GenerationResult(
+        id=job_id, custom_id=echo.get("custom_id"), model=echo.get("model", model), status=status,
+        worker=worker, metadata=echo.get("metadata"),
+        timings=timings(enqueued_at, started_at, time.time()),
+        error=ErrorInfo(type=error_type, message=message) if error_type and status != "cancelled" else None,
+    )

@@ -1,4 +1,5 @@
-"""Shared fixtures: a private redis-server per test session, a flushed connection per test."""
+"""Shared fixtures: a private redis-server per test session, a flushed connection per test, the tiny
+model and its greedy reference (the same request run alone through mlx-lm)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from worker.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    import worker  # noqa: F401
+    from mlx_lm import load
+
+    from tests.reference import greedy_alone
+
+    model, tokenizer = load(tiny_model_dir)
+    eos = set(tokenizer.eos_token_ids)
+
+    def run(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False):
+        return greedy_alone(model, prompt_ids, max_tokens, set() if ignore_eos else eos)
+
+    return run

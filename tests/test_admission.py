@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from producer import Client
-from worker.rq_worker import ADMIT_PER_TURN_WHILE_DECODING
+from worker.batch_loop import ADMIT_PER_TURN_WHILE_DECODING
 from tests.workers import stop, wait_for
 
 

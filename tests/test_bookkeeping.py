@@ -1,4 +1,4 @@
-"""The bookkeeping thread's gate (worker/bookkeeping.py, LoopGate): bookkeeping waits while the
+"""The bookkeeping thread's gate (worker/gate.py, LoopGate): bookkeeping waits while the
 batch loop is between two steps, and near the expected end of a step, and never for good."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from worker.bookkeeping import LoopGate
-from worker.loop_clock import StepRhythm
+from worker.gate import LoopGate, StepRhythm
 
 
 def _waiter(gate: LoopGate) -> threading.Event:

@@ -147,8 +147,8 @@ def test_a_row_whose_processor_fails_ends_alone(model_and_tokenizer, monkeypatch
     model, tokenizer = model_and_tokenizer
     real = compiled.logits_processors
 
-    def failing_for_one(params, prompt_len, capture=None):
-        processors = real(params, prompt_len, capture)
+    def failing_for_one(params, prompt_len, capture=None, constraint=None):
+        processors = real(params, prompt_len, capture, constraint)
         if params.presence_penalty == 1.25:
             def broken(tokens, logits):
                 if tokens.size > prompt_len + 2:

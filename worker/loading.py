@@ -12,16 +12,32 @@ from worker.settings import WorkerSettings
 log = logging.getLogger("mlxq.worker")
 
 
+class ModelLoadError(RuntimeError):
+    """The configured model could not be loaded; the message says which and why."""
+
+
+def check_model_setting(model: Optional[str]) -> None:
+    """Fail fast, before registering with rq, on a model that is neither a directory nor a hub id."""
+    if not model:
+        raise ModelLoadError("no model configured: set MLXQ_MODEL or pass --model (a local path or a hub id)")
+    looks_local = os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(model)):
+        raise ModelLoadError(f"MLXQ_MODEL: {model!r} is not a directory (give a local model directory or a hub id "
+                             "such as mlx-community/Qwen2.5-0.5B-Instruct-4bit)")
+
+
 def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
-    if not settings.model:
-        raise RuntimeError("no model configured: set MLXQ_MODEL or pass --model (a local path or a hub id)")
+    check_model_setting(settings.model)
     blas = preload_blas(settings.blas)
     blas_threads = limit_blas_threads(settings.blas_threads, blas) if settings.blas_threads else None
     from mlx_lm import load
 
-    model, tokenizer = load(
-        settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code}
-    )
+    try:
+        model, tokenizer = load(
+            settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code}
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"MLXQ_MODEL: could not load {settings.model!r}: {type(exc).__name__}: {exc}") from exc
     limits = apply_metal_limits(settings.metal_wired_limit_mb, settings.metal_cache_limit_mb)
     log.info(
         "loaded %s (%s); BLAS: %s%s",

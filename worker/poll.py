@@ -4,31 +4,37 @@ One server-side script does both, so a loop turn costs a single short round trip
 queues the worker listens on and however many sequences run:
 - the running jobs' ids are kept in a set (`mlxq:running:<worker>`, added as jobs start, removed
   by the first poll after they end); the script looks for their cancel keys (`mlxq:cancel:<id>`),
-  with one EXISTS per 512 ids and per-id calls only when one exists (256 single EXISTS calls per
-  turn made this the costliest part of a turn at 256 in flight);
+  with one EXISTS per 512 ids and per-id calls only when one exists (docs/design-notes.md);
 - in a process group (`mlxq worker --processes N`), `room` is first cut to the worker's fair share:
   the running and waiting jobs of the group over its live workers, less what it runs itself. An
-  idle worker would otherwise take a whole burst that its siblings could share (on an H200 one of
-  two workers took 127 of a wave of 128 jobs while the other ran one). In a group, taken ids enter
+  idle worker would otherwise take a whole burst that its siblings could share. In a group, taken ids enter
   the running set in the same script, so a sibling's next poll counts them;
 - up to `room` job ids move from the queues, in the worker's priority order, to their intermediate
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
-  whose job hash is gone (deleted while it waited) is dropped from the intermediate list.
+  whose job hash is gone (deleted while it waited) is dropped from the intermediate list. A job key
+  that is not a hash, or a hash too big to ship (MLXQ_MAX_JOB_BYTES), comes back as a note of why,
+  which worker/intake.py turns into a failed job; a queue key that is not a list is skipped.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
 import redis
 
 from schemas import keys
+from worker.intake import READ_JOB_LUA, JobFields, as_job_fields
 
-POLL_SCRIPT = """
-for first = 8, #ARGV, 1000 do
+log = logging.getLogger("mlxq.worker")
+
+POLL_SCRIPT = READ_JOB_LUA + """
+for first = 9, #ARGV, 1000 do
   redis.call('SREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
+local max_bytes = tonumber(ARGV[8])
 local room = tonumber(ARGV[1])
 if ARGV[4] ~= '' then
   local now = tonumber(redis.call('TIME')[1])
@@ -45,7 +51,10 @@ if ARGV[4] ~= '' then
         redis.call('HDEL', ARGV[4], members[i])
       end
     end
-    for q = 2, #KEYS, 2 do load = load + redis.call('LLEN', KEYS[q]) end
+    for q = 2, #KEYS, 2 do
+      local length = redis.pcall('LLEN', KEYS[q])
+      if type(length) == 'number' then load = load + length end
+    end
     local share = math.ceil(load / live) - redis.call('SCARD', KEYS[1])
     room = math.max(0, math.min(room, share))
   end
@@ -66,13 +75,17 @@ if ARGV[3] ~= '' then
     end
   end
 end
-local taken = {}
+local taken, broken_queues = {}, {}
 for q = 2, #KEYS, 2 do
   while room > 0 do
-    local id = redis.call('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    local id = redis.pcall('LMOVE', KEYS[q], KEYS[q + 1], 'LEFT', 'RIGHT')
+    if type(id) == 'table' and id.err then
+      broken_queues[#broken_queues + 1] = (q - 2) / 2
+      break
+    end
     if not id then break end
-    local job = redis.call('HGETALL', ARGV[2] .. id)
-    if #job == 0 then
+    local job = read_job(ARGV[2] .. id, max_bytes)
+    if not job then
       redis.call('LREM', KEYS[q + 1], 1, id)
     else
       taken[#taken + 1] = (q - 2) / 2
@@ -83,30 +96,46 @@ for q = 2, #KEYS, 2 do
     end
   end
 end
-return {cancelled, taken}
+return {cancelled, taken, broken_queues}
+"""
+
+
+# KEYS[1]: the intermediate list the id was moved to. ARGV: the job key, the size limit. The job as
+# the poll script returns one; an id whose hash is gone leaves the intermediate list.
+READ_SCRIPT = READ_JOB_LUA + """
+local job = read_job(ARGV[1], tonumber(ARGV[2]))
+if not job then redis.call('LREM', KEYS[1], 1, ARGV[3]) end
+return job
 """
 
 
 class TakenJob(NamedTuple):
     queue_index: int  # into the queue pairs given to `poll`
-    job_id: str
-    fields: dict[bytes, bytes]  # the job's hash
+    raw_id: bytes
+    fields: JobFields  # the job's hash; or, where the script sent none, why (worker/intake.py reads both)
+
+    @property
+    def job_id(self) -> str:
+        return self.raw_id.decode(errors="replace")
 
 
 class Poll(NamedTuple):
     taken: list[TakenJob]
     cancelled: set[str]
+    broken_queues: list[int]  # queues (indexes into the pairs given) that are not lists
 
 
 class Poller:
     def __init__(self, connection: redis.Redis, worker_name: str, group: Optional[str] = None,
-                 member_ttl_s: int = 20) -> None:
+                 member_ttl_s: int = 20, max_job_bytes: int = 16 * 1024 * 1024) -> None:
         self.running_key = keys.running_key(worker_name)
         self._name = worker_name
         self._group_key = keys.group_key(group) if group else ""
         self._member_ttl_s = member_ttl_s  # a member that has not polled for this long has left its group
+        self._max_job_bytes = max_job_bytes  # a bigger job hash is not sent back: it fails unread
         self._connection = connection
         self._script = connection.register_script(POLL_SCRIPT)
+        self._read = connection.register_script(READ_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.
@@ -142,10 +171,94 @@ class Poller:
         script_keys = [self.running_key] + [key for pair in queue_pairs for key in pair]
         cancel_prefix = keys.cancel_key("") if check_cancels else ""
         ended = list(self._ended)
-        cancelled, flat = self._script(keys=script_keys,
-                                       args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key,
-                                             self._member_ttl_s, keys.running_key(""), self._name, *ended])
+        cancelled, flat, broken = self._script(
+            keys=script_keys, args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key, self._member_ttl_s,
+                                    keys.running_key(""), self._name, self._max_job_bytes, *ended])
         self._ended.difference_update(ended)
-        taken = [TakenJob(int(index), job_id.decode(), dict(zip(fields[::2], fields[1::2])))
-                 for index, job_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
-        return Poll(taken, {job_id.decode() for job_id in cancelled})
+        taken = [TakenJob(int(index), raw_id, as_job_fields(fields))
+                 for index, raw_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
+        return Poll(taken, {job_id.decode() for job_id in cancelled}, [int(i) for i in broken])
+
+    def wait(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str, timeout_s: int) -> Optional[TakenJob]:
+        """Block up to `timeout_s` for one job (an idle worker). With one queue the id moves to its
+        intermediate list atomically (BLMOVE, crash-safe); with several, BLPOP takes it from the first
+        that has one and it is put in that queue's intermediate list right after, as rq's own dequeue
+        does. A queue key that is not a list raises redis.ResponseError."""
+        if len(queue_pairs) == 1:
+            queue_key, intermediate_key = queue_pairs[0]
+            raw_id = self._connection.blmove(queue_key, intermediate_key, timeout_s, "LEFT", "RIGHT")
+            index = 0
+        else:
+            popped = self._connection.blpop([queue for queue, _ in queue_pairs], timeout_s)
+            if popped is None:
+                return None
+            queue_key, raw_id = popped
+            index = [queue.encode() for queue, _ in queue_pairs].index(queue_key)
+            intermediate_key = queue_pairs[index][1]
+            self._connection.rpush(intermediate_key, raw_id)
+        if raw_id is None:
+            return None
+        fields = self._read(keys=[intermediate_key], args=[job_key_prefix.encode() + raw_id, self._max_job_bytes,
+                                                           raw_id])
+        taken = as_job_fields(fields)
+        return None if taken is None else TakenJob(index, raw_id, taken)
+
+
+class WorkerQueues:
+    """A worker's queues, in its priority order, as its batch loop takes jobs from them: the
+    Poller's round trips bound to those queues, with a warning (once a minute) for a queue key
+    that is not a list, which the poll skips."""
+
+    def __init__(self, poller: Poller, queue_pairs: list[tuple[str, str]], job_key_prefix: str) -> None:
+        self._poller, self._pairs, self._prefix = poller, queue_pairs, job_key_prefix
+        self._next_warning = 0.0
+        self._held: set[int] = set()  # queues whose first job wants newer weights than this worker's
+
+    def hold(self, queue_indexes: Iterable[int]) -> None:
+        """Take nothing from these queues until the weights change (`version_changed`)."""
+        self._held.update(queue_indexes)
+
+    def version_changed(self) -> None:
+        self._held.clear()
+
+    def poll(self, room: int, check_cancels: bool) -> Poll:
+        indexes = self._open_queues()
+        poll = self._poller.poll([self._pairs[i] for i in indexes], room, self._prefix, check_cancels)
+        if poll.broken_queues:
+            self._warn([self._pairs[indexes[i]][0] for i in poll.broken_queues])
+        return poll._replace(taken=[t._replace(queue_index=indexes[t.queue_index]) for t in poll.taken],
+                             broken_queues=[indexes[i] for i in poll.broken_queues])
+
+    def wait(self, timeout_s: int) -> Optional[TakenJob]:
+        """Block up to `timeout_s` for one job. Where a queue key is not a list (the blocking pop
+        refuses the whole call) poll instead, skipping it, and sleep the round out if nothing came."""
+        indexes = self._open_queues()
+        if not indexes:
+            time.sleep(timeout_s)
+            return None
+        try:
+            taken = self._poller.wait([self._pairs[i] for i in indexes], self._prefix, timeout_s)
+            return None if taken is None else taken._replace(queue_index=indexes[taken.queue_index])
+        except redis.ResponseError:
+            polled = self.poll(1, check_cancels=False).taken
+            if not polled:
+                time.sleep(timeout_s)
+            return polled[0] if polled else None
+
+    def _open_queues(self) -> list[int]:
+        return [i for i in range(len(self._pairs)) if i not in self._held]
+
+    def started(self, job_ids: list[str]) -> None:
+        self._poller.started(job_ids)
+
+    def ended(self, job_ids: list[str]) -> None:
+        self._poller.ended(job_ids)
+
+    def stay_in_group(self) -> None:
+        self._poller.stay_in_group()
+
+    def _warn(self, queue_keys: list[str]) -> None:
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + 60
+            log.error("skipping %s: not a Redis list (a queue must be one)", ", ".join(queue_keys))

@@ -55,7 +55,8 @@ def child_settings(host: WorkerSettings, processes: int, cpu_count: int, split_b
     return [replace(host, max_num_seqs=share(host.max_num_seqs, processes, i),
                     kv_budget_mb=share(kv_budget_mb, processes, i),
                     prefix_cache_mb=host.prefix_cache_mb // processes,
-                    blas_threads=blas_threads, group=group)
+                    blas_threads=blas_threads, group=group,
+                    metrics_port=None if host.metrics_port is None else host.metrics_port + i)
             for i in range(processes)]
 
 

@@ -3,13 +3,21 @@ then a pub/sub nudge on `mlxq:done:<id>`. Every call is one round trip (a Comman
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple, Optional
 
 import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.utils import now, utcformat
 
 from schemas import GenerationResult, keys
+from schemas.result import no_output_result
 from schemas.command_batch import CommandBatch
 from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
+from worker.intake import Unreadable
+
+log = logging.getLogger("mlxq.worker")
 
 
 class Publication(NamedTuple):
@@ -67,3 +75,27 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
             batch.expire(keys.stream_key(job_id), ttls[job_id])
     batch.execute()
 
+
+def refuse_unreadable(connection: redis.Redis, refused: list[tuple[Unreadable, Queue]],
+                      model: Optional[str] = None, worker: Optional[str] = None) -> None:
+    """Queue entries that cannot run leave their queue's intermediate list (where rq's own
+    maintenance would trip on them); each identifiable one ends failed, with a result key that names
+    the broken field, and its hash, if any, is marked failed and kept only as long as that key."""
+    batch = CommandBatch(connection)
+    publications = []
+    ttl = keys.result_key_ttl(None)
+    for bad, queue in refused:
+        batch.lrem(queue.intermediate_queue.key, 1, bad.raw_id)
+        if bad.job_id is None:
+            log.warning("removed an unreadable entry %r from %s: %s", bad.raw_id[:64], queue.key, bad.message)
+            continue
+        log.warning("job %s cannot run: %s", bad.job_id, bad.message)
+        result = no_output_result(bad.job_id, "failed", error_type="InvalidJob", message=bad.message,
+                                  request=bad.payload, model=model, worker=worker)
+        publications.append(Publication(result, ttl))
+        if bad.is_hash:
+            job_key = Job.key_for(bad.job_id)
+            batch.hset(job_key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now())})
+            batch.expire(job_key, ttl or keys.DEFAULT_RESULT_TTL)
+    batch.execute()
+    publish_results(connection, publications)

@@ -1,27 +1,39 @@
 """Jobs of dead workers: RQ notices them by their expired heartbeats in the started registry.
-`sweep_abandoned` writes a failed result key for each one that will not be retried (the
-contract: a result key before RQ marks the job ended), then lets RQ's own cleanup retry or
-fail them. Busy workers run it every MLXQ_SWEEP_INTERVAL_S; `mlxq info --cleanup` runs it too.
+
+`sweep_abandoned` reads each expired job defensively (worker/intake.py), strips the callbacks the
+allowlist refuses (rq's cleanup would import and call them), caps its retries (worker/retry_policy.py),
+writes a failed result key for each one that will not be retried (the contract: a result key before
+RQ marks the job ended), then lets RQ's own cleanup retry or fail them. A job hash that cannot be read
+leaves the registry here with a failed result: rq's cleanup would trip on it. Busy workers run it
+every MLXQ_SWEEP_INTERVAL_S; `mlxq info --cleanup` runs it too.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 import redis
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from schemas import ErrorInfo, GenerationResult, Timings, keys
 from schemas.result import request_echo
 from schemas.serializer import JSON_SERIALIZER
+from worker import retry_policy
+from worker.allowlist import allowed, callbacks
+from worker.intake import Unreadable, fetch_job_fields, read_job
 from worker.publish import Publication, publish_results
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("mlxq.worker")
 
 
-def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], skip: frozenset[str] = frozenset()) -> list[str]:
+def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], settings: WorkerSettings,
+                    skip: frozenset[str] = frozenset()) -> list[str]:
     """Retry or fail every job whose worker stopped heart-beating. Returns the ids handled."""
     handled: list[str] = []
     now = time.time()
@@ -30,37 +42,93 @@ def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], skip: froz
         expired = [job_id for job_id in registry.get_expired_job_ids(now) if job_id not in skip]
         if not expired:
             continue
-        results = []
-        for job_id in expired:
-            try:
-                job = Job.fetch(job_id, connection=connection, serializer=JSON_SERIALIZER)
-            except NoSuchJobError:
-                continue
-            if not job.should_retry:
-                results.append(Publication(abandoned_result(job), keys.result_key_ttl(job.result_ttl)))
-        publish_results(connection, results)
+        results = [result for result in (_prepare(connection, registry, job_id, settings) for job_id in expired)
+                   if result is not None]
+        publish_results(connection, [Publication(r, keys.result_key_ttl(ttl)) for r, ttl in results])
         registry.cleanup(now)
         handled += expired
     return handled
 
 
-def abandoned_result(job: Job) -> GenerationResult:
-    try:
-        request = job.kwargs.get("request")
-    except Exception:  # not JSON: nothing to echo
-        request = None
+def _prepare(connection: redis.Redis, registry: StartedJobRegistry, job_id: str, settings: WorkerSettings
+             ) -> Optional[tuple[GenerationResult, Optional[int]]]:
+    """Make one expired job safe for rq's cleanup; its failed result if it will not run again."""
+    fields = fetch_job_fields(connection, job_id, settings.max_job_bytes)
+    if fields is None:
+        return None  # rq's cleanup drops the id
+    job = read_job(job_id.encode(), fields, connection, settings.max_job_bytes)
+    if isinstance(job, Unreadable):
+        connection.zrem(registry.key, job_id)
+        log.warning("job %s of a dead worker cannot be read: %s", job_id, job.message)
+        return _failed(job_id, job.payload, None, None, "InvalidJob", job.message), None
+    assert isinstance(fields, dict)
+    refused = [field for field, name in callbacks(fields).items() if not allowed(name, settings.callback_allowlist)]
+    if refused:
+        connection.hdel(job.key, *refused)
+        log.warning("job %s: removed callbacks not on MLXQ_CALLBACK_ALLOWLIST before rq's cleanup: %s", job_id,
+                    ", ".join(fields[f.encode()].decode(errors="replace") for f in refused))
+    if job.retries_left:
+        retry_policy.apply(job, "AbandonedJobError", settings.max_retries, settings.retry_backoff_s)
+        capped: dict[str, Any] = {"retries_left": job.retries_left}
+        if job.retry_intervals is not None:
+            capped["retry_intervals"] = json.dumps(job.retry_intervals)
+        connection.hset(job.key, mapping=capped)
+    if job.should_retry:
+        return None
+    return abandoned_result(job), job.result_ttl
+
+
+def finish_cancelled(connection: redis.Redis, queues: Iterable[Queue], since: float, max_job_bytes: int) -> list[str]:
+    """Write the result keys of jobs cancelled while queued since `since` (Unix seconds) that have
+    none: a producer under the documented ACL may not write result keys, so it only marks the job
+    cancelled in RQ (its own client reads that as cancelled at once) and a worker writes the key."""
+    finished: list[str] = []
+    for queue in queues:
+        job_ids = [raw.decode() for raw in connection.zrangebyscore(queue.canceled_job_registry.key, since, "+inf")]
+        if not job_ids:
+            continue
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.exists(keys.result_key(job_id))
+            have = pipe.execute()
+        publications = []
+        for job_id in (job_id for job_id, exists in zip(job_ids, have) if not exists):
+            fields = fetch_job_fields(connection, job_id, max_job_bytes)
+            job = None if fields is None else read_job(job_id.encode(), fields, connection, max_job_bytes)
+            request = None if job is None or isinstance(job, Unreadable) else _request(job)
+            result = cancelled_result(job_id, request, None if isinstance(job, Unreadable) else job)
+            ttl = job.result_ttl if isinstance(job, Job) else None
+            publications.append(Publication(result, keys.result_key_ttl(ttl)))
+            finished.append(job_id)
+        publish_results(connection, publications)
+    return finished
+
+
+def cancelled_result(job_id: str, request: Any, job: Optional[Job]) -> GenerationResult:
     echo = request_echo(request)
-    started = job.started_at.timestamp() if job.started_at else None
-    return GenerationResult(
-        id=job.id,
-        custom_id=echo.get("custom_id"),
-        model=echo.get("model"),
-        status="failed",
-        worker=job.worker_name,
-        timings=Timings(enqueued_at=job.enqueued_at.timestamp() if job.enqueued_at else None, started_at=started,
-                        finished_at=time.time()),
-        error=ErrorInfo(
-            type="AbandonedJobError",
-            message="the worker running this job stopped (crashed or was killed) and the job has no retries left",
-        ),
-    )
+    enqueued = job.enqueued_at.timestamp() if job is not None and job.enqueued_at else None
+    return GenerationResult(id=job_id, status="cancelled", timings=Timings(enqueued_at=enqueued,
+                                                                            finished_at=time.time()), **echo)
+
+
+def _request(job: Job) -> Any:
+    try:
+        return job.kwargs.get("request")
+    except Exception:  # not JSON: nothing to echo
+        return None
+
+
+def abandoned_result(job: Job) -> GenerationResult:
+    return _failed(job.id, _request(job), job.worker_name, job, "AbandonedJobError",
+                   "the worker running this job stopped (crashed or was killed) and the job has no retries left")
+
+
+def _failed(job_id: str, request: Any, worker_name: Optional[str], job: Optional[Job], error_type: str,
+            message: str) -> GenerationResult:
+    echo = request_echo(request)
+    started = job.started_at.timestamp() if job is not None and job.started_at else None
+    enqueued = job.enqueued_at.timestamp() if job is not None and job.enqueued_at else None
+    return GenerationResult(id=job_id, custom_id=echo.get("custom_id"), model=echo.get("model"), status="failed",
+                            worker=worker_name, timings=Timings(enqueued_at=enqueued, started_at=started,
+                                                                finished_at=time.time()),
+                            error=ErrorInfo(type=error_type, message=message))

@@ -1,14 +1,22 @@
-"""Whether Redis is answering, and when to ask it again (exponential backoff, capped)."""
+"""Whether Redis is answering, for the batch loop and the bookkeeping thread alike.
+
+Whichever thread loses Redis first marks it down and logs once; whichever sees it answer first marks
+it up and logs once. While it is down the loop probes it on an exponential backoff (decoding goes
+on) and bookkeeping waits the same backoff between attempts of the task it is retrying.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
 import redis
 
 log = logging.getLogger("mlxq.worker")
+
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class RedisHealth:
@@ -20,22 +28,34 @@ class RedisHealth:
         kwargs.update(socket_timeout=probe_timeout_s, socket_connect_timeout=probe_timeout_s)
         self._probe = redis.Redis(connection_pool=connection.connection_pool.__class__(
             connection_class=connection.connection_pool.connection_class, **kwargs))
-        self._first = first_backoff_s
-        self._max = max_backoff_s
+        self._first, self._max = first_backoff_s, max_backoff_s
         self._backoff = first_backoff_s
         self._next_try = 0.0
+        self._lock = threading.Lock()
         self.down_since: Optional[float] = None
+        self.losses = 0  # times Redis went away (a metric)
 
     @property
     def up(self) -> bool:
         return self.down_since is None
 
     def lost(self, exc: BaseException) -> None:
-        if self.down_since is None:
+        with self._lock:
+            if self.down_since is not None:
+                return
             self.down_since = time.monotonic()
+            self.losses += 1
             self._backoff = self._first
             self._next_try = self.down_since + self._backoff
-            log.error("lost Redis (%r): decoding goes on; results are kept until it is back", exc)
+        log.error("lost Redis (%r): decoding goes on; results are kept until it is back", exc)
+
+    def answered(self) -> None:
+        """A call went through: Redis is back, if it was away."""
+        with self._lock:
+            if self.down_since is None:
+                return
+            since, self.down_since = self.down_since, None
+        log.warning("Redis is back after %.1f s", time.monotonic() - since)
 
     def try_reconnect(self, wait: bool = False) -> bool:
         """Ping when the backoff allows (sleeping until then if `wait`). True if Redis is back."""
@@ -48,10 +68,20 @@ class RedisHealth:
             time.sleep(delay)
         try:
             self._probe.ping()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except REDIS_ERRORS:
+            self._grow_backoff()
+            return False
+        self.answered()
+        return True
+
+    def pause(self) -> None:
+        """Wait out the current backoff before trying a failed call again (the bookkeeping thread)."""
+        with self._lock:
+            delay = self._backoff
+        time.sleep(delay)
+        self._grow_backoff()
+
+    def _grow_backoff(self) -> None:
+        with self._lock:
             self._backoff = min(self._backoff * 2, self._max)
             self._next_try = time.monotonic() + self._backoff
-            return False
-        log.warning("Redis is back after %.1f s", time.monotonic() - self.down_since)
-        self.down_since = None
-        return True

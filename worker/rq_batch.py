@@ -1,10 +1,9 @@
 """rq's per-job writes at the start and end of a job, for many jobs in one round trip.
 
 A batching worker starts and ends jobs by the hundred per step, and rq's helpers (one WATCH,
-SMEMBERS and MULTI/EXEC per finished job, and new registry objects on every property access,
-each resolving its serializer) capped a worker near 500 jobs/s. The same writes, built from rq's
-public pieces, go here into the caller's batch (a CommandBatch), with one registry object per
-queue.
+SMEMBERS and MULTI/EXEC per finished job, and new registry objects on every property access) are too
+slow for that (docs/design-notes.md). The same writes, built from rq's public pieces, go here into
+the caller's batch (a CommandBatch), with one registry object per queue.
 """
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ class Registries:
 
 
 def new_execution_id() -> str:
-    """32 random hex digits, like rq's `uuid4().hex`. uuid4 reads os.urandom, which lets go of the
-    GIL: with the bookkeeping thread busy, getting it back cost ~60 µs a call (4 µs alone), once per
-    started job. Execution ids must be unique, not secret; `random` is seeded from os.urandom."""
+    """32 random hex digits, like rq's `uuid4().hex`, without uuid4's os.urandom call, which lets go of
+    the GIL (docs/design-notes.md). Execution ids must be unique, not secret; `random` is seeded from
+    os.urandom."""
     return f"{random.getrandbits(128):032x}"
 
 

@@ -1,14 +1,11 @@
-"""BatchWorker: RQ lifecycle around a continuous-batching scheduler.
+"""BatchWorker: an RQ worker whose jobs run together in a continuous batch.
 
 An RQ `SimpleWorker` (no fork: the model stays loaded, and fork after MLX starts is unsafe on
-macOS) whose loop keeps many jobs running at once. It takes every waiting job while it has
-room, starts each the RQ way, steps the scheduler, and ends each job the RQ way after its result
-key is written. It knows nothing of MLX; the scheduler knows nothing of Redis.
-
-Ending jobs (result keys, streams, RQ's bookkeeping) happens on the bookkeeping thread, so a
-decode step never waits for Redis; if Redis goes away mid-batch, decoding goes on and results
-are written once it answers again. RQ's per-job helpers read the single `self.execution`: here
-it is per thread, and `_as_current` sets it around each call.
+macOS). This class is RQ's side only: its hooks (signals, stop-job commands, maintenance), the
+start of a job in RQ's terms (for many jobs in one round trip) and its end in RQ's terms. The turns
+themselves are the batch loop's (worker/batch_loop.py), the Redis side of ending jobs runs on the
+bookkeeping thread (worker/job_ending.py), heartbeats on the liveness thread (worker/liveness.py).
+It knows nothing of MLX; the scheduler knows nothing of Redis.
 """
 
 from __future__ import annotations
@@ -16,21 +13,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import logging
-import math
 import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional
 
-import redis
 from rq import Queue, Retry, SimpleWorker
 from rq.command import parse_payload
-from rq.exceptions import DeserializationError, StopRequested
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty
@@ -41,75 +34,54 @@ from rq.worker.base import DequeueStrategy
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
+from worker import retry_policy
+from worker.allowlist import ALLOWED_FUNCTIONS, callback_names, refusal
+from worker.batch_loop import BatchLoop, InFlight, StartedJob
 from worker.bookkeeping import Bookkeeper
+from worker.control import ControlChannel, Controller
+from worker.intake import Unreadable, fetch_job_fields, read_job
+from worker.job_ending import Ending, JobEnding
 from worker.liveness import Liveness
-from worker.loop_clock import LoopClock, StepRhythm
-from worker.poll import Poller
-from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas
-from worker.recovery import sweep_abandoned
+from worker.loading import ModelLoadError
+from worker.metrics import WorkerMetrics
+from worker.poll import Poller, TakenJob, WorkerQueues
+from worker.presence import PresencePublisher
+from worker.recovery import finish_cancelled, sweep_abandoned
 from worker.redis_health import RedisHealth
 from worker.rq_batch import Registries, Success, create_execution, end_successes
-from worker.scheduler import EndedJob
+from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
+from worker.weights import WeightLoader
 
-log = logging.getLogger("mlxq.worker")
-
-CALLBACK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name")
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
-GIL_SWITCH_INTERVAL_S = 0.0005
-# While sequences decode, a loop turn starts at most this many jobs: each costs the loop ~0.3 ms of
-# Python (rq's job objects, the request's validation), and 256 at once held the running sequences'
-# next token back by 60-100 ms. An idle worker still takes all it has room for.
-ADMIT_PER_TURN_WHILE_DECODING = 64
-IDLE_WAIT_ROUND_S = 1  # an idle worker's blocking dequeue returns this often to see a stop request
-# A full worker has no job to take, so its round trip per turn would only look for cancel keys:
-# it does that this often instead (at 256 in flight on an H200 the poll was ~4% of the loop).
-CANCEL_CHECK_INTERVAL_S = 0.05
-# Bookkeeping waits while the loop is between two steps (worker/bookkeeping.py, LoopGate) only
-# while steps are long against the loop's turns between them (at least MIN_GATED_STEP_S, and
-# GATED_STEP_TO_TURN times the shortest recent turn) and spent mostly off the loop's CPU (see
-# StepRhythm). With near-free steps (the zero-cost fake engine) the loop is mostly turns, and
-# holding bookkeeping off them starved it: on an H200 host one worker sustained 1,993-2,222 jobs/s
-# against 2,950-2,984 when any step of 2 ms or more closed the gate.
-MIN_GATED_STEP_S = 0.002
-GATED_STEP_TO_TURN = 4
-# Jobs ended per Redis call while the gate is in force. Redis runs one call at a time, so the
-# loop's poll can wait behind a bookkeeping script: 256 rq endings in one script ran 7-8 ms on the
-# 2-core CPU (~1 ms per 32), 256 result keys ~1.7 ms (~0.9 ms per 128). Otherwise one call takes
-# all: fewer round trips keep up bookkeeping's throughput when the loop is busy with its turns.
-RQ_ENDS_PER_CALL = 32
-RESULTS_PER_CALL = 128
+# The first sweep looks this far back for jobs cancelled while queued, each later one from the one
+# before less this, so a cancel made while no worker ran still gets its result key.
+CANCELLED_SCAN_MARGIN_S = 3600
+
+
+def _wanted_version(job: Job) -> int:
+    """The lowest weight version a job's request may run on (`min_weight_version`), 0 if none."""
+    try:
+        request = job.kwargs.get("request")
+        wanted = request.get("min_weight_version") if isinstance(request, dict) else None
+    except Exception:  # not readable as a request: admission fails it, whatever its version
+        return 0
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
 
 
 class JobFailed(Exception):
     """Carries a failed GenerationResult's error into RQ's failure path (callbacks, exc_info)."""
 
 
-@dataclass
-class InFlight:
-    job: Job
-    queue: Queue
-    execution: Execution
-    deadline: Optional[float]  # monotonic; None = no timeout
-    payload: Any = None
-    solo: bool = False
-    ending: bool = False  # its result was handed to the bookkeeping thread
-
-    @property
-    def streams(self) -> bool:
-        return isinstance(self.payload, dict) and self.payload.get("stream") is True
-
-
 class BatchWorker(SimpleWorker):
-    allowed_functions = frozenset({keys.JOB_FUNCTION})
+    allowed_functions = ALLOWED_FUNCTIONS
 
     def __init__(
         self,
         queues: Any = None,
         *args: Any,
         settings: Optional[WorkerSettings] = None,
-        scheduler_factory: Optional[Callable[[WorkerSettings, str], Any]] = None,
+        scheduler_factory: Optional[Callable[[WorkerSettings, str], BatchScheduler]] = None,
         **kwargs: Any,
     ) -> None:
         kwargs["serializer"] = JSON_SERIALIZER  # never pickle, whatever the command line said
@@ -117,39 +89,35 @@ class BatchWorker(SimpleWorker):
         if queues is None:
             queues = self.settings.default_queues()
         kwargs.setdefault("maintenance_interval", int(self.settings.sweep_interval_s))
-        self._thread_state = threading.local()
         super().__init__(queues, *args, **kwargs)
         self._scheduler_factory = scheduler_factory
-        self.scheduler_: Any = None  # rq's BaseWorker already uses `self.scheduler`
-        self._inflight: dict[str, InFlight] = {}
-        self._earliest_deadline = math.inf  # no running job's deadline is earlier
-        self._bookkeeper = Bookkeeper()
         self._registries = Registries(self)
-        self._stop_job_ids: set[str] = set()
-        self._stop_job_lock = threading.Lock()
         self._health = RedisHealth(self.connection)
-        self._last_sweep = time.monotonic()
-        self._next_cancel_check = 0.0
-        self._rhythm = StepRhythm(MIN_GATED_STEP_S, GATED_STEP_TO_TURN)
-        self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s)
+        self._bookkeeper = Bookkeeper(self._health)
+        self._metrics = self._start_metrics() if self.settings.metrics_port is not None else None
+        self._ending = JobEnding(self.connection, self._bookkeeper, self, self.settings, self.name, self._metrics)
+        self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s,
+                              self.settings.max_job_bytes)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
-        self._clock = LoopClock()
+        self._loop: Optional[BatchLoop] = None
+        self._queues: Optional[WorkerQueues] = None
+        self._controller: Optional[Controller] = None
         self._loop_started = False  # until then a warm stop may interrupt (model loading), as in rq
+        self._presence: Optional[PresencePublisher] = None
+        self._stop_job_ids: set[str] = set()  # written by rq's pubsub thread, taken by the loop
+        self._stop_job_lock = threading.Lock()
         self._stop_recorded = False
+        self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S  # the bookkeeping thread's
 
-    # --- RQ hooks -------------------------------------------------------------------------
-    @property  # type: ignore[override]
-    def execution(self) -> Optional[Execution]:
-        return getattr(self._thread_state, "execution", None)
-
-    @execution.setter
-    def execution(self, value: Optional[Execution]) -> None:
-        self._thread_state.execution = value
-
+    # --- RQ's hooks -----------------------------------------------------------------------
     @property
     def bookkeeping_idle(self) -> bool:
         """Whether every ending handed to the bookkeeping thread has been written."""
         return self._bookkeeper.idle
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
     @property
     def dequeue_timeout(self) -> int:
@@ -162,10 +130,10 @@ class BatchWorker(SimpleWorker):
     def request_stop(self, signum: int, frame: Optional[FrameType]) -> None:
         """First SIGTERM/SIGINT: warm shutdown. rq raises StopRequested from this signal handler when
         the worker is not busy, wherever the main thread happens to be: inside a `try/except
-        Exception` the stop was lost (the worker never exited), and between a Redis command and
-        its reply the reply was left on a pooled connection for its next user (rq's
-        `register_death` then failed). Once the loop runs, the handler only sets the flag the loop
-        checks every turn; idle, the loop waits for jobs in rounds of IDLE_WAIT_ROUND_S."""
+        Exception` the stop was lost, and between a Redis command and its reply the reply was left on
+        a pooled connection for its next user. Once the loop runs, the handler only sets the flag the
+        loop checks every turn. (A second signal within 1 s of the first is taken for a duplicate and
+        ignored, as rq does; a later one is a cold shutdown.)"""
         if not self._loop_started:
             super().request_stop(signum, frame)
             return
@@ -187,10 +155,18 @@ class BatchWorker(SimpleWorker):
         super().handle_payload(message)
 
     def clean_registries(self) -> None:
-        self._sweep()
-        super().clean_registries()
+        """rq's maintenance, made safe (on the bookkeeping thread): rq's own registry and
+        intermediate-list cleanups read every job hash they meet and would raise on one a producer
+        wrote by hand, so the sweep and `_clear_intermediate_lists` take those out first, and nothing
+        rq raises stops the worker."""
+        self.sweep(frozenset(self._loop.running_ids() if self._loop else ()))
+        self._clear_intermediate_lists()
+        try:
+            super().clean_registries()
+        except Exception:
+            self.log.exception("Worker %s: rq's registry cleanup failed; the next pass tries again", self.name)
 
-    # --- the loop -------------------------------------------------------------------------
+    # --- the run --------------------------------------------------------------------------
     def work(  # type: ignore[override]
         self,
         burst: bool = False,
@@ -207,459 +183,288 @@ class BatchWorker(SimpleWorker):
         if with_scheduler:
             self._start_scheduler(burst, logging_level, date_format, log_format)
         self._install_signal_handlers()
-        # The bookkeeping thread's Python work (hundreds of job endings per step) would otherwise
-        # hold the GIL for 5 ms slices while the decode loop waits to hand out the next step.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         taken = 0
         try:
-            self.scheduler_ = self._build_scheduler()
+            scheduler = self._build_scheduler()
             # What is alive now (the model, the libraries) stays alive: keep it out of the cyclic
             # collector, whose full passes over it stalled steps by tens of ms.
             gc.collect()
             gc.freeze()
-            self._clock = LoopClock()  # the loop's time, from here: not the model's loading
+            self._presence = PresencePublisher(self.connection, self.name, self.settings, self.queue_names(),
+                                               kind="fake" if self.settings.engine == "fake" else "text")
+            self._queues = WorkerQueues(self._poller, [(q.key, q.intermediate_queue.key) for q in self.queues],
+                                        self.job_class.key_for(""))
+            self._controller = self._control_plane(scheduler)
+            loop = BatchLoop(scheduler, self._queues, self, self._bookkeeper, self._ending, self._health, self.settings,
+                             keys.stats_key(self.name), watchdog=self._liveness.step, controller=self._controller,
+                             metrics=self._metrics)
+            self._loop = loop
+            self._liveness.beat_now()  # in the live-worker list at once
             self._liveness.start()
             self._bookkeeper.start()
             self._loop_started = True
-            while True:
-                self._record_stop_request()
-                if not self._inflight:
-                    self._bookkeeper.release()  # no step to come: nothing to keep out of the way of
-                    self.check_for_suspension(burst)
-                    if self.should_run_maintenance_tasks:
-                        self.run_maintenance_tasks()
-                    if self._stop_requested or (max_jobs is not None and taken >= max_jobs):
-                        break
-                    if burst:
-                        if not self._poll(1):
-                            break
-                    else:
-                        dequeued = self._wait_for_job(max_idle_time)
-                        if dequeued is None:
-                            break
-                        self._start(*dequeued)
-                    taken += 1
-                taken += self._cycle(None if max_jobs is None else max_jobs - taken)
+            taken = loop.run(burst, max_jobs, max_idle_time)
         except StopRequested:
             pass
-        except SystemExit:
-            self._abandon_inflight("worker received a cold shutdown")
-            raise
-        except Exception:
-            self.log.exception("Worker %s: unhandled error in the batch loop", self.name)
-            self._abandon_inflight("worker loop crashed")
+        except ModelLoadError as exc:
+            self.log.error("Worker %s: %s", self.name, exc)
             raise
         finally:
+            if self._controller is not None:
+                self._controller.stop()
             self._bookkeeper.stop()
-            self._redis_call(self._poller.remove_ended)
-            self._redis_call(self._poller.leave_group)
+            self._quietly(self._poller.remove_ended)
+            self._quietly(self._poller.leave_group)
             self._liveness.stop()
-            self._record_stop_request()
+            if self._presence is not None:
+                self._quietly(self._presence.withdraw)
+            self.notice_stop()
             self.teardown()
         return taken > 0
 
-    def _record_stop_request(self) -> None:
-        """Write the worker's `shutdown_requested_date` (what rq's handler writes for a busy worker),
-        once, from the loop: a Redis call inside the signal handler could interrupt another."""
-        if self._stop_requested and not self._stop_recorded and self._shutdown_requested_date is not None:
-            self._stop_recorded = True
-            self._redis_call(self.set_shutdown_requested_date)
+    def _start_metrics(self) -> WorkerMetrics:
+        metrics = WorkerMetrics(self.name, self.settings.served_alias, self._gauges)
+        assert self.settings.metrics_port is not None
+        metrics.serve(self.settings.metrics_port)
+        return metrics
 
-    def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[tuple[Job, Queue]]:
-        """rq's blocking dequeue (heartbeats and maintenance included), in rounds short enough to
-        see a stop request; None once stopped or after `max_idle_time` seconds without a job."""
-        waited = 0
-        while not self._stop_requested:
-            round_s = IDLE_WAIT_ROUND_S if max_idle_time is None else min(IDLE_WAIT_ROUND_S, max_idle_time - waited)
-            if round_s <= 0:
-                return None
-            self._redis_call(self._poller.stay_in_group)
-            dequeued = self.dequeue_job_and_maintain_ttl(round_s, max_idle_time=round_s)
-            if dequeued is not None:
-                return dequeued
-            waited += round_s
-        return None
+    def _gauges(self) -> dict[str, float]:
+        """Read when Prometheus scrapes (any thread): the scheduler's state and the engine's counters."""
+        loop = self._loop
+        if loop is None:
+            return {"redis_losses": self._health.losses}
+        stats = loop.scheduler.stats()
+        prefix = stats.engine.prefix_cache
+        return {"running": stats.jobs - stats.waiting, "waiting": stats.waiting, "sequences": stats.sequences,
+                "kv_usage": stats.kv_reserved_bytes / stats.kv_budget_bytes if stats.kv_budget_bytes else 0.0,
+                "prefix_cache_queries": float(prefix.get("prompt_tokens", 0)),
+                "prefix_cache_hits": float(prefix.get("reused_tokens", 0)), "redis_losses": self._health.losses}
 
-    def _cycle(self, jobs_left: Optional[int]) -> int:
-        """One turn of the busy loop: one round trip that takes jobs and finds cancellations,
-        then one engine step. Returns jobs taken."""
-        clock = self._clock
-        clock.lap("between")  # blocking dequeues and RQ maintenance, when nothing was in flight
-        taken = 0
-        if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler_)):
-            self._liveness.beat_now()  # before any sweep can take our jobs for abandoned
-        if self._health.up:
-            room = 0 if self._stop_requested else self.scheduler_.free_slots
-            if self.scheduler_.decoding:
-                room = min(room, ADMIT_PER_TURN_WHILE_DECODING)
-            room = room if jobs_left is None else min(room, jobs_left)
-            taken = self._redis_call(self._poll, room) or 0
-        clock.lap("poll")
-        if not len(self.scheduler_) and not taken:
-            self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
-            clock.lap("idle")
-        self._step()
-        if self._health.up and time.monotonic() - self._last_sweep > self.settings.sweep_interval_s:
-            self._redis_call(self._sweep)
-        clock.lap("upkeep")
-        return taken
-
-    def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except REDIS_ERRORS as exc:
-            self._health.lost(exc)
+    def _control_plane(self, scheduler: BatchScheduler) -> Optional[Controller]:
+        """The commands a trainer sends to this model's workers (docs/rl.md); none without a model name."""
+        alias = self.settings.served_alias
+        if alias is None:
             return None
+        engine = scheduler.engine
+        loader = WeightLoader(self.connection, engine.parameter_spec())
+        return Controller(ControlChannel(self.connection, alias, self.name), loader, engine.weight_version)
 
-    def _build_scheduler(self) -> Any:
+    def _build_scheduler(self) -> BatchScheduler:
         if self._scheduler_factory is not None:
             return self._scheduler_factory(self.settings, self.name)
         from worker.loading import build_scheduler
 
         return build_scheduler(self.settings, self.name)
 
-    def _poll(self, room: int) -> int:
-        """Take up to `room` waiting jobs without blocking and start them; end the running jobs
-        that were cancelled or ran out of time. Returns how many jobs were taken."""
-        queues = self._ordered_queues
-        clock = time.monotonic()
-        check = bool(self._inflight) and (room > 0 or clock >= self._next_cancel_check)
-        if room <= 0 and not check:
-            return 0
-        if check:
-            self._next_cancel_check = clock + CANCEL_CHECK_INTERVAL_S
-        poll = self._poller.poll([(queue.key, queue.intermediate_queue.key) for queue in queues], room,
-                                 self.job_class.key_for(""), check_cancels=check)
-        if poll.taken:
-            dequeued = []
-            for taken in poll.taken:
-                job = self.job_class(taken.job_id, connection=self.connection, serializer=self.serializer)
-                job.restore(taken.fields)
-                dequeued.append((job, queues[taken.queue_index]))
-            self._start_many(dequeued)
-        if check:
-            self._enforce_cancellations_and_deadlines(poll.cancelled)
-        return len(poll.taken)
-
-    def _step(self) -> None:
-        if not len(self.scheduler_):
-            return
-        self._bookkeeper.step_started(self._rhythm.step_started())
+    def _quietly(self, fn: Callable[[], Any]) -> None:
         try:
-            with self._liveness.step():
-                ended = self.scheduler_.step()
-        except Exception as exc:
-            self.log.exception("Worker %s: engine step failed", self.name)
-            self._recover_from_engine_failure(exc)
-            return
-        if self._rhythm.step_ended():
-            self._bookkeeper.step_ended()
-        self._clock.lap("step")
-        self._end_many(ended, self.scheduler_.take_stream_deltas())
-        self._clock.lap("hand_off")
+            fn()
+        except Exception as exc:  # stopping with Redis away: nothing more to do
+            self.log.debug("Worker %s: %r while stopping", self.name, exc)
 
-    def _sweep(self) -> None:
-        self._last_sweep = time.monotonic()
-        swept = sweep_abandoned(self.connection, self.queues, skip=frozenset(list(self._inflight)))
-        if swept:
-            self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
+    # --- what the loop asks of RQ (worker/batch_loop.py WorkerSide) ------------------------
+    def notice_stop(self) -> None:
+        """Write the worker's `shutdown_requested_date` (what rq's handler writes for a busy worker),
+        once, from the loop: a Redis call inside the signal handler could interrupt another."""
+        if self._stop_requested and not self._stop_recorded and self._shutdown_requested_date is not None:
+            self._stop_recorded = True
+            self._quietly(self.set_shutdown_requested_date)
 
-    # --- job start ------------------------------------------------------------------------
-    def _start(self, job: Job, queue: Queue) -> None:
-        self._start_many([(job, queue)])
+    def take_stop_job_ids(self) -> set[str]:
+        with self._stop_job_lock:
+            ids, self._stop_job_ids = self._stop_job_ids, set()
+        return ids
 
-    def _start_many(self, jobs: list[tuple[Job, Queue]]) -> None:
-        """Start jobs the RQ way (execution, started registry, status, heartbeats: what
-        `prepare_execution` and `prepare_job_execution` write), all in one round trip, then hand
-        each to the scheduler. A job that cannot run ends at once."""
+    def idle(self, burst: bool) -> None:
+        self.check_for_suspension(burst)
+        self.set_state(WorkerStatus.IDLE)
+        self.procline("Listening on " + ",".join(self.queue_names()))
+        self.heartbeat()
+
+    def beat_now(self) -> None:
+        self._liveness.beat_now()
+
+    def start_jobs(self, taken: list[TakenJob], weight_version: int
+                   ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
+        """Read the jobs taken (worker/intake.py) and record the start of those that read, the RQ way
+        (execution, started registry, status, heartbeats: what `prepare_execution` and
+        `prepare_job_execution` write), all in one round trip. A job that asks for newer weights
+        than `weight_version` goes back to the head of its queue, which the worker then leaves alone
+        until its weights change."""
+        started: list[tuple[Job, Queue, list[str]]] = []
+        unreadable: list[tuple[Unreadable, Queue]] = []
+        too_new: list[tuple[Job, int]] = []
+        for item in taken:
+            queue = self.queues[item.queue_index]
+            read = read_job(item.raw_id, item.fields, self.connection, self.settings.max_job_bytes)
+            if isinstance(read, Unreadable):
+                unreadable.append((read, queue))
+            elif _wanted_version(read) > weight_version:
+                too_new.append((read, item.queue_index))
+            else:
+                assert isinstance(item.fields, dict)
+                started.append((read, queue, callback_names(item.fields)))
+        if too_new:
+            self._put_back(too_new)
+        if not started:
+            return [], unreadable
         ttl = self.settings.heartbeat_ttl_s
-        extra: dict[str, tuple[int, int]] = {}
         batch = CommandBatch(self.connection)
-        for job, queue in jobs:
-            execution = create_execution(job, ttl, batch, self.name, self._registries)
+        executions, cancel_replies = [], []
+        for job, queue, _ in started:
+            executions.append(create_execution(job, ttl, batch, self.name, self._registries))
             job.prepare_for_execution(self.name, pipeline=batch)  # status, started_at, heartbeat
             batch.lrem(queue.intermediate_queue.key, 1, job.id)
             batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-            batch.hmget(job.key, list(CALLBACK_FIELDS))
             batch.exists(keys.cancel_key(job.id))
-            extra[job.id] = (len(batch) - 2, len(batch) - 1)
-            timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
-            deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-            if deadline is not None:
-                self._earliest_deadline = min(self._earliest_deadline, deadline)
-            self._inflight[job.id] = InFlight(job, queue, execution, deadline)
-        self._poller.started(job.id for job, _ in jobs)
-        batch.sadd(self._poller.running_key, *(job.id for job, _ in jobs))
+            cancel_replies.append(len(batch) - 1)
+        batch.sadd(self._poller.running_key, *(job.id for job, _, _ in started))
         self.set_state(WorkerStatus.BUSY, pipeline=batch)
-        self.set_current_job_id(jobs[-1][0].id, pipeline=batch)
+        self.set_current_job_id(started[-1][0].id, pipeline=batch)
         self.set_current_job_working_time(0, pipeline=batch)
         self.heartbeat(ttl, pipeline=batch)
         batch.expire(self._poller.running_key, ttl)
         replies = batch.execute()
         assert replies is not None
-        ended = []
-        for job, _ in jobs:
-            callbacks_at, cancel_at = extra[job.id]
-            callbacks = [name.decode() for name in replies[callbacks_at] if name]
-            enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
-            try:
-                failed = self._admit(job, enqueued_at, callbacks, bool(replies[cancel_at]))
-            except Exception as exc:  # one bad job must never take the worker down
-                self.log.exception("Worker %s: could not start job %s", self.name, job.id)
-                failed = self.scheduler_.failed_result(job.id, None, "WorkerError", f"could not start: {exc!r}",
-                                                       enqueued_at=enqueued_at)
-            if failed is not None:
-                ended.append(failed)
-        self._end_many(ended)
+        return [self._started(job, queue, callbacks, execution, bool(replies[at]))
+                for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
 
-    def _admit(self, job: Job, enqueued_at: Optional[float], callbacks: list[str], cancelled: bool
-               ) -> Optional[GenerationResult]:
-        """Hand the job to the scheduler; a result if it ended at once (refused, invalid, cancelled)."""
-        refusal = self._refusal(job, callbacks)
-        if refusal is not None:
-            error_type, message = refusal
-            return self.scheduler_.failed_result(job.id, None, error_type, message, enqueued_at=enqueued_at,
-                                                 started_at=time.time())
-        inflight = self._inflight[job.id]
-        inflight.payload = job.kwargs["request"]
-        inflight.solo = bool(job.meta.get(SOLO_META))
-        if cancelled:
-            return self.scheduler_.failed_result(job.id, inflight.payload, "Cancelled", "", enqueued_at=enqueued_at,
-                                                 status="cancelled")
-        return self.scheduler_.admit(job.id, inflight.payload, enqueued_at=enqueued_at, solo=inflight.solo)
+    def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
+        """Jobs for newer weights back to the head of their queues, in their order."""
+        batch = CommandBatch(self.connection)
+        for job, index in reversed(too_new):
+            queue = self.queues[index]
+            batch.lrem(queue.intermediate_queue.key, 1, job.id)
+            batch.lpush(queue.key, job.id)
+        self._poller.ended([job.id for job, _ in too_new])
+        batch.execute()
+        assert self._queues is not None
+        self._queues.hold(index for _, index in too_new)
 
-    def _refusal(self, job: Job, callbacks: list[str]) -> Optional[tuple[str, str]]:
-        """Why this job may not run here, or None. Nothing is ever unpickled."""
-        try:
-            func_name, args, kwargs = job.func_name, job.args, job.kwargs
-        except DeserializationError:
-            return (
-                "DeserializationError",
-                "job data is not valid JSON: mlxq workers read jobs with rq.serializers.JSONSerializer "
-                "only and never unpickle",
-            )
-        if func_name not in self.allowed_functions:
-            return (
-                "FunctionNotAllowed",
-                f"function {func_name!r} is not on this worker's allowlist {sorted(self.allowed_functions)}",
-            )
-        if args or set(kwargs) != {"request"}:
-            return ("InvalidRequest", f"{keys.JOB_FUNCTION} takes exactly one keyword argument, `request`")
-        allowed = self.settings.callback_allowlist
-        refused = [c for c in callbacks if not any(c.startswith(prefix) for prefix in allowed)]
-        if refused:
-            return (
-                "CallbackNotAllowed",
-                f"callback {refused[0]!r} is not allowed on this worker (MLXQ_CALLBACK_ALLOWLIST)",
-            )
-        return None
+    def _started(self, job: Job, queue: Queue, callbacks: list[str], execution: Execution, cancelled: bool
+                 ) -> StartedJob:
+        refused = refusal(job, callbacks, self.settings.callback_allowlist)
+        inflight = InFlight(job, queue, execution, deadline=None)
+        if refused is None:
+            inflight.callbacks_allowed = True
+            inflight.payload = job.kwargs["request"]
+            inflight.solo = bool(job.meta.get(SOLO_META))
+        timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
+        enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
+        return StartedJob(inflight, enqueued_at, timeout, refused, cancelled)
 
-    # --- job end --------------------------------------------------------------------------
-    def _end_many(self, ended: Sequence[Union[EndedJob, GenerationResult]], deltas: Optional[list[Any]] = None
-                  ) -> None:
-        """Hand the endings to the bookkeeping thread: stream deltas, results built and their keys
-        written (one round trip), then each RQ job's end. The engine goes on meanwhile."""
-        if deltas:
-            streaming = [d for d in deltas if d.job_id in self._inflight]
-            ttls = {d.job_id: keys.result_key_ttl(self._inflight[d.job_id].job.result_ttl) for d in streaming}
-            self._bookkeeper.submit(lambda: publish_stream_deltas(self.connection, streaming, ttls))
-        if not ended:
-            return
-        # Capture each job's InFlight now: once RQ re-queues a job (a retry), this worker may take
-        # it again and a new InFlight replaces the old one under the same id.
-        ending = [(e if isinstance(e, EndedJob) else EndedJob.built(e), self._inflight[e.id]) for e in ended]
-        for _, inflight in ending:
-            inflight.ending = True
-        self._poller.ended(job.id for job, _ in ending)
-        stats = WorkerStats(keys.stats_key(self.name), self._stats())
-        unpublished = list(ending)
-        self._bookkeeper.submit(lambda: self._publish(unpublished, stats))
-        finished = [(job, inflight) for job, inflight in ending if job.status == "finished"]
-        if finished:
-            self._bookkeeper.submit(lambda: self._end_finished(finished))
-        for job, inflight in ending:
-            if job.status != "finished":
-                self._bookkeeper.submit(lambda job=job, inflight=inflight: self._finish_rq_failure(job.result(), inflight))
+    # The rest runs on the bookkeeping thread.
+    def run_maintenance(self) -> None:
+        self.run_maintenance_tasks()
 
-    def _stats(self) -> dict[str, Any]:
-        """The engine's counters (prefix cache, prefill and decode time) and the loop's time per
-        section, published with each round of results."""
-        stats: dict[str, Any] = self.scheduler_.engine.stats().flat()
-        stats.update({f"loop_{name}": value for name, value in self._clock.as_dict().items()})
-        return stats
+    def sweep(self, running: frozenset[str]) -> None:
+        """Jobs of dead workers, and result keys of jobs cancelled while queued."""
+        swept = sweep_abandoned(self.connection, self.queues, self.settings, skip=running)
+        if swept:
+            self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
+        since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
+        finish_cancelled(self.connection, self.queues, since, self.settings.max_job_bytes)
 
-    def _forget(self, inflight: InFlight) -> None:
-        if self._inflight.get(inflight.job.id) is inflight:
-            del self._inflight[inflight.job.id]
+    def enqueue_due_retries(self) -> None:
+        retry_policy.enqueue_due_retries(self.connection, self.queues, self.settings.max_job_bytes)
 
-    def _per_call(self, pending: list[tuple[EndedJob, InFlight]], size: int
-                  ) -> Iterator[list[tuple[EndedJob, InFlight]]]:
-        """`pending` a Redis call's worth at a time: `size` jobs while the gate is in force, else
-        all. Each is dropped from `pending` once the caller is done with it, so a task retried
-        after a lost connection goes on with the rest."""
-        while pending:
-            chunk = pending[:size] if self._bookkeeper.gate.in_force else list(pending)
-            yield chunk
-            del pending[:len(chunk)]
+    def _clear_intermediate_lists(self) -> None:
+        running = set(self._loop.running_ids()) if self._loop else set()
+        for queue in self.queues:
+            refused = []
+            for raw_id in self.connection.lrange(queue.intermediate_queue.key, 0, -1):
+                job_id = raw_id.decode(errors="replace")
+                if job_id in running:
+                    continue
+                fields = fetch_job_fields(self.connection, job_id, self.settings.max_job_bytes)
+                read = None if fields is None else read_job(raw_id, fields, self.connection, self.settings.max_job_bytes)
+                if isinstance(read, Unreadable):
+                    refused.append((read, queue))
+            if refused:
+                self._ending.refuse_now(refused)
 
-    def _publish(self, pending: list[tuple[EndedJob, InFlight]], stats: Optional[WorkerStats]) -> None:
-        """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL
-        a round trip while the gate is in force; the stats go with the first."""
-        gate = self._bookkeeper.gate
-        for chunk in self._per_call(pending, RESULTS_PER_CALL):
-            publications = []
-            for ended, inflight in chunk:
-                gate.wait()
-                publications.append(self._publication(ended, inflight))
-            gate.wait()
-            publish_results(self.connection, publications, stats=stats)
-            stats = None
-
-    def _end_finished(self, pending: list[tuple[EndedJob, InFlight]]) -> None:
-        """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is
-        in force."""
-        for chunk in self._per_call(pending, RQ_ENDS_PER_CALL):
-            self._finish_rq_successes([(ended, inflight) for ended, inflight in chunk
-                                       if ended.result().status == "finished"])
-            for ended, inflight in chunk:
-                if ended.result().status != "finished":  # its result could not be built
-                    self._finish_rq_failure(ended.result(), inflight)
-
-    def _publication(self, ended: EndedJob, inflight: InFlight) -> Publication:
-        job, result = inflight.job, ended.result()
-        retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
-        return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
-                           ends_stream=inflight.streams and not retried, encoded=None if retried else ended.encoded())
-
-    def _finish_rq_successes(self, ending: list[tuple[EndedJob, InFlight]]) -> None:
+    # --- a job's end in RQ's terms (worker/job_ending.py RQEnds) ----------------------------
+    def finish_successes(self, endings: Sequence[Ending], pause: Callable[[], None]) -> None:
         """End finished RQ jobs the way `perform_job` would, after their result keys are written,
         all in one transaction where rq allows it. rq's return value is the result key's own JSON
-        text, not a second encoding. Runs on the bookkeeping thread: callbacks get a thread-safe
-        timeout."""
-        gate = self._bookkeeper.gate
+        text, not a second encoding. Callbacks get a thread-safe timeout."""
         successes = []
-        for ended, inflight in ending:
-            gate.wait()
-            job = inflight.job
+        for ending in endings:
+            pause()
+            job = ending.job
             job.ended_at = now()
-            return_value = ended.encoded()
+            return_value = ending.outcome.encoded()
             try:
-                if job.success_callback:  # the callback gets the result as a dict, as before
+                if job.success_callback:  # the callback gets the result as a dict
                     job.execute_success_callback(TimerDeathPenalty, json.loads(return_value))
             except Exception:
                 self.log.exception("Job %s: success callback failed", job.id)
-            successes.append(Success(job, inflight.execution, return_value))
-        left = {id(s.job) for s in end_successes(self, successes, self._registries, pause=gate.wait)}
-        for (_, inflight), success in zip(ending, successes):
+            successes.append(Success(job, ending.execution, return_value))
+        left = {id(s.job) for s in end_successes(self, successes, self._registries, pause=pause)}
+        for ending, success in zip(endings, successes):
             if id(success.job) in left:  # rq's own path: dependents to enqueue, or repeats
                 success.job._result = success.return_value
-                with self._as_current(inflight):
-                    self.handle_job_success(job=success.job, queue=inflight.queue,
-                                            started_job_registry=inflight.queue.started_job_registry)
-            self._forget(inflight)
+                with self._as_current(ending.execution):
+                    self.handle_job_success(job=success.job, queue=ending.queue,
+                                            started_job_registry=ending.queue.started_job_registry)
 
-    def _finish_rq_failure(self, result: GenerationResult, inflight: InFlight) -> None:
+    def finish_failure(self, ending: Ending, result: GenerationResult) -> None:
         """End a failed or cancelled RQ job the way `perform_job` would, after its result key is
-        written. Runs on the bookkeeping thread: callbacks get a thread-safe timeout."""
-        job, queue = inflight.job, inflight.queue
+        written; a refused job's callbacks never run. Callbacks get a thread-safe timeout."""
+        job, queue = ending.job, ending.queue
         job.ended_at = now()
-        with self._as_current(inflight):
+        with self._as_current(ending.execution):
             if result.status == "cancelled":
                 self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
-                with contextlib.suppress(Exception):
-                    job.execute_stopped_callback(TimerDeathPenalty)
+                if ending.callbacks_allowed:
+                    with contextlib.suppress(Exception):
+                        job.execute_stopped_callback(TimerDeathPenalty)
                 self.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
                                         started_job_registry=queue.started_job_registry)
-            else:
-                job._status = JobStatus.FAILED
-                error = result.error
-                exc: Exception = (
-                    JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
-                    else JobFailed(f"{error.type}: {error.message}" if error else "failed")
-                )
+                return
+            job._status = JobStatus.FAILED
+            error = result.error
+            exc: Exception = (
+                JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
+                else JobFailed(f"{error.type}: {error.message}" if error else "failed")
+            )
+            if ending.callbacks_allowed:
                 with contextlib.suppress(Exception):
                     job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
-                self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
-                                        started_job_registry=queue.started_job_registry)
-        self._forget(inflight)
+            self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
+                                    started_job_registry=queue.started_job_registry)
+
+    def requeue(self, ending: Ending, alone: bool) -> None:
+        """Back to its queue without counting against its retries; `alone`: it runs alone next time."""
+        job = ending.job
+        job.meta[SOLO_META] = alone
+        job.save_meta()
+        self.connection.srem(self._poller.running_key, job.id)
+        job.ended_at = now()
+        with self._as_current(ending.execution):
+            self.handle_job_retry(job=job, queue=ending.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
+                                  started_job_registry=ending.queue.started_job_registry, execution=ending.execution)
 
     @contextlib.contextmanager
-    def _as_current(self, inflight: InFlight) -> Iterator[None]:
-        self.execution = inflight.execution
+    def _as_current(self, execution: Execution) -> Iterator[None]:
+        """rq's handlers read the job's execution from `self.execution`; only the bookkeeping thread
+        calls them (maintenance included), one job at a time."""
+        self.execution = execution
         try:
             yield
         finally:
             self.execution = None
 
-    def _recover_from_engine_failure(self, exc: BaseException) -> None:
-        """A step failed and no single sequence can be blamed. Start the engine afresh; re-queue
-        every job it held to run alone, and fail any job that already failed alone: that one is
-        the poison, and the others finish normally."""
-        job_ids = self.scheduler_.reset()
-        poisoned = []
-        for job_id in job_ids:
-            inflight = self._inflight[job_id]
-            if inflight.solo:
-                poisoned.append(self.scheduler_.failed_result(
-                    job_id, inflight.payload, "EngineError",
-                    f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
-                continue
-            inflight.ending = True
-            self._bookkeeper.submit(lambda inflight=inflight: self._requeue_solo(inflight))
-        self._end_many(poisoned)
-
-    def _requeue_solo(self, inflight: InFlight) -> None:
-        job = inflight.job
-        job.meta[SOLO_META] = True
-        job.save_meta()
-        self.connection.srem(self._poller.running_key, job.id)
-        job.ended_at = now()
-        with self._as_current(inflight):
-            self.handle_job_retry(job=job, queue=inflight.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
-                                  started_job_registry=inflight.queue.started_job_registry,
-                                  execution=inflight.execution)
-        self._forget(inflight)
-
-    def _abandon_inflight(self, reason: str) -> None:
-        """Cold shutdown or a crash: fail (or, with Retry, re-queue) every running job now."""
-        if not self._inflight or self.scheduler_ is None:
-            return
-        held = set(self.scheduler_.job_ids)
-        never_admitted = {job_id for job_id, f in list(self._inflight.items()) if not f.ending and job_id not in held}
-        with contextlib.suppress(Exception):
-            self._end_many(self.scheduler_.abort_all("WorkerShutdown", reason))
-        with contextlib.suppress(Exception):
-            self._end_many([self.scheduler_.failed_result(job_id, None, "WorkerShutdown", reason)
-                            for job_id in never_admitted if job_id in self._inflight])
-        self._bookkeeper.wait_idle(timeout=10)
-
-    # --- per-step housekeeping ------------------------------------------------------------
-    def _enforce_cancellations_and_deadlines(self, requested: set[str]) -> None:
-        """End the running jobs in `requested` (cancel keys) or in RQ stop commands as
-        cancelled, and those past their deadline as timed out."""
-        with self._stop_job_lock:
-            stop_ids, self._stop_job_ids = self._stop_job_ids, set()
-        running = self.scheduler_.job_ids
-        cancelled = (requested | stop_ids) & set(running)
-        ending = [r for r in (self.scheduler_.cancel(job_id, "cancelled") for job_id in cancelled) if r]
-        clock = time.monotonic()
-        if clock > self._earliest_deadline:  # else no running job is past its deadline: skip the scan
-            self._earliest_deadline = math.inf
-            for job_id in running:
-                deadline = self._inflight[job_id].deadline
-                if job_id in cancelled or deadline is None:
-                    continue
-                if clock > deadline:
-                    result = self.scheduler_.cancel(job_id, "timeout")
-                    if result is not None:
-                        ending.append(result)
-                    continue
-                self._earliest_deadline = min(self._earliest_deadline, deadline)
-        self._end_many(ending, self.scheduler_.take_stream_deltas())
-
+    # --- the liveness thread ---------------------------------------------------------------
     def _beat(self) -> None:
-        """Runs on the liveness thread: refresh the worker's and every running job's heartbeat."""
-        running = list(self._inflight.values())
+        """Refresh the worker's entry in the live-worker list and, while it runs jobs, its own and
+        every running job's heartbeat."""
+        loop = self._loop
+        if loop is None:
+            return
+        running = loop.running
+        if self._presence is not None:
+            self._presence.refresh(running=len(running), sequences=loop.scheduler.num_sequences)
         if not running:
             return
         ttl = self.settings.heartbeat_ttl_s

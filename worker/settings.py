@@ -18,6 +18,8 @@ class WorkerSettings:
     default_max_tokens: int = 256  # for requests that leave max_tokens unset
     max_tokens_limit: int = 4096
     max_prompt_tokens: int = 32768
+    # A job hash bigger than this (its request, images inline) fails unread: decoding it would stall decoding.
+    max_job_bytes: int = 16 * 1024 * 1024
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     heartbeat_interval_s: float = 5.0  # job heartbeat TTL is 3x this (+5 s): a dead worker's jobs free up fast
@@ -46,6 +48,14 @@ class WorkerSettings:
     metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
     trust_remote_code: bool = False
     callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
+    # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
+    metrics_port: Optional[int] = None
+    # A failed job runs again at most this many times, whatever its Retry asks (never after a refusal).
+    max_retries: int = 5
+    retry_backoff_s: float = 1.0  # pause before the first retry, doubled for each next one (at most 60 s)
+    # Priorities, highest first (e.g. high,default,low): without explicit queues, the worker listens on each
+    # priority's queues in turn (docs/producer.md). Empty: the contract's queues only.
+    priorities: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None, **overrides: Any) -> "WorkerSettings":
@@ -78,9 +88,11 @@ class WorkerSettings:
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
-                     "prefill_batch_size", "prefill_step_size"):
+                     "prefill_batch_size", "prefill_step_size", "max_job_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError("MLXQ_MAX_RETRIES and MLXQ_RETRY_BACKOFF_S must be >= 0")
         if self.blas_threads is not None and self.blas_threads < 1:
             raise ValueError(f"MLXQ_BLAS_THREADS must be >= 1, got {self.blas_threads}")
         if self.prefix_cache_mb < 0:
@@ -89,6 +101,8 @@ class WorkerSettings:
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
+        if self.priorities:
+            keys.check_priorities(self.priorities, "MLXQ_PRIORITIES")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
 
@@ -107,7 +121,8 @@ class WorkerSettings:
 
     def default_queues(self) -> list[str]:
         alias = self.served_alias
-        return [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+        queues = [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
+        return keys.prioritized_queues(queues, self.priorities) if self.priorities else queues
 
     @property
     def heartbeat_ttl_s(self) -> int:

@@ -112,6 +112,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--soak-invalid", type=float, default=0.1, help="fraction of invalid jobs")
     g.add_argument("--soak-engine", choices=("model", "fake"), default="model")
     g.add_argument("--soak-sample", type=float, default=1.0, help="seconds between RSS samples")
+    g.add_argument("--gateway-clients", type=int, default=256, help="gateway scenarios: concurrent clients (256)")
+    g.add_argument("--gateway-requests", type=int, default=3000, help="gateway-blocking: requests per arm (3000)")
     p.set_defaults(func=_run)
 
 
@@ -137,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_cache_mb=args.prefix_cache_mb, soak_jobs=args.soak_jobs,
         soak_rate=args.soak_rate, soak_max_tokens=args.soak_max_tokens, soak_invalid=args.soak_invalid,
         soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
+        gateway_clients=args.gateway_clients, gateway_requests=args.gateway_requests,
     )
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S", "K")
-SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak")
+SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
+             "gateway-blocking")
 
 ARM_LABELS = {
     "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",
@@ -73,6 +74,8 @@ class BenchConfig:
     soak_invalid: float = 0.1
     soak_engine: str = "model"  # "model" | "fake"
     soak_sample_s: float = 1.0
+    gateway_clients: int = 256  # gateway scenarios: concurrent clients (mlxq/bench/scenario_gateway.py)
+    gateway_requests: int = 3000  # gateway-blocking: requests per arm
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from mlxq.bench.structured import summary_line as structured_summary_line
+from mlxq.bench import scenario_gateway
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
@@ -281,6 +283,9 @@ _SCENARIO_LINES = {
     "rl": _rl_line,
     "prefix-cache": _prefix_cache_line,
     "soak": _soak_line,
+    "structured": structured_summary_line,
+    "gateway-stream": scenario_gateway.stream_line,
+    "gateway-blocking": scenario_gateway.blocking_line,
 }
 
 

@@ -223,7 +223,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import scenarios, soak
+        from mlxq.bench import scenario_gateway, scenarios, soak, structured
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -245,6 +245,9 @@ class Runner:
             "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
             "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
+            "structured": lambda: structured.structured(cfg, self.model),
+            "gateway-stream": lambda: scenario_gateway.gateway_stream(cfg, self.tokenizer, make_cluster, url, procs),
+            "gateway-blocking": lambda: scenario_gateway.gateway_blocking(cfg, url, procs),
         }
         for name, run in runs.items():
             if name not in cfg.scenarios:

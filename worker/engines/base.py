@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
@@ -97,6 +98,11 @@ class TokenEvent:
     top_logprobs: Optional[list[tuple[int, float]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length"
     error: Optional[str] = None  # this sequence failed (and was removed); `token` is meaningless
+    # On the last token of a constrained sequence: whether its text is a complete match of the
+    # constraint (worker/engines/constraints.py); None for unconstrained sequences.
+    constraint_complete: Optional[bool] = None
+    # The version of the weights that sampled this token (Engine.swap_weights).
+    weight_version: Optional[int] = None
 
 
 class Engine(Protocol):
@@ -110,6 +116,11 @@ class Engine(Protocol):
 
     @property
     def num_active(self) -> int: ...
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The most tokens (prompt and output) one sequence may hold; None: no known limit."""
+        ...
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -138,3 +149,20 @@ class Engine(Protocol):
     def token_text(self, token_id: int) -> str: ...
 
     def stats(self) -> EngineStats: ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine samples with now (0: the weights it loaded with)."""
+        ...
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        """Swap a checked version's safetensors in between two steps (worker/weights.py): tokens
+        sampled from now on carry `version`; the prefix cache starts empty. Raises WeightsError
+        (a ValueError), leaving the old weights, if the model refuses them."""
+        ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def parameter_spec(self) -> Optional[dict[str, tuple[str, tuple[int, ...]]]]:
+        """What a weight version must hold (engines/weight_swap.py); None: no weights (the fake engine)."""
+        ...

@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -30,13 +31,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
-from worker.engines.rows import LogprobGather, Row, RowGuard, distribution, needs_raw_capture
-from worker.engines.sampling import SamplerPool, greedy, logits_processors
+from worker.engines.rows import LogprobGather, Row, RowGuard, distribution, needs_raw_capture, note_constraint
+from worker.engines.sampling import SamplerPool, logits_processors, repair_random_state
 from worker.engines.slot_cache import KVLayout, SlotBuffers
-from worker.engines.text_model import model_vocab_size, prompt_token_ids
+from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
+from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
 log = logging.getLogger("mlxq.engine")
 
@@ -58,6 +61,7 @@ class _Sequence:
     row: Row
     prompt: list[int]
     custom: bool  # it has processors that change its logits (beyond naming a seeded row)
+    seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
     slot: int = -1
     position: int = 0  # where its next input token's keys and values go: the tokens its slot holds
     launches: int = 0  # decode steps it was in
@@ -87,6 +91,7 @@ class _Launched:
     errors: list[Optional[str]]  # each row's own failure (processor, sampler) while building it
     logprobs: Optional[LogprobGather]
     wanting: list[int]  # positions in `rows` of the rows whose logprobs `logprobs` holds
+    weight_version: int  # of the weights it ran with
 
 
 class CompiledEngine:
@@ -114,7 +119,10 @@ class CompiledEngine:
         self._kv_budget = kv_budget_bytes
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask)
-        self._samplers = SamplerPool()
+        self._samplers = self._sampler_pool()
+        self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._version = 0  # of the weights now (swap_weights)
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
@@ -150,8 +158,29 @@ class CompiledEngine:
         slots, length = self._shape_for(rows, tokens)
         return slots * length * self._layout.bytes_per_token
 
+    @property
+    def context_length(self) -> Optional[int]:
+        return model_context_length(self.model)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        """The next step reads the new weights (they are the compiled step's inputs); the step in
+        flight ran with the old ones, and its tokens say so."""
+        swap_into(self.model, files)  # all or nothing
+        self._version = version
+        self._prefix.clear()  # its caches hold the old weights' keys and values
+
+    def reset_prefix_cache(self) -> None:
+        self._prefix.clear()
+
+    def parameter_spec(self) -> ParameterSpec:
+        return parameter_spec(self.model)
+
     def prepare(self, request: GenerationRequest) -> Prompt:
-        return Prompt(prompt_token_ids(self.tokenizer, request))
+        return prepare_prompt(self.tokenizer, request, self._constraints)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -246,6 +275,9 @@ class CompiledEngine:
         self._by_uid.clear()
         self._in_flight = None
         self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._masks = None
+        self._samplers = self._sampler_pool()
+        repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
     def _add(self, specs: list[SequenceSpec]) -> None:
@@ -264,15 +296,31 @@ class CompiledEngine:
     def _sequence(self, spec: SequenceSpec) -> _Sequence:
         """A sequence's own sampler and logits processors, each guarded so that its failure ends
         that sequence alone (as the text engine's rows)."""
+        constraint = None
+        if isinstance(spec.inputs, CompiledConstraint):
+            constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
         guard = RowGuard()
         sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
-        processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids))]
+        processors = [guard.processor(p) for p in
+                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None, constraint)]
         custom = bool(processors)
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        row = Row(spec, None, guard, guard.sampler(sampler), processors)
-        return _Sequence(row, list(spec.prompt_token_ids), custom,
+        row = Row(spec, None, guard, guard.sampler(sampler), processors, constraint)
+        return _Sequence(row, list(spec.prompt_token_ids), custom, seeded=namer is not None,
                          context=mx.array(spec.prompt_token_ids) if custom else None)
+
+    def _sampler_pool(self) -> SamplerPool:
+        return SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
+
+    def _mask_batch(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._vocab_size, 2 * self._max_slots)
+        return self._masks
+
+    def _fill_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.fill()
 
     def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (mlx-lm caches; fresh ones if None),
@@ -416,7 +464,8 @@ class CompiledEngine:
         inputs = self._inputs
         logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
         tokens, gather, wanting = self._sample(logits, inputs, occupied)
-        errors = [seq.row.guard.error for seq in occupied]
+        errors = [seq.row.guard.error or (seq.row.constraint.error if seq.row.constraint is not None else None)
+                  for seq in occupied]
         for seq in occupied:
             seq.position += 1
             seq.launches += 1
@@ -424,13 +473,15 @@ class CompiledEngine:
         self._counters.decode_steps += 1
         self._eager_allowance = min(EAGER_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
         mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
-        return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting)
+        return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting, self._version)
 
     def _sample(self, logits: mx.array, inputs: mx.array, occupied: list[_Sequence]
                 ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
         logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
         self._samplers.seeded.begin()
+        if self._masks is not None:
+            self._masks.begin_step()
         processed = logits
         changed: list[tuple[int, mx.array]] = []
         for seq in occupied:
@@ -456,29 +507,31 @@ class CompiledEngine:
         wanting = [i for i, seq in enumerate(occupied) if seq.row.spec.logprobs or seq.row.spec.top_logprobs]
         if not wanting:
             return tokens, None, wanting
-        specs = [occupied[i].row.spec for i in wanting]
+        rows_wanting = [occupied[i].row for i in wanting]
+        specs = [row.spec for row in rows_wanting]
         slots = [occupied[i].slot for i in wanting]
         index = mx.array(slots, dtype=mx.int32)
-        if all(s.logprobs_mode == "raw" and not needs_raw_capture(s) for s in specs):
+        raw = [needs_raw_capture(row.spec, row.constraint is not None) for row in rows_wanting]
+        if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
             rows = logprobs[index]
         else:
-            rows = mx.stack([distribution(spec, logprobs[slot], logits[slot] if needs_raw_capture(spec) else None)
-                             for spec, slot in zip(specs, slots)])
+            rows = mx.stack([distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                             for spec, slot, keep in zip(specs, slots, raw)])
         return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
 
     def _draw(self, logprobs: mx.array, occupied: list[_Sequence]) -> mx.array:
-        """One token per slot (free slots get the greedy one): each group of rows that shares a
-        sampler object is sampled in one call, on its rows in slot order."""
-        groups: dict[int, tuple[Any, list[int]]] = {}
+        """One token per slot: each group of rows that shares a sampler object is sampled in one
+        call. One shared, unseeded group samples every slot at once (free slots' tokens are never
+        read); the others sample their own rows, in slot order."""
+        groups: dict[int, tuple[Any, list[int], bool]] = {}
         for seq in occupied:
-            groups.setdefault(id(seq.row.sampler), (seq.row.sampler, []))[1].append(seq.slot)
-        tokens = greedy(logprobs).astype(mx.uint32)
-        for sampler, slots in groups.values():
-            if sampler is greedy:
+            groups.setdefault(id(seq.row.sampler), (seq.row.sampler, [], seq.seeded))[1].append(seq.slot)
+        base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
+        tokens = (base[0](logprobs) if base is not None else mx.zeros((len(self._slots),))).astype(mx.uint32)
+        for group in groups.values():
+            if group is base:
                 continue
-            if len(slots) == len(self._slots):
-                tokens = sampler(logprobs).astype(mx.uint32)
-                continue
+            sampler, slots, _ = group
             index = mx.array(slots, dtype=mx.int32)
             drawn = sampler(logprobs[index]).astype(mx.uint32)
             tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
@@ -503,7 +556,9 @@ class CompiledEngine:
             seq.generated.append(token)
             finish = ("stop" if token in spec.stop_token_ids
                       else "length" if len(seq.generated) >= spec.max_tokens else None)
-            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish)
+            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
+                               weight_version=launched.weight_version)
+            note_constraint(seq.row, event)
             events.append(event)
             seq.row.emitted = True
             if i in wanted_at:
@@ -527,6 +582,8 @@ class CompiledEngine:
 
     def _end(self, seq: _Sequence) -> None:
         seq.done = True
+        if seq.row.constraint is not None:
+            seq.row.constraint.release()
         self._by_uid.pop(seq.row.spec.uid, None)
         if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None

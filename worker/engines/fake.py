@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
@@ -15,11 +16,22 @@ VOCAB = 256
 EOS = 0
 
 
-def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed: int | None = None) -> int:
-    base = (sum(prompt) * 31 + len(prompt) * 7 + position * 13) % (VOCAB - 1) + 1
+def fake_token(prompt: list[int], position: int, temperature: float = 0.0, seed: int | None = None,
+               version: int = 0) -> int:
+    """Version 0 is the engine's own weights; each later version of them gives other tokens."""
+    base = (sum(prompt) * 31 + len(prompt) * 7 + position * 13 + version * 101) % (VOCAB - 1) + 1
     if temperature and seed is not None:
         base = (base + seed * 17) % (VOCAB - 1) + 1
     return base
+
+
+def fake_chat_template(request: GenerationRequest) -> str:
+    """The fake engine's chat template: `role: text` lines (the gateway's chat tests run on it)."""
+    lines = []
+    for message in request.messages or []:
+        parts = [message.content] if isinstance(message.content, str) else [getattr(p, "text", "") for p in message.content]
+        lines.append(f"{message.role}: {''.join(parts)}")
+    return "\n".join(lines) + "\nassistant:"
 
 
 @dataclass
@@ -44,6 +56,7 @@ class FakeEngine:
         self._seqs: dict[str, _Seq] = {}
         self.prefill_tokens = 0
         self.steps = 0
+        self._version = 0
         self._step_delay_s = step_delay_s
 
     @property
@@ -62,15 +75,18 @@ class FakeEngine:
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes_per_token
 
+    @property
+    def context_length(self) -> Optional[int]:
+        return None
+
     def reset(self) -> None:
         self._seqs.clear()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return [min(ord(ch), VOCAB - 1) for ch in request.prompt]
-        raise ValueError("messages: the fake engine has no chat template")
+        text = request.prompt if request.prompt is not None else fake_chat_template(request)
+        return [min(ord(ch), VOCAB - 1) for ch in text]
 
     def prepare(self, request: GenerationRequest) -> Prompt:
         return Prompt(self.prompt_token_ids(request))
@@ -95,7 +111,8 @@ class FakeEngine:
                 self.prefill_tokens += len(seq.spec.prompt_token_ids)
                 continue
             spec = seq.spec
-            token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed)
+            token = fake_token(spec.prompt_token_ids, seq.produced, spec.sampling.temperature, spec.sampling.seed,
+                               self._version)
             if spec.prompt_token_ids[0] == EOS_SOON and seq.produced == 2:
                 token = EOS
             seq.produced += 1
@@ -106,7 +123,7 @@ class FakeEngine:
                 finish = "length"
             logprob = -math.log(2.0) if spec.logprobs else None
             top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
-            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish))
+            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish, weight_version=self._version))
             if finish:
                 del self._seqs[uid]
         return events
@@ -120,6 +137,20 @@ class FakeEngine:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        """No weights to swap: the version changes the tokens (see fake_token)."""
+        self._version = version
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def parameter_spec(self) -> None:
+        return None
 
     def stats(self) -> EngineStats:
         return EngineStats(counters={"decode_steps": self.steps, "prefill_tokens": self.prefill_tokens},

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from worker.engines.base import SequenceSpec, TokenEvent
+from worker.engines.constraints import RowConstraint
 from worker.engines.sampling import greedy, has_processors, processed_logprobs
 
 
@@ -28,6 +29,7 @@ class Row:
     guard: "RowGuard"
     sampler: Any
     processors: list[Any]
+    constraint: Optional[RowConstraint] = None
     emitted: bool = False  # it has produced a token
 
 
@@ -79,10 +81,19 @@ class RawLogits:
         return logits
 
 
-def needs_raw_capture(spec: SequenceSpec) -> bool:
+def needs_raw_capture(spec: SequenceSpec, constrained: bool) -> bool:
     """Whether the row's raw logits must be kept apart from the processed ones it samples from."""
     wants = spec.logprobs or spec.top_logprobs > 0
-    return wants and spec.logprobs_mode == "raw" and has_processors(spec.sampling)
+    return wants and spec.logprobs_mode == "raw" and (constrained or has_processors(spec.sampling))
+
+
+def note_constraint(row: Row, event: TokenEvent) -> None:
+    """Tell a constrained row's matcher what it returned, and on its last token whether its text is complete."""
+    if row.constraint is None:
+        return
+    row.constraint.observe(event.token)
+    if event.finish_reason is not None:
+        event.constraint_complete = row.constraint.ended(stopped_by_token=event.finish_reason == "stop")
 
 
 def distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:

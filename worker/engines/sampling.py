@@ -15,6 +15,7 @@ Distributions (what `logprobs_mode` selects):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,6 +28,13 @@ Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 _MASK64 = (1 << 64) - 1
+
+
+def repair_random_state() -> None:
+    """Give MLX's global generator a fresh key. mlx-lm's samplers are compiled with that state as
+    an input and output: a step that raised inside one left it an array without a value, and every
+    unseeded sampled row on the worker failed to evaluate afterwards."""
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -61,19 +69,24 @@ def processed_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
 
 
 class SamplerPool:
-    """Hands out samplers, sharing one object between rows whose settings make them interchangeable."""
+    """Hands out samplers, sharing one object between rows whose settings make them interchangeable.
+    `fence` (if given) wraps each sampler once: it runs before every sampling call (the constrained
+    rows' masks are filled there, worker/engines/constraints.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fence: Optional[Callable[[Sampler], Sampler]] = None) -> None:
         self._shared: dict[SamplingParams, Sampler] = {}
         self.seeded = SeededSampler()
+        self._fence = fence
+        self._greedy = greedy if fence is None else fence(greedy)
+        self._seeded = self.seeded if fence is None else fence(self.seeded)
 
     def get(self, params: SamplingParams, choice: int) -> tuple[Sampler, Optional[Processor]]:
         """The row's sampler and, for a seeded row, the processor that names the row to it (it
         must run whatever the row's other processors do)."""
         if params.is_greedy:
-            return greedy, None
+            return self._greedy, None
         if params.seed is not None:
-            return self.seeded, self.seeded.name_row(params, choice)
+            return self._seeded, self.seeded.name_row(params, choice)
         key = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                              min_p=params.min_p)
         if key not in self._shared:
@@ -81,7 +94,7 @@ class SamplerPool:
                 temp=key.temperature, top_p=key.top_p if key.top_p < 1.0 else 0.0, min_p=key.min_p, top_k=key.top_k
             )
             sampler.shared = True  # type: ignore[attr-defined]
-            self._shared[key] = sampler
+            self._shared[key] = sampler if self._fence is None else self._fence(sampler)
         return self._shared[key], None
 
 
@@ -175,9 +188,11 @@ def has_processors(params: SamplingParams) -> bool:
 
 
 def logits_processors(
-    params: SamplingParams, prompt_len: int, capture: Optional[Processor] = None
+    params: SamplingParams, prompt_len: int, capture: Optional[Processor] = None,
+    constraint: Optional[Processor] = None,
 ) -> list[Processor]:
-    """Processors for one row. `capture` (if given) runs first and sees the raw logits.
+    """Processors for one row. `capture` (if given) runs first and sees the raw logits; `constraint`
+    (a structured-output mask) runs last, so the processed distribution is the masked one.
 
     The token context mlx-lm passes holds the prompt then the generated tokens.
     Penalties follow the usual definitions rather than mlx-lm's last-20-tokens window:
@@ -191,6 +206,8 @@ def logits_processors(
         processors.append(_repetition_penalty(params.repetition_penalty))
     if params.presence_penalty or params.frequency_penalty:
         processors.append(_openai_penalties(params.presence_penalty, params.frequency_penalty, prompt_len))
+    if constraint is not None:
+        processors.append(constraint)
     return processors
 
 

@@ -19,6 +19,7 @@ import copy
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -27,14 +28,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
+from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.rows import RawLogits as _RawLogits, Row as _Row, RowGuard as _RowGuard
 from worker.engines.rows import attach_logprobs as _attach_logprobs, distribution as _distribution
-from worker.engines.rows import needs_raw_capture as _needs_raw_capture
-from worker.engines.sampling import SamplerPool, greedy, logits_processors
-from worker.engines.text_model import prompt_token_ids
+from worker.engines.rows import needs_raw_capture as _needs_raw_capture, note_constraint as _note_constraint
+from worker.engines.sampling import SamplerPool, greedy, logits_processors, repair_random_state
+from worker.engines.text_model import prepare_prompt, prompt_token_ids
+from worker.engines.text_model import model_context_length as _model_context_length
 from worker.engines.text_model import measure_kv_bytes_per_token as _measure_kv_bytes_per_token
 from worker.engines.text_model import model_vocab_size as _model_vocab_size
 
@@ -95,9 +99,14 @@ class TextEngine:
         self._awaiting_first: set[int] = set()  # engine uids prefilled by mlx-lm, first token not out yet
         self._decode_steps = 0
         self._engine_uid: dict[str, int] = {}
-        self._samplers = SamplerPool()
+        self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
+        self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._max_num_seqs = max_num_seqs
         self._counters = EngineCounters()
         self._pacing = PrefillPacing()
+        self._version = 0  # of the weights now (swap_weights)
+        self._launched_with = 0  # the version mlx-lm's last call launched its forward pass with
         self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
@@ -118,6 +127,10 @@ class TextEngine:
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes_per_token
 
+    @property
+    def context_length(self) -> Optional[int]:
+        return _model_context_length(self.model)
+
     def reset(self) -> None:
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
@@ -128,7 +141,10 @@ class TextEngine:
         self._to_prefill.clear()
         self._prefilling.clear()
         self._awaiting_first.clear()
+        self._masks = None
         self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._samplers = SamplerPool()
+        repair_random_state()
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         return self._prefix.stats()
@@ -139,8 +155,25 @@ class TextEngine:
     def stats(self) -> EngineStats:
         return EngineStats(counters=self.time_stats(), prefix_cache=self.prefix_cache_stats())
 
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        swap_into(self.model, files)  # all or nothing
+        self._version = version
+        self._prefix.clear()  # its caches hold the old weights' keys and values
+
+    def reset_prefix_cache(self) -> None:
+        self._prefix.clear()
+
+    def parameter_spec(self) -> ParameterSpec:
+        return parameter_spec(self.model)
+
     def prepare(self, request: GenerationRequest) -> Prompt:
-        return Prompt(self.prompt_token_ids(request))
+        """The prompt's token ids and, for a constrained request, its compiled constraint (cached
+        per worker: docs/structured-output.md has the compile times)."""
+        return prepare_prompt(self.tokenizer, request, self._constraints)
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         return prompt_token_ids(self.tokenizer, request)
@@ -204,13 +237,31 @@ class TextEngine:
     def _row(self, spec: SequenceSpec) -> "_Row":
         """A sequence's own sampler and logits processors, each guarded so that its failure ends
         that sequence alone."""
-        capture = _RawLogits() if _needs_raw_capture(spec) else None
+        constraint = None
+        if isinstance(spec.inputs, CompiledConstraint):
+            constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
+        capture = _RawLogits() if _needs_raw_capture(spec, constraint is not None) else None
         guard = _RowGuard()
         sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
-        processors = [guard.processor(p) for p in logits_processors(spec.sampling, len(spec.prompt_token_ids), capture)]
+        processors = [guard.processor(p) for p in
+                      logits_processors(spec.sampling, len(spec.prompt_token_ids), capture, constraint)]
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        return _Row(spec, capture, guard, guard.sampler(sampler), processors)
+        return _Row(spec, capture, guard, guard.sampler(sampler), processors, constraint)
+
+    def _mask_batch(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._vocab_size, 2 * self._max_num_seqs)
+        return self._masks
+
+    def _fill_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.fill()
+
+    def _begin_step(self) -> None:
+        self._samplers.seeded.begin()
+        if self._masks is not None:
+            self._masks.begin_step()
 
     def _start_now(self, prompt: list[int], rows: list["_Row"], cache: Optional[list[Any]], cached: int,
                    owned: bool) -> None:
@@ -224,7 +275,7 @@ class TextEngine:
             cache = copy.deepcopy(cache)
         logits = self._run(prompt[cached:], cache)
         context = mx.array(prompt)
-        self._samplers.seeded.begin()
+        self._begin_step()
         sampled = []
         with mx.stream(self._generator.stream):
             for row in rows:
@@ -238,12 +289,19 @@ class TextEngine:
         for row, (logprobs, token) in zip(rows, sampled):
             spec = row.spec
             raw_logits = row.capture.pending.popleft() if row.capture is not None and row.capture.pending else None
-            if row.guard.error is not None:
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=row.guard.error))
+            error = row.guard.error or (row.constraint.error if row.constraint is not None else None)
+            if error is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=error))
+                if row.constraint is not None:
+                    row.constraint.release()
                 continue
             first = int(token.item())
             finish = "stop" if first in spec.stop_token_ids else "length" if spec.max_tokens <= 1 else None
-            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish)
+            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish,
+                               weight_version=self._version)
+            _note_constraint(row, event)
+            if finish is not None and row.constraint is not None:
+                row.constraint.release()
             events.append(event)
             if spec.logprobs or spec.top_logprobs:
                 wanted.append((event, spec, _distribution(spec, logprobs[0], raw_logits)))
@@ -350,7 +408,10 @@ class TextEngine:
         self._feed_prefill()
         if not self._live:
             return []
-        self._samplers.seeded.begin()
+        self._begin_step()
+        # mlx-lm returns the tokens its previous call sampled while it launches the next forward pass:
+        # after a swap, one more call's tokens come from the old weights.
+        sampled_with, self._launched_with = self._launched_with, self._version
         with self._generator.stats() as window:
             progress, responses = self._generator.next()
         for prompt in progress:
@@ -370,12 +431,14 @@ class TextEngine:
             spec = live.spec
             live.emitted = True
             self._awaiting_first.discard(response.uid)
-            if live.guard.error is not None:  # this row's own code failed: end it alone
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=live.guard.error))
+            error = live.guard.error or (live.constraint.error if live.constraint is not None else None)
+            if error is not None:  # this row's own code failed: end it alone
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=error))
                 self.remove([spec.uid])
                 continue
             event = TokenEvent(uid=spec.uid, token=int(response.token), index=spec.choice_index,
-                               finish_reason=response.finish_reason)
+                               finish_reason=response.finish_reason, weight_version=sampled_with)
+            _note_constraint(live, event)
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
             if spec.logprobs or spec.top_logprobs:
@@ -416,7 +479,9 @@ class TextEngine:
     def _forget(self, uid: str) -> None:
         engine_uid = self._engine_uid.pop(uid, None)
         if engine_uid is not None:
-            self._live.pop(engine_uid, None)
+            row = self._live.pop(engine_uid, None)
+            if row is not None and row.constraint is not None:
+                row.constraint.release()
             self._prefilling.discard(engine_uid)
             self._awaiting_first.discard(engine_uid)
 

@@ -1,5 +1,5 @@
 """The served text model and its tokenizer as the text engines read them: a request's prompt as
-token ids, the vocabulary size, the KV-cache bytes one token takes."""
+token ids, the vocabulary size, the context length, the KV-cache bytes one token takes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
+from worker.engines.base import Prompt
+from worker.engines.constraints import ConstraintCompiler
 
 
 class RequestRejected(ValueError):
@@ -38,6 +40,19 @@ def prompt_token_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def prepare_prompt(tokenizer: Any, request: GenerationRequest, constraints: ConstraintCompiler) -> Prompt:
+    """The prompt's token ids and, for a constrained request, its compiled constraint (cached per
+    worker: docs/structured-output.md has the compile times)."""
+    token_ids = prompt_token_ids(tokenizer, request)
+    constraint = request.constraint
+    if constraint is None:
+        return Prompt(token_ids)
+    if request.ignore_eos:
+        raise RequestRejected(f"ignore_eos: cannot be combined with {constraint.field.split('.')[0]}, "
+                              "which ends the text where the constraint allows EOS")
+    return Prompt(token_ids, inputs=constraints.compile(constraint))
+
+
 def measure_kv_bytes_per_token(model: Any) -> int:
     """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
     time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
@@ -61,3 +76,8 @@ def model_vocab_size(model: Any, tokenizer: Any) -> int:
     args = getattr(model, "args", None)
     size: Optional[int] = getattr(args, "vocab_size", None)
     return int(size) if size else len(tokenizer)
+
+
+def model_context_length(model: Any) -> Optional[int]:
+    length = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return int(length) if isinstance(length, int) and length > 0 else None

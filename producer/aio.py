@@ -1,0 +1,510 @@
+"""AsyncClient: the asyncio twin of `Client`, on redis.asyncio, method for method.
+
+Everything that does no I/O (validation, the commands rq would send, parsing, stream reading)
+is producer/wire.py's, shared with the sync client; this module only talks to Redis. Two things
+differ in how, not in what: a batch of commands runs through the same server-side script from an
+asyncio connection (`execute_batch`), and every wait of one client shares one pattern
+subscription to the done channels (`DoneListener`), so a thousand concurrent waits hold one
+connection, not a thousand. An AsyncClient belongs to the event loop that first uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Optional
+
+import redis
+import redis.asyncio as aioredis
+from rq import Retry
+from rq.job import Job
+
+from producer.client import CANCEL_TTL, SAFETY_POLL_S
+from producer.control import AsyncControlCalls, abort_target, control_command, job_model, pause_command, weights_command
+from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
+from producer.wire import (
+    NO_CONNECTION,
+    RQ_ENDED,
+    STREAM_BATCH,
+    JobState,
+    PlannedJob,
+    RequestLike,
+    StreamCursor,
+    block_slice,
+    cancel_removal,
+    cancelled_result_write,
+    check_priority,
+    job_ended_without_result,
+    job_from_hash,
+    job_options,
+    job_state,
+    latest_result_detail,
+    parse_server_version,
+    plan_jobs,
+    public_status,
+    record_cancelled,
+    record_enqueue,
+    redact_url,
+    resolve_url,
+    results_stream_key,
+    rq_status,
+)
+from schemas import GenerationResult, RequestLimits, keys
+from schemas.control import ControlOutcome, PauseMode, WeightPolicy
+from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
+
+__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "execute_batch"]
+
+
+async def execute_batch(
+    connection: aioredis.Redis, batch: CommandBatch, unless_exists: Sequence[str] = ()
+) -> Optional[list[Any]]:
+    """`CommandBatch.execute` from an asyncio connection: the recorded commands in one atomic
+    round trip; None (nothing ran) if a key of `unless_exists` exists; raises the first command error."""
+    if not len(batch) and not unless_exists:
+        return []
+    argv, packed = batch.take()
+    args = ("EVALSHA", RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, packed)
+    try:
+        replies = await connection.execute_command(*args)
+    except redis.exceptions.NoScriptError:  # a restarted or flushed server
+        await connection.script_load(RUN_SCRIPT)
+        replies = await connection.execute_command(*args)
+    except redis.exceptions.ResponseError as exc:
+        if unless_exists or not str(exc).lower().startswith("unknown command"):
+            raise
+        async with connection.pipeline() as pipe:  # a server without Lua (fakeredis without lupa)
+            for command in commands_of(argv):
+                pipe.execute_command(*command)
+            replies = await pipe.execute(raise_on_error=False)
+    if replies is None:
+        return None
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return list(replies)
+
+
+@dataclass(eq=False)
+class _Wake:
+    """One wait's mailbox: the ids whose done message arrived, or `lost` when messages may have been."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    woken: set[str] = field(default_factory=set)
+    lost: bool = False
+
+
+class DoneListener:
+    """One pattern subscription to `mlxq:done:*` and the task that reads it, handing each job id
+    published there to the waits that registered for it. After a broken read (a reconnect may drop
+    messages) every wait is told to re-read everything. It needs the channel permission
+    `&mlxq:done:*` under a Redis ACL."""
+
+    def __init__(self, connection: aioredis.Redis) -> None:
+        self._connection = connection
+        self._pubsub: Optional[aioredis.client.PubSub] = None
+        self._task: Optional[asyncio.Task[None]] = None
+        self._starting: Optional[asyncio.Lock] = None
+        self._waits: dict[str, set[_Wake]] = {}
+
+    async def start(self) -> None:
+        """Subscribe (once) and wait for the confirmation: from then on no publish is missed."""
+        if self._task is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._task is not None:
+                return
+            pubsub = self._connection.pubsub()
+            try:
+                await pubsub.psubscribe(keys.done_channel("*"))
+                deadline = time.monotonic() + 30
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message["type"] == "psubscribe":
+                        break
+                    if time.monotonic() > deadline:
+                        raise BrokerError("redis: no confirmation of the done-channel subscription in 30 s")
+            except BaseException:
+                await pubsub.aclose()
+                raise
+            self._pubsub = pubsub
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="mlxq-done-listener")
+
+    def add(self, job_ids: Iterable[str], wake: _Wake) -> None:
+        for job_id in job_ids:
+            self._waits.setdefault(job_id, set()).add(wake)
+
+    def remove(self, job_ids: Iterable[str], wake: _Wake) -> None:
+        for job_id in job_ids:
+            waits = self._waits.get(job_id)
+            if waits is not None:
+                waits.discard(wake)
+                if not waits:
+                    del self._waits[job_id]
+
+    async def _run(self) -> None:
+        assert self._pubsub is not None
+        prefix = len(keys.done_channel(""))
+        while True:
+            try:
+                message = await self._pubsub.get_message(timeout=1.0)
+            except (redis.RedisError, OSError):
+                self._wake_all()
+                await asyncio.sleep(0.1)  # get_message reconnects and subscribes again on its next call
+                continue
+            if message is None or message["type"] != "pmessage":
+                continue
+            job_id = message["channel"][prefix:].decode()
+            for wake in self._waits.get(job_id, ()):
+                wake.woken.add(job_id)
+                wake.event.set()
+
+    def _wake_all(self) -> None:
+        for waits in self._waits.values():
+            for wake in waits:
+                wake.lost = True
+                wake.event.set()
+
+    async def close(self) -> None:
+        task, pubsub = self._task, self._pubsub
+        self._task = self._pubsub = None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if pubsub is not None:
+            await pubsub.aclose()
+
+
+class AsyncClient:
+    """An asyncio mlxq producer: `Client`'s methods as coroutines, with the same arguments.
+
+    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0. Pass `connection` to share
+    an existing redis.asyncio.Redis instead (not decode_responses=True); the client closes only
+    a connection it opened. Use `async with AsyncClient(...) as client:` or `await client.close()`.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        connection: aioredis.Redis | None = None,
+        limits: RequestLimits | None = None,
+        priorities: Sequence[str] = keys.DEFAULT_PRIORITIES,
+    ) -> None:
+        if connection is not None and url is not None:
+            raise ValueError("pass url or connection, not both")
+        if connection is None:
+            self.url = resolve_url(url)
+            try:
+                connection = aioredis.Redis.from_url(self.url)
+            except ValueError as exc:
+                raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
+            self._owns_connection = True
+        else:
+            self.url = ""
+            self._owns_connection = False
+        if connection.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("the Redis connection must not use decode_responses=True (RQ stores bytes)")
+        self.connection: aioredis.Redis = connection
+        self.limits = limits
+        self.priorities = tuple(priorities)
+        self._control = AsyncControlCalls(connection)
+        self._server_version: Optional[tuple[int, int, int]] = None
+        self._listener = DoneListener(connection)
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({redact_url(self.url) if self.url else self.connection!r})"
+
+    # -- submitting
+
+    async def submit(
+        self,
+        request: RequestLike,
+        *,
+        queue: str | None = None,
+        priority: str | None = None,
+        job_id: str | None = None,
+        timeout: int | None = None,
+        ttl: int | None = None,
+        result_ttl: int | None = None,
+        retry: Retry | int | None = None,
+    ) -> str:
+        """`Client.submit`: validate `request`, enqueue it, return the job id."""
+        check_priority(priority, self.priorities)
+        options = job_options(timeout, ttl, result_ttl, retry)
+        planned = plan_jobs([request], self.limits, options, queue=queue, priority=priority, job_ids=[job_id],
+                            indexed=False)
+        await self._enqueue(planned)
+        return planned[0].job_id
+
+    async def submit_many(
+        self,
+        requests: Iterable[RequestLike],
+        *,
+        queue: str | None = None,
+        priority: str | None = None,
+        job_ids: Sequence[str] | None = None,
+        timeout: int | None = None,
+        ttl: int | None = None,
+        result_ttl: int | None = None,
+        retry: Retry | int | None = None,
+    ) -> list[str]:
+        """`Client.submit_many`: all or nothing, in one round trip; the job ids in order."""
+        check_priority(priority, self.priorities)
+        options = job_options(timeout, ttl, result_ttl, retry)
+        planned = plan_jobs(list(requests), self.limits, options, queue=queue, priority=priority, job_ids=job_ids)
+        await self._enqueue(planned)
+        return [job.job_id for job in planned]
+
+    async def _redis_version(self) -> tuple[int, int, int]:
+        """The Redis server's version, read once (rq records it in every job)."""
+        if self._server_version is None:
+            with broker_errors():
+                self._server_version = parse_server_version(await self.connection.info("server"))
+        return self._server_version
+
+    async def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
+        if not planned:
+            return
+        batch = CommandBatch(NO_CONNECTION)  # records only; run below
+        record_enqueue(batch, planned, await self._redis_version())
+        with broker_errors():
+            await execute_batch(self.connection, batch)
+
+    # -- reading
+
+    async def _read_states(self, job_ids: Sequence[str]) -> list[JobState]:
+        with broker_errors():
+            async with self.connection.pipeline() as pipe:
+                for job_id in job_ids:
+                    pipe.get(keys.result_key(job_id))
+                    pipe.hget(Job.key_for(job_id), "status")
+                raw = await pipe.execute()
+        return [job_state(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)]
+
+    async def _settled(self, state: JobState) -> GenerationResult | None:
+        if state.result is not None:
+            return state.result
+        if state.ended_without_result:
+            return await self._orphan(state)
+        return None
+
+    async def _orphan(self, state: JobState) -> GenerationResult:
+        assert state.rq_status is not None
+        with broker_errors():
+            async with self.connection.pipeline(transaction=False) as pipe:
+                pipe.hgetall(Job.key_for(state.job_id))
+                pipe.xrevrange(results_stream_key(state.job_id), "+", "-", count=1)
+                raw, latest = await pipe.execute()
+        job = job_from_hash(state.job_id, raw) if raw else None
+        return job_ended_without_result(state.job_id, state.rq_status, job, latest_result_detail(state.job_id, latest))
+
+    async def status(self, job_id: str) -> str:
+        """`Client.status`."""
+        return public_status((await self._read_states([job_id]))[0])
+
+    async def result(self, job_id: str) -> GenerationResult | None:
+        """`Client.result`: the result, or None while there is none yet."""
+        return await self._settled((await self._read_states([job_id]))[0])
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> GenerationResult:
+        """`Client.wait`: until the job has a result; WaitTimeout after `timeout` s."""
+        return (await self.wait_many([job_id], timeout))[job_id]
+
+    async def wait_many(self, job_ids: Iterable[str], timeout: float | None = None) -> dict[str, GenerationResult]:
+        """`Client.wait_many`: {job_id: result}; WaitTimeout carries the ids still pending."""
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return {}
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        results: dict[str, GenerationResult] = {}
+        pending = set(ids)
+
+        async def settle(candidates: Iterable[str]) -> None:
+            wanted = [job_id for job_id in candidates if job_id in pending]
+            for state in await self._read_states(wanted) if wanted else []:
+                found = await self._settled(state)
+                if found is not None:
+                    results[state.job_id] = found
+                    pending.discard(state.job_id)
+
+        await settle(ids)  # fast path: already done, no subscription needed
+        if not pending:
+            return {job_id: results[job_id] for job_id in ids}
+        await self._listener.start()
+        wake = _Wake()
+        self._listener.add(ids, wake)
+        try:
+            await settle(list(pending))  # what ended before the registration
+            next_poll = time.monotonic() + SAFETY_POLL_S
+            while pending:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    late = [job_id for job_id in ids if job_id in pending]
+                    shown = ", ".join(late[:5]) + (", ..." if len(late) > 5 else "")
+                    raise WaitTimeout(f"no result after {timeout} s for {len(late)} job(s): {shown}", late)
+                wait_s = max(next_poll - now, 0.0) if deadline is None else max(min(next_poll, deadline) - now, 0.0)
+                try:
+                    await asyncio.wait_for(wake.event.wait(), wait_s)
+                except asyncio.TimeoutError:
+                    pass
+                wake.event.clear()
+                woken, wake.woken = wake.woken, set()
+                lost, wake.lost = wake.lost, False
+                if lost or time.monotonic() >= next_poll:
+                    await settle(list(pending))
+                    next_poll = time.monotonic() + SAFETY_POLL_S
+                elif woken:
+                    await settle(woken)
+        finally:
+            self._listener.remove(ids, wake)
+        return {job_id: results[job_id] for job_id in ids}
+
+    # -- cancelling
+
+    async def cancel(self, job_id: str) -> bool:
+        """`Client.cancel`: False if the job had already ended."""
+        with broker_errors():
+            async with self.connection.pipeline(transaction=False) as pipe:
+                pipe.hgetall(Job.key_for(job_id))
+                pipe.exists(keys.result_key(job_id))
+                raw, has_result = await pipe.execute()
+            if not raw:
+                if has_result:
+                    return False
+                raise JobNotFound(job_id)
+            job = job_from_hash(job_id, raw)
+            status = rq_status(job)
+            if status in RQ_ENDED or has_result:
+                return False
+            await self.connection.set(keys.cancel_key(job_id), "1", ex=CANCEL_TTL)
+            removal = cancel_removal(job, status)
+            if removal is not None and await self.connection.execute_command(*removal):
+                key, value, expiry = cancelled_result_write(job, time.time())
+                try:
+                    await self.connection.set(key, value, ex=expiry)
+                except redis.exceptions.NoPermissionError:
+                    pass  # read-only result keys (the producer ACL): a worker's sweep writes it
+                batch = CommandBatch(NO_CONNECTION)
+                record_cancelled(batch, job)
+                await execute_batch(self.connection, batch)
+        return True
+
+    # -- the control plane (docs/rl.md): each call returns once every live worker of the model has
+    # applied the command, or after `timeout` seconds with those that did not named in `missing`
+
+    async def publish_weights(self, model: str, version: int, path: str, policy: WeightPolicy = "drain", *,
+                        upload: bool = False, timeout: float = 300) -> ControlOutcome:
+        """Make `version` (a directory of safetensors in MLX's parameter naming) the weights of
+        every worker serving `model`. The workers read `path` themselves, or with `upload` the files
+        are streamed through Redis in checksummed chunks (small models and adapters). `policy`:
+        drain (running sequences finish on the old weights), abort (they go back to their queues),
+        inflight (they go on under the new weights)."""
+        return await self._control.send(*weights_command(model, version, path, policy, upload), timeout)
+
+    async def pause(self, model: str, mode: PauseMode = "keep", *, timeout: float = 60) -> ControlOutcome:
+        """Stop the model's workers taking jobs and stepping: `keep` freezes running sequences until
+        `resume`, `abort` sends them back to their queues first."""
+        return await self._control.send(pause_command(model, mode), {}, timeout)
+
+    async def resume(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return await self._control.send(control_command("resume", model), {}, timeout)
+
+    async def abort(self, model: str | None = None, job_id: str | None = None, *, timeout: float = 60) -> ControlOutcome:
+        """End one job (`job_id`, queued or running) or every running job of `model`, each
+        `cancelled` with its partial output."""
+        model, job_id = abort_target(model, job_id, await self._model_of(job_id) if job_id and not model else None)
+        if job_id is not None:
+            await self.cancel(job_id)
+        return await self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    async def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
+        return await self._control.send(control_command("reset_prefix_cache", model), {}, timeout)
+
+    async def _model_of(self, job_id: str) -> str | None:
+        with broker_errors():
+            return job_model(await self.connection.hget(Job.key_for(job_id), "data"))
+
+    # -- streams and lifecycle
+
+    def stream(self, job_id: str, timeout: float | None = None, last_event_id: str | None = None) -> "AsyncJobStream":
+        """`Client.stream` as an async iterator (`async for event in client.stream(id)`)."""
+        return AsyncJobStream(self, StreamCursor(job_id, last_event_id), timeout)
+
+    async def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
+        key = keys.stream_key(cursor.job_id)
+        with broker_errors():
+            for _ in range(2):  # an end event can arrive between the first read and the state's
+                batch = await self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
+                if batch:
+                    return cursor.from_entries(batch[0][1])
+                settled = await self._settled((await self._read_states([cursor.job_id]))[0])
+                if settled is None:
+                    break
+            else:
+                return cursor.from_result(settled, bool(await self.connection.exists(key)))
+            batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
+                                                count=STREAM_BATCH)
+            return cursor.from_entries(batch[0][1]) if batch else []
+
+    def _socket_timeout(self) -> float | None:
+        return self.connection.connection_pool.connection_kwargs.get("socket_timeout")
+
+    async def close(self) -> None:
+        """Stop the done listener; close the connection if this client opened it."""
+        await self._listener.close()
+        if self._owns_connection:
+            await self.connection.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class AsyncJobStream(AsyncIterator[dict[str, Any]]):
+    """The async iterator `AsyncClient.stream` returns; `last_event_id` is where a new one would resume."""
+
+    def __init__(self, client: AsyncClient, cursor: StreamCursor, timeout: float | None) -> None:
+        self._client, self._cursor, self._timeout = client, cursor, timeout
+        self._pending: list[tuple[str, dict[str, Any]]] = []
+
+    @property
+    def job_id(self) -> str:
+        return self._cursor.job_id
+
+    @property
+    def last_event_id(self) -> str:
+        return self._cursor.last_event_id
+
+    def __aiter__(self) -> "AsyncJobStream":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        deadline = None if self._timeout is None else time.monotonic() + max(self._timeout, 0.0)
+        while not self._pending:
+            if self._cursor.ended:
+                raise StopAsyncIteration
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WaitTimeout(f"no stream event for job {self.job_id} within {self._timeout} s",
+                                  pending=[self.job_id])
+            self._pending = await self._client._read_stream(
+                self._cursor, block_slice(left, self._client._socket_timeout()))
+        event_id, event = self._pending.pop(0)
+        self._cursor.last_event_id = event_id
+        return event

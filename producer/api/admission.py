@@ -1,0 +1,81 @@
+"""Admission, atomically in Redis so that replicas share it: the target queue's depth (429 past
+`max_queue_depth`) and the tenant's jobs in flight (429 past `tenant_max_in_flight`).
+
+A tenant's jobs in flight are a sorted set of job ids. Ids leave it when the gateway that waited for
+them sees them end; ids of jobs nobody waits for (`POST /v1/jobs`, a replica that died) are swept by
+the script itself once the set is full: an id goes when its result key exists, or when its RQ job
+hash is gone and it was admitted more than a grace period ago (a job is enqueued right after).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from rq import Queue
+from rq.job import Job
+
+from producer.api import keys as api_keys
+from producer.api.auth import ApiError, Tenant
+from schemas import keys
+
+__all__ = ["Admission"]
+
+SET_TTL_S = 7 * 24 * 3600  # an idle tenant's set expires
+GRACE_S = 30
+
+# KEYS[1] the tenant's set, KEYS[2] the queue's list (or "" for no depth check).
+# ARGV: cap, max depth (0: none), now, set ttl, grace, then the ids. Returns -1 (queue too deep) or
+# the number of ids admitted, from the first.
+_ADMIT = """
+local cap, depth, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if depth > 0 and KEYS[2] ~= '' and redis.call('LLEN', KEYS[2]) >= depth then return -1 end
+local want = #ARGV - 5
+local n = redis.call('ZCARD', KEYS[1])
+if n + want > cap then
+  local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    local member, score = entries[i], tonumber(entries[i + 1])
+    if redis.call('EXISTS', '""" + keys.result_key("") + """' .. member) == 1
+        or (score < now - tonumber(ARGV[5]) and redis.call('EXISTS', '""" + Job.redis_job_namespace_prefix + """' .. member) == 0) then
+      redis.call('ZREM', KEYS[1], member)
+    end
+  end
+  n = redis.call('ZCARD', KEYS[1])
+end
+local admitted = math.min(math.max(cap - n, 0), want)
+for i = 1, admitted do redis.call('ZADD', KEYS[1], now, ARGV[5 + i]) end
+if admitted > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+return admitted
+"""
+
+
+class Admission:
+    def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
+        self._connection = connection
+        self._script = connection.register_script(_ADMIT)
+        self.tenant_cap = tenant_cap
+        self.max_queue_depth = max_queue_depth
+
+    async def admit(self, tenant: Tenant, job_ids: Sequence[str], queue: str | None) -> int:
+        """Admit up to len(job_ids) of the tenant's new jobs; how many were (from the first). With a
+        `queue`, none when it is over the depth limit."""
+        queue_key = f"{Queue.redis_queue_namespace_prefix}{queue}" if queue else ""
+        return int(await self._script(
+            keys=[api_keys.in_flight(tenant.tag), queue_key],
+            args=[self.tenant_cap, self.max_queue_depth if queue else 0, time.time(), SET_TTL_S, GRACE_S, *job_ids]))
+
+    async def admit_one(self, tenant: Tenant, job_id: str, queue: str) -> None:
+        """Admit one job or answer 429."""
+        admitted = await self.admit(tenant, [job_id], queue)
+        if admitted == -1:
+            raise ApiError(429, f"The queue {queue!r} holds {self.max_queue_depth} jobs or more; retry later",
+                           "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+        if admitted == 0:
+            raise ApiError(429, f"This tenant has {self.tenant_cap} jobs in flight, its limit; retry later",
+                           "rate_limit_exceeded", code="too_many_jobs_in_flight", headers={"Retry-After": "1"})
+
+    async def release(self, tenant: Tenant, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            await self._connection.zrem(api_keys.in_flight(tenant.tag), *job_ids)

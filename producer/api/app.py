@@ -1,0 +1,146 @@
+"""The gateway's FastAPI application: routes, OpenAI-shaped errors, body limits, and the batch driver
+running beside the routes. `create_app(settings)`; `mlxq api` serves it with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from producer.api import routes_control, routes_files, routes_jobs, routes_openai
+from producer.api.auth import ApiError
+from producer.api.batch_driver import BatchDriver
+from producer.api.gateway import Gateway
+from producer.api.settings import GatewaySettings
+from producer.errors import BrokerError, InvalidRequest
+from producer.openai_responses import error_body
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("mlxq.api")
+MULTIPART_OVERHEAD = 1024 * 1024  # room for a file upload's form fields and boundaries
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = Gateway.build(settings)
+        app.state.gateway = gw
+        driver = asyncio.get_running_loop().create_task(BatchDriver(gw, gw.batches).run(), name="mlxq-batch-driver")
+        try:
+            yield
+        finally:
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+            await gw.close()
+
+    app = FastAPI(title="mlxq gateway", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible chat, completions, files and batches over mlxq's queue, and "
+                              "mlxq's own jobs. See docs/gateway.md.")
+    for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_control.router):
+        app.include_router(router)
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimit, default=settings.max_body_bytes,
+                       uploads=settings.file_max_bytes + MULTIPART_OVERHEAD)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), param=exc.field), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        param = ".".join(loc) or None
+        detail = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return JSONResponse(error_body(f"invalid request: {param or 'body'}: {detail}{more}", param=param),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several
+            methods = {m for route in app.routes if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
+                       for m in route.methods if m != "HEAD"}
+            headers = {"Allow": ", ".join(sorted(methods))}
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(BrokerError)
+    async def broker_error(request: Request, exc: BrokerError) -> JSONResponse:
+        log.error("redis: %s", exc)
+        return JSONResponse(error_body("the queue's Redis cannot be reached", "server_error", code="broker_error"),
+                            status_code=503)
+
+
+class BodyLimit:
+    """413 for a request body over its limit (uploads to /v1/files have their own), counted as it
+    arrives; an upload must say its length (411 otherwise), a JSON body may be chunked."""
+
+    def __init__(self, app: ASGIApp, default: int, uploads: int) -> None:
+        self.app, self.default, self.uploads = app, default, uploads
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        upload = scope["path"].rstrip("/") == "/v1/files"
+        limit = self.uploads if upload else self.default
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is None and upload:
+            return await _reply(send, 411, error_body("Content-Length is required for uploads", code="length_required"))
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await _reply(send, 413, _too_large(limit))
+        if length is not None:
+            return await self.app(scope, receive, send)
+        body, more = [], True  # chunked: read it all here, within the limit
+        size = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await _reply(send, 413, _too_large(limit))
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _too_large(limit: int) -> dict[str, Any]:
+    return error_body(f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+async def _reply(send: Send, status: int, body: dict[str, Any]) -> None:
+    response = JSONResponse(body, status_code=status)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})

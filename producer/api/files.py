@@ -1,0 +1,216 @@
+"""OpenAI Files for batches: uploads checked against OpenAI's limits (200 MB, 50,000 lines), and the
+batches' output and error files, each with an expiry.
+
+A file's metadata is a Redis key (so every replica sees it) that expires with the file. Its contents
+live in Redis as a list of its lines, or, with `MLXQ_API_FILES_DIR`, in a file of that directory
+(shared by every replica, e.g. over NFS); files whose metadata expired are removed from the
+directory by the next upload's sweep. Either way a download returns the uploaded bytes exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal, Optional
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel
+
+from producer.api import keys as api_keys
+from producer.api.auth import ApiError, Tenant, not_found
+from producer.api.settings import GatewaySettings
+
+__all__ = ["FileObject", "FileRecord", "FileStore"]
+
+PUSH_LINES = 2000  # lines per RPUSH of an upload
+READ_LINES = 2000  # lines per LRANGE of a download
+SWEEP_EVERY_S = 600.0
+
+
+class FileObject(BaseModel):
+    """OpenAI's File object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: Optional[int] = None
+    status_details: Optional[str] = None
+
+
+class FileRecord(FileObject):
+    tenant_tag: str
+    lines: int  # non-empty lines
+    on_disk: bool = False
+
+    def public(self) -> FileObject:
+        return FileObject.model_validate(self.model_dump(include=set(FileObject.model_fields)))
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """The pieces between newlines, the last one too: b"\\n".join(pieces) == data."""
+    return data.split(b"\n")
+
+
+def check_jsonl(pieces: list[bytes], max_lines: int) -> int:
+    """The number of non-empty lines; ApiError 400 for a line that is not a JSON object, or too many."""
+    count = 0
+    for number, piece in enumerate(pieces, start=1):
+        if not piece.strip():
+            continue
+        count += 1
+        if count > max_lines:
+            raise ApiError(400, f"file: more than {max_lines} lines", param="file", code="too_many_lines")
+        try:
+            item = json.loads(piece)
+        except (ValueError, RecursionError):
+            raise ApiError(400, f"file: line {number} is not valid JSON", param="file", code="invalid_jsonl") from None
+        if not isinstance(item, dict):
+            raise ApiError(400, f"file: line {number} is not a JSON object", param="file", code="invalid_jsonl")
+    return count
+
+
+class FileStore:
+    def __init__(self, connection: aioredis.Redis, settings: GatewaySettings) -> None:
+        self._connection = connection
+        self._settings = settings
+        self._dir = Path(settings.files_dir) if settings.files_dir else None
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        self._swept_at = 0.0
+
+    def ttl(self, seconds: Optional[int]) -> int:
+        if seconds is None:
+            return self._settings.file_ttl_s
+        if not 3600 <= seconds <= 30 * 24 * 3600:
+            raise ApiError(400, "expires_after.seconds: must be between 3600 and 2592000", param="expires_after")
+        return seconds
+
+    async def create(self, tenant: Tenant, filename: str, purpose: str, data: bytes,
+                     ttl_s: Optional[int] = None) -> FileRecord:
+        """Store an upload; the checks of its purpose ("batch": JSON lines) and of the limits first."""
+        if purpose != "batch":
+            raise ApiError(400, f"purpose: only 'batch' files are accepted, got {purpose!r}", param="purpose")
+        if len(data) > self._settings.file_max_bytes:
+            raise ApiError(413, f"file: {len(data)} bytes exceeds the limit of {self._settings.file_max_bytes}",
+                           param="file", code="file_too_large")
+        pieces = split_lines(data)
+        lines = await asyncio.to_thread(check_jsonl, pieces, self._settings.file_max_lines)
+        if lines == 0:
+            raise ApiError(400, "file: holds no request lines", param="file", code="empty_file")
+        return await self._store(tenant, filename[:256] or "upload.jsonl", "batch", pieces, len(data), lines,
+                                 self.ttl(ttl_s))
+
+    async def create_from_list(self, tenant: Tenant, filename: str, list_key: str, lines: int, size: int,
+                               ttl_s: int) -> FileRecord:
+        """A batch's output or error file, from the list of its `lines` lines (`size` bytes with their
+        newlines) that it wrote; the list is consumed."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        if self._dir is None:
+            pieces_key = api_keys.file_data(file_id)
+            async with self._connection.pipeline() as pipe:
+                pipe.rpush(list_key, b"")  # the newline after the last line
+                pipe.rename(list_key, pieces_key)
+                pipe.expire(pieces_key, ttl_s)
+                await pipe.execute()
+            return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=False)
+        path = self._dir / file_id
+        with path.open("wb") as handle:
+            for start in range(0, lines, READ_LINES):
+                chunk = await self._connection.lrange(list_key, start, start + READ_LINES - 1)
+                await asyncio.to_thread(handle.write, b"".join(line + b"\n" for line in chunk))
+        await self._connection.delete(list_key)
+        return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=True)
+
+    async def _store(self, tenant: Tenant, filename: str, purpose: str, pieces: list[bytes], size: int, lines: int,
+                     ttl_s: int) -> FileRecord:
+        file_id = f"file-{uuid.uuid4().hex}"
+        if self._dir is not None:
+            await asyncio.to_thread((self._dir / file_id).write_bytes, b"\n".join(pieces))
+            await self._sweep()
+        else:
+            key = api_keys.file_data(file_id)
+            for start in range(0, len(pieces), PUSH_LINES):
+                await self._connection.rpush(key, *pieces[start : start + PUSH_LINES])
+            await self._connection.expire(key, ttl_s)
+        return await self._record(tenant, file_id, filename, purpose, size, lines, ttl_s, on_disk=self._dir is not None)
+
+    async def _record(self, tenant: Tenant, file_id: str, filename: str, purpose: str, size: int, lines: int,
+                      ttl_s: int, *, on_disk: bool) -> FileRecord:
+        now = int(time.time())
+        record = FileRecord(id=file_id, bytes=size, created_at=now, filename=filename, purpose=purpose,  # type: ignore[arg-type]
+                            expires_at=now + ttl_s, tenant_tag=tenant.tag, lines=lines, on_disk=on_disk)
+        await self._connection.set(api_keys.file_record(file_id), record.model_dump_json(), ex=ttl_s)
+        return record
+
+    async def get(self, tenant: Tenant, file_id: str) -> FileRecord:
+        """The tenant's file, else 404 (also for another tenant's)."""
+        raw = await self._connection.get(api_keys.file_record(file_id))
+        if raw is None:
+            raise not_found("file", file_id)
+        record = FileRecord.model_validate_json(raw)
+        if record.tenant_tag != tenant.tag:
+            raise not_found("file", file_id)
+        return record
+
+    async def content(self, record: FileRecord) -> AsyncIterator[bytes]:
+        """The file's bytes, in pieces."""
+        if record.on_disk:
+            assert self._dir is not None
+            with (self._dir / record.id).open("rb") as handle:
+                while chunk := await asyncio.to_thread(handle.read, 1 << 20):
+                    yield chunk
+            return
+        key = api_keys.file_data(record.id)
+        count = await self._connection.llen(key)
+        for start in range(0, count, READ_LINES):
+            pieces = await self._connection.lrange(key, start, start + READ_LINES - 1)
+            last = start + len(pieces) >= count
+            yield b"\n".join(pieces) + (b"" if last else b"\n")
+
+    async def read_lines(self, record: FileRecord, start: int, offset: int, count: int
+                         ) -> list[tuple[int, bytes, int]]:
+        """Up to `count` pieces from piece `start` (which begins at byte `offset` of a file on disk), as
+        (piece number, bytes, byte offset after it; 0 in Redis) triples."""
+        if not record.on_disk:
+            pieces = await self._connection.lrange(api_keys.file_data(record.id), start, start + count - 1)
+            return [(start + i, p, 0) for i, p in enumerate(pieces)]
+        path = Path(self._dir or ".") / record.id
+
+        def read() -> list[tuple[int, bytes, int]]:
+            with path.open("rb") as handle:
+                handle.seek(offset)
+                out = []
+                for i in range(count):
+                    piece = handle.readline()
+                    if not piece:
+                        break
+                    out.append((start + i, piece.rstrip(b"\n"), handle.tell()))
+                return out
+
+        return await asyncio.to_thread(read)
+
+    async def _sweep(self) -> None:
+        """Remove contents whose metadata expired (at most every SWEEP_EVERY_S per process)."""
+        if self._dir is None or time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = time.monotonic()
+        names = [p.name for p in self._dir.iterdir() if p.name.startswith("file-")]
+        if not names:
+            return
+        async with self._connection.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(api_keys.file_record(name))
+            exists = await pipe.execute()
+        cutoff = time.time() - 3600  # an upload's contents are written before its metadata
+        for name, present in zip(names, exists):
+            path = self._dir / name
+            if not present and path.stat().st_mtime < cutoff:
+                path.unlink(missing_ok=True)

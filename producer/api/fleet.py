@@ -1,0 +1,94 @@
+"""The live workers, read from their heartbeats (`mlxq:workers`, `mlxq:worker:<name>`), for `/v1/models`
+and for the gateway's 404 (unknown model) and 503 (no live worker serves it) answers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from producer.api import keys as api_keys
+from producer.api.auth import ApiError
+from schemas import keys
+from schemas.presence import WorkerPresence
+
+__all__ = ["Fleet", "LiveModel"]
+
+PRESENCE_WINDOW_S = 3600  # names scored this recently are read; their entries' expiry decides who is live
+SEEN_FOR_S = 7 * 24 * 3600  # a model served this recently, without a live worker now, is answered 503
+
+
+@dataclass(frozen=True)
+class LiveModel:
+    name: str
+    created: int  # when its longest-running live worker started
+    workers: int
+    queues: frozenset[str]
+
+
+class Fleet:
+    """Live workers by the model names they serve; re-read at most every `cache_s` seconds."""
+
+    def __init__(self, connection: aioredis.Redis, cache_s: float = 1.0, configured: tuple[str, ...] = ()) -> None:
+        self._connection = connection
+        self._cache_s = cache_s
+        self._configured = frozenset(configured)
+        self._read_at = -1e9
+        self._models: dict[str, LiveModel] = {}
+        self._reading = asyncio.Lock()  # one read at a time; the requests behind it take its answer
+
+    async def models(self) -> dict[str, LiveModel]:
+        if time.monotonic() - self._read_at >= self._cache_s:
+            async with self._reading:
+                if time.monotonic() - self._read_at >= self._cache_s:
+                    self._models = await self._read()
+                    self._read_at = time.monotonic()
+        return self._models
+
+    async def _read(self) -> dict[str, LiveModel]:
+        now = time.time()
+        names = await self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
+        entries = await self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
+        served: dict[str, list[WorkerPresence]] = {}
+        for raw in entries:
+            if raw is None:
+                continue
+            try:
+                worker = WorkerPresence.model_validate_json(raw)
+            except ValidationError:
+                continue  # a newer or broken writer: not a worker this gateway can route to
+            for name in worker.served_names:
+                served.setdefault(name, []).append(worker)
+        models = {
+            name: LiveModel(name, int(min(w.started_at for w in workers)), len(workers),
+                            frozenset(q for w in workers for q in w.queues))
+            for name, workers in served.items()
+        }
+        if models:
+            await self._connection.hset(api_keys.MODELS_SEEN, mapping={name: int(now) for name in models})
+        return models
+
+    async def require(self, model: Optional[str], queue: str) -> None:
+        """ApiError 404 for a model no worker is known to serve, 503 when none that serves it is live or
+        listens on `queue`. Without a model: 503 unless some live worker listens on `queue`."""
+        if model is None:
+            if any(queue in live.queues for live in (await self.models()).values()):
+                return
+            raise ApiError(503, f"No live worker listens on queue {queue!r}", "server_error", code="no_live_worker")
+        live = (await self.models()).get(model)
+        if live is not None:
+            if queue in live.queues:
+                return
+            raise ApiError(503, f"No live worker serving {model!r} listens on queue {queue!r} (its priority)",
+                           "server_error", code="no_live_worker")
+        if model in self._configured or await self._seen_lately(model):
+            raise ApiError(503, f"No live worker serves the model {model!r}", "server_error", code="no_live_worker")
+        raise ApiError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+
+    async def _seen_lately(self, model: str) -> bool:
+        seen: Optional[bytes] = await self._connection.hget(api_keys.MODELS_SEEN, model)
+        return seen is not None and time.time() - float(seen) < SEEN_FOR_S

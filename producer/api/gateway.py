@@ -1,0 +1,117 @@
+"""The gateway's per-process parts, built once at start-up and shared by every route: the Redis
+client, authentication, the fleet view, admission, the file store. None of them holds state that
+another replica would need: everything that matters is in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Optional, TypeVar
+
+import anyio
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from producer.aio import AsyncClient
+from producer.api.admission import Admission
+from producer.api.auth import ApiError, Authenticator, Tenant
+from producer.api.batches import BatchStore
+from producer.api.files import FileStore
+from producer.api.fleet import Fleet
+from producer.api.settings import GatewaySettings
+from producer.errors import InvalidRequest
+from producer.wire import target_queue
+from schemas import GenerationRequest
+
+__all__ = ["Gateway", "current_tenant", "gateway", "wait_unless_disconnected"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    client: AsyncClient
+    auth: Authenticator
+    fleet: Fleet
+    admission: Admission
+    files: FileStore
+    batches: BatchStore
+
+    @classmethod
+    def build(cls, settings: GatewaySettings) -> "Gateway":
+        client = AsyncClient(settings.redis_url, limits=settings.limits, priorities=settings.priorities)
+        connection = client.connection
+        files = FileStore(connection, settings)
+        return cls(settings, client, Authenticator(settings), Fleet(connection, settings.presence_cache_s, settings.models),
+                   Admission(connection, settings.tenant_max_in_flight, settings.max_queue_depth),
+                   files, BatchStore(connection, files))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def check_priority(self, priority: Optional[str]) -> None:
+        if priority is not None and priority not in self.settings.priorities:
+            raise ApiError(400, f"priority: {priority!r} is not one of {list(self.settings.priorities)}",
+                           param="priority")
+
+    async def submit(self, tenant: Tenant, request: GenerationRequest, priority: Optional[str]) -> str:
+        """Route, admit and enqueue one of the tenant's requests; its job id (which names the tenant)."""
+        self.check_priority(priority)
+        queue = target_queue(request, None, priority)
+        await self.fleet.require(request.model, queue)
+        job_id = f"{tenant.tag}-{uuid.uuid4().hex}"
+        await self.admission.admit_one(tenant, job_id, queue)
+        try:
+            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl)
+        except BaseException:
+            await self.admission.release(tenant, [job_id])
+            raise
+        return job_id
+
+    async def cancel_quietly(self, job_id: str) -> None:
+        """Cancel a job whose caller went away; shielded, since it runs while the request is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.client.cancel(job_id)
+            except Exception:  # the job may have ended or expired meanwhile; nothing to undo
+                pass
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+_bearer = HTTPBearer(auto_error=False, description="An API key of the gateway (MLXQ_API_KEYS)")
+
+
+def current_tenant(request: Request,
+                   credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> Tenant:
+    header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    return gateway(request).auth.tenant(header)
+
+
+def invalid(exc: InvalidRequest) -> ApiError:
+    return ApiError(400, str(exc), param=exc.field)
+
+
+async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """Run `work` until it ends or the client disconnects; None (and `work` cancelled) in the second case."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    return task.result() if task in done else None

@@ -1,0 +1,98 @@
+"""mlxq's own jobs over HTTP: `POST /v1/jobs` (a GenerationRequest, answered at once with the job's id),
+`GET /v1/jobs/{id}` (status and result), `DELETE /v1/jobs/{id}` (cancel), `GET /v1/jobs/{id}/events` (its
+token events as SSE, resumable with `Last-Event-ID`). A tenant sees only its own jobs: another's are 404.
+Leaving the events stream does not cancel the job (it was submitted without waiting)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Literal, Optional
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from producer.api.auth import ERRORS, Tenant, not_found
+from producer.api.gateway import Gateway, current_tenant, gateway
+from producer.errors import JobNotFound, MlxqError
+from producer.openai_responses import error_body
+from schemas import GenerationRequest, GenerationResult
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+class JobObject(BaseModel):
+    id: str
+    object: Literal["mlxq.job"] = "mlxq.job"
+    status: str
+    result: Optional[GenerationResult] = None
+    cancelled: Optional[bool] = None  # DELETE: whether this call stopped it (False: it had ended)
+
+
+def _owned(tenant: Tenant, job_id: str) -> str:
+    if not tenant.owns_job(job_id):
+        raise not_found("job", job_id)
+    return job_id
+
+
+@router.post("/v1/jobs", response_model=JobObject, responses=ERRORS)
+async def create_job(body: GenerationRequest, request: Request, priority: Optional[str] = Query(None, max_length=32),
+                     tenant: Tenant = Depends(current_tenant)) -> JobObject:
+    """Enqueue a GenerationRequest (the contract's fields; `stream: true` to read its events)."""
+    gw = gateway(request)
+    job_id = await gw.submit(tenant, body, priority)
+    return JobObject(id=job_id, status="queued")
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)
+async def get_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> JobObject:
+    client = gateway(request).client
+    try:
+        result = await client.result(_owned(tenant, job_id))
+        status = result.status if result is not None else await client.status(job_id)
+    except JobNotFound:
+        raise not_found("job", job_id) from None
+    return JobObject(id=job_id, status=status, result=result)
+
+
+@router.delete("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)
+async def cancel_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> JobObject:
+    client = gateway(request).client
+    try:
+        cancelled = await client.cancel(_owned(tenant, job_id))
+        status = await client.status(job_id)
+    except JobNotFound:
+        raise not_found("job", job_id) from None
+    return JobObject(id=job_id, status=status, cancelled=cancelled)
+
+
+@router.get("/v1/jobs/{job_id}/events", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
+async def job_events(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant),
+                     last_event_id: Optional[str] = Header(None, alias="Last-Event-ID", max_length=64)) -> object:
+    gw = gateway(request)
+    try:
+        await gw.client.status(_owned(tenant, job_id))
+    except JobNotFound:
+        raise not_found("job", job_id) from None
+    if last_event_id is not None and not _is_event_id(last_event_id):
+        return JSONResponse(error_body("Last-Event-ID: not an event id", param="Last-Event-ID"), status_code=400)
+    return EventSourceResponse(_events(gw, job_id, last_event_id), ping=15)
+
+
+async def _events(gw: Gateway, job_id: str, last_event_id: Optional[str]) -> AsyncIterator[ServerSentEvent]:
+    stream = gw.client.stream(job_id, timeout=gw.settings.request_timeout_s, last_event_id=last_event_id)
+    try:
+        async for event in stream:
+            yield ServerSentEvent(data=json.dumps(event), event=event["event"], id=stream.last_event_id)
+    except MlxqError as exc:
+        yield ServerSentEvent(data=json.dumps(error_body(str(exc), "server_error", code=type(exc).__name__)),
+                              event="error")
+
+
+def _is_event_id(text: str) -> bool:
+    major, _, minor = text.partition("-")
+    return major.isdigit() and (minor.isdigit() or minor == "")

@@ -1,0 +1,126 @@
+"""`POST /v1/chat/completions`, `POST /v1/completions` (blocking and `stream=true`) and `GET /v1/models`.
+
+A client that disconnects, from a blocking request or a stream, cancels its job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Union
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+
+from producer.api.auth import ERRORS, Tenant
+from producer.api.gateway import Gateway, current_tenant, gateway, invalid, wait_unless_disconnected
+from producer.errors import InvalidRequest, MlxqError, WaitTimeout
+from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_request
+from producer.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkWriter,
+    Completion,
+    build_response,
+    dump,
+    error_body,
+    result_error,
+)
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_STREAMED = {"text/event-stream": {"schema": {"type": "string"}, "description": "with stream=true: SSE chunks"}}
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlxq"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+async def list_models(request: Request, tenant: Tenant = Depends(current_tenant)) -> ModelList:
+    """The models live workers serve (their aliases and hub ids), from their heartbeats."""
+    models = await gateway(request).fleet.models()
+    return ModelList(data=[ModelObject(id=m.name, created=m.created) for m in sorted(models.values(), key=lambda m: m.name)])
+
+
+@router.post("/v1/chat/completions", response_model=Union[ChatCompletion, ChatCompletionChunk],
+             responses={**ERRORS, 200: {"content": _STREAMED}})
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           tenant: Tenant = Depends(current_tenant)) -> Any:
+    return await _serve(gateway(request), tenant, body, request)
+
+
+@router.post("/v1/completions", response_model=Completion, responses={**ERRORS, 200: {"content": _STREAMED}})
+async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(current_tenant)) -> Any:
+    return await _serve(gateway(request), tenant, body, request)
+
+
+async def _serve(gw: Gateway, tenant: Tenant, body: OpenAIRequest, request: Request) -> Any:
+    try:
+        generation = to_generation_request(body, gw.settings.limits)
+    except InvalidRequest as exc:
+        raise invalid(exc) from None
+    job_id = await gw.submit(tenant, generation, body.priority)
+    headers = {"x-mlxq-job-id": job_id}
+    created = int(time.time())
+    if body.stream:
+        return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers=headers, ping=15)
+    try:
+        result = await wait_unless_disconnected(request, gw.client.wait(job_id, gw.settings.request_timeout_s))
+    except WaitTimeout:
+        await gw.cancel_quietly(job_id)
+        return JSONResponse(error_body(f"no result within {gw.settings.request_timeout_s} s; the job was cancelled",
+                                       "timeout", code="timeout"), status_code=504, headers=headers)
+    finally:
+        await gw.admission.release(tenant, [job_id])
+    if result is None:  # the client went away: nobody will read the answer
+        await gw.cancel_quietly(job_id)
+        return JSONResponse(error_body("client disconnected", code="client_disconnected"), status_code=499)
+    failed = result_error(result)
+    if failed is not None:
+        return JSONResponse(failed[1], status_code=failed[0], headers=headers)
+    return JSONResponse(dump(build_response(body, job_id, result, created)), headers=headers)
+
+
+async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[str]:
+    """The SSE data of one streamed response; cancelling the iteration (a disconnect) cancels the job."""
+    writer = ChunkWriter(body, job_id, created)
+    ended = False
+    try:
+        for chunk in writer.opening():
+            yield json.dumps(chunk)
+        try:
+            async for event in gw.client.stream(job_id, timeout=gw.settings.request_timeout_s):
+                if event["event"] == "token":
+                    yield json.dumps(writer.token(event))
+                    continue
+                result = await gw.client.result(job_id)
+                ended = True
+                for chunk in writer.closing(result) if result is not None else []:
+                    yield json.dumps(chunk)
+        except MlxqError as exc:
+            yield json.dumps(error_body(str(exc), "server_error", code=type(exc).__name__))
+        yield "[DONE]"
+    finally:
+        if not ended:
+            await gw.cancel_quietly(job_id)
+        await _release(gw, tenant, job_id)
+
+
+async def _release(gw: Gateway, tenant: Tenant, job_id: str) -> None:
+    with anyio.CancelScope(shield=True):
+        await gw.admission.release(tenant, [job_id])

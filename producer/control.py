@@ -1,0 +1,194 @@
+"""The control plane, producer side (schemas/control.py, docs/rl.md): what a trainer calls to drive
+the workers of one model, and the waiting for every live worker's acknowledgement.
+
+The command building and the reading of acknowledgements do no I/O; `ControlCalls` and
+`AsyncControlCalls` are the two clients' I/O around them, round trip for round trip the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+import redis.asyncio as aioredis
+
+from producer.errors import InvalidRequest, broker_errors
+from schemas import keys
+from schemas.control import (
+    WEIGHT_CHUNK_BYTES,
+    ControlAck,
+    ControlCommand,
+    ControlOutcome,
+    PauseMode,
+    WeightFile,
+    WeightPolicy,
+)
+from schemas.presence import WorkerPresence
+
+__all__ = ["AsyncControlCalls", "ControlCalls", "control_command", "weights_command"]
+
+STREAM_LENGTH = 1000  # commands kept on a model's control stream (approximately)
+BLOB_TTL_S = 24 * 3600  # weights streamed through Redis stay this long for workers to catch up
+ACK_POLL_S = 0.05
+PRESENCE_WINDOW_S = 3600
+
+
+def control_command(op: str, model: str, **fields: Any) -> ControlCommand:
+    if not model:
+        raise InvalidRequest("model: name the model whose workers the command is for", "model")
+    return ControlCommand(id=uuid.uuid4().hex, op=op, model=model, issued_at=time.time(),  # type: ignore[arg-type]
+                          **fields)
+
+
+def weights_command(model: str, version: int, path: str, policy: WeightPolicy = "drain", upload: bool = False
+                    ) -> tuple[ControlCommand, dict[str, bytes]]:
+    """A weights command and the Redis values it needs: none when the workers read `path` themselves,
+    the safetensors files cut into chunks when `upload` (small models and adapters)."""
+    if policy not in ("drain", "abort", "inflight"):
+        raise InvalidRequest(f"policy: {policy!r} is not one of drain, abort, inflight", "policy")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidRequest(f"version: expected a whole number >= 0, got {version!r}", "version")
+    directory = Path(path)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise InvalidRequest(f"path: {path!r} is not a directory of .safetensors files", "path")
+    if not upload:
+        return control_command("weights", model, version=version, path=str(directory.resolve()), policy=policy), {}
+    command_id = uuid.uuid4().hex
+    prefix = f"{model}:{version}:{command_id}"
+    chunks: dict[str, bytes] = {}
+    entries = []
+    for file in files:
+        data = file.read_bytes()
+        pieces = [data[i:i + WEIGHT_CHUNK_BYTES] for i in range(0, len(data), WEIGHT_CHUNK_BYTES)] or [b""]
+        for index, piece in enumerate(pieces):
+            chunks[keys.blob_key(prefix, file.name, index)] = piece
+        entries.append(WeightFile(name=file.name, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                                  chunks=len(pieces)))
+    command = ControlCommand(id=command_id, op="weights", model=model, issued_at=time.time(), version=version,
+                             blob_prefix=prefix, files=entries, policy=policy)
+    return command, chunks
+
+
+def serving(raw_entries: list[Optional[bytes]], model: str, now: float) -> set[str]:
+    """The live workers, among presence entries as read, that serve `model`."""
+    names = set()
+    for raw in raw_entries:
+        if raw is None:
+            continue
+        try:
+            entry = WorkerPresence.model_validate_json(raw)
+        except ValueError:
+            continue
+        if model in entry.served_names and entry.heartbeat_at + entry.ttl_s >= now:
+            names.add(entry.name)
+    return names
+
+
+def outcome(command: ControlCommand, raw_acks: dict[bytes, bytes], live: set[str]) -> ControlOutcome:
+    acked = {name.decode(): ControlAck.model_validate_json(raw) for name, raw in raw_acks.items()}
+    return ControlOutcome(command=command, acked=acked, missing=sorted(live - set(acked)))
+
+
+def _publish_commands(pipe: Any, command: ControlCommand, chunks: dict[str, bytes]) -> None:
+    for key, value in chunks.items():
+        pipe.set(key, value, ex=BLOB_TTL_S)
+    if command.op == "weights":
+        pipe.set(keys.weights_key(command.model), command.model_dump_json())
+    elif command.op == "pause":
+        pipe.set(keys.paused_key(command.model), command.mode or "keep")
+    elif command.op == "resume":
+        pipe.delete(keys.paused_key(command.model))
+    pipe.xadd(keys.control_stream(command.model), {"command": command.model_dump_json()}, maxlen=STREAM_LENGTH,
+              approximate=True)
+
+
+class ControlCalls:
+    """The sync client's control calls (producer.Client's methods use these)."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self._connection = connection
+
+    def send(self, command: ControlCommand, chunks: dict[str, bytes], timeout: float) -> ControlOutcome:
+        """Publish the command and wait until every live worker of its model has acknowledged it, or
+        `timeout` seconds have passed (then `missing` names those that did not)."""
+        with broker_errors():
+            with self._connection.pipeline(transaction=False) as pipe:
+                _publish_commands(pipe, command, chunks)
+                pipe.execute()
+            deadline = time.monotonic() + timeout
+            while True:
+                result = outcome(command, self._connection.hgetall(keys.ack_key(command.id)), self._live(command.model))
+                if not result.missing or time.monotonic() >= deadline:
+                    return result
+                time.sleep(ACK_POLL_S)
+
+    def _live(self, model: str) -> set[str]:
+        now = time.time()
+        names = self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
+        entries = self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
+        return serving(entries, model, now)
+
+
+class AsyncControlCalls:
+    """The asyncio client's control calls, the twin of ControlCalls."""
+
+    def __init__(self, connection: aioredis.Redis) -> None:
+        self._connection = connection
+
+    async def send(self, command: ControlCommand, chunks: dict[str, bytes], timeout: float) -> ControlOutcome:
+        with broker_errors():
+            async with self._connection.pipeline(transaction=False) as pipe:
+                _publish_commands(pipe, command, chunks)
+                await pipe.execute()
+            deadline = time.monotonic() + timeout
+            while True:
+                acks = await self._connection.hgetall(keys.ack_key(command.id))
+                result = outcome(command, acks, await self._live(command.model))
+                if not result.missing or time.monotonic() >= deadline:
+                    return result
+                await asyncio.sleep(ACK_POLL_S)
+
+    async def _live(self, model: str) -> set[str]:
+        now = time.time()
+        names = await self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
+        entries = await self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
+        return serving(entries, model, now)
+
+
+def abort_target(model: Optional[str], job_id: Optional[str], job_model: Optional[str]) -> tuple[str, Optional[str]]:
+    """The model an abort goes to: `model`, else the model of the job (`job_model`, read from it)."""
+    if model is None and job_id is None:
+        raise InvalidRequest("abort: name a model (every job it runs) or a job_id", "model")
+    target = model or job_model
+    if not target:
+        raise InvalidRequest(f"model: job {job_id} names no model; give the model its workers serve", "model")
+    return target, job_id
+
+
+def job_model(data: Optional[bytes]) -> Optional[str]:
+    """The `model` a job's request names, from its rq job data (JSON, maybe zlib-compressed)."""
+    if not data:
+        return None
+    try:
+        data = zlib.decompress(data)
+    except zlib.error:
+        pass
+    try:
+        request = json.loads(data)[3].get("request", {})
+        return request.get("model") if isinstance(request, dict) else None
+    except (ValueError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def pause_command(model: str, mode: PauseMode) -> ControlCommand:
+    if mode not in ("keep", "abort"):
+        raise InvalidRequest(f"mode: {mode!r} is not one of keep, abort", "mode")
+    return control_command("pause", model, mode=mode)

@@ -1,0 +1,287 @@
+"""OpenAI's response shapes built from mlxq results and stream events, and OpenAI's error shape. No I/O.
+
+Token ids for RL users (asked for with `return_token_ids: true`): a response carries
+`prompt_token_ids` at its top level and `token_ids` in each choice (vLLM's names); a stream carries
+each chunk's `token_ids` in its choice and `prompt_token_ids` in the last chunk of the response (the
+prompt's ids are known once the job ends).
+
+Logprobs: a sampled token's string comes from its own top-logprobs entry when it is there, else it is
+`token_id:<id>` (vLLM's spelling); a stream sends a choice's logprobs with its last chunk.
+Finish reasons are mlxq's: OpenAI's `stop` and `length`, and `cancelled` or `timeout`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel
+
+from producer.openai_requests import ChatCompletionRequest, OpenAIRequest
+from schemas import Choice, GenerationResult
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChunkWriter",
+    "Completion",
+    "ErrorBody",
+    "build_response",
+    "dump",
+    "error_body",
+    "result_error",
+]
+
+
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: Optional[list[dict[str, float]]] = None
+    text_offset: list[int]
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageOut] = None
+    system_fingerprint: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageOut] = None
+    system_fingerprint: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[UsageOut] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def result_error(result: GenerationResult) -> tuple[int, dict[str, Any]] | None:
+    """(HTTP status, error body) for a failed job, None for one that finished or was cancelled."""
+    if result.status != "failed":
+        return None
+    error = result.error
+    kind, message = (error.type, error.message) if error else ("Error", "the job failed")
+    if kind in ("InvalidRequest", "InvalidRequestError"):
+        field = message.removeprefix("invalid request: ").split(":", 1)[0]
+        return 400, error_body(message, param=field if field.replace(".", "").replace("_", "").isalnum() else None)
+    if kind == "JobTimeoutException":
+        return 504, error_body(message, "timeout", code="job_timeout")
+    return 500, error_body(f"{kind}: {message}", "server_error", code=kind)
+
+
+def _usage(result: GenerationResult) -> UsageOut:
+    usage = result.usage
+    return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    total_tokens=usage.total_tokens)
+
+
+def _token_string(choice: Choice, position: int) -> str:
+    token_id = choice.token_ids[position]
+    for entry in (choice.top_logprobs[position] if choice.top_logprobs and position < len(choice.top_logprobs) else []):
+        if entry.token_id == token_id:
+            return entry.token
+    return f"token_id:{token_id}"
+
+
+def _chat_logprobs(choice: Choice) -> ChoiceLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    content = []
+    for i, logprob in enumerate(choice.logprobs):
+        token = _token_string(choice, i)
+        tops = choice.top_logprobs[i] if choice.top_logprobs and i < len(choice.top_logprobs) else []
+        content.append(TokenLogprob(
+            token=token, logprob=logprob, bytes=list(token.encode()),
+            top_logprobs=[TopLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.token.encode())) for t in tops]))
+    return ChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    tokens = [_token_string(choice, i) for i in range(len(choice.logprobs))]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    tops = None
+    if choice.top_logprobs is not None:
+        tops = [{t.token: t.logprob for t in entry} for entry in choice.top_logprobs]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(choice.logprobs), top_logprobs=tops,
+                              text_offset=offsets)
+
+
+def build_response(body: OpenAIRequest, job_id: str, result: GenerationResult, created: int
+                   ) -> Union[ChatCompletion, Completion]:
+    """The blocking response to `body` from the job's result."""
+    ids = body.return_token_ids
+    extra = {"prompt_token_ids": result.prompt_token_ids} if ids else {}
+    if isinstance(body, ChatCompletionRequest):
+        return ChatCompletion(
+            id=f"chatcmpl-{job_id}", created=created, model=body.model, usage=_usage(result), **extra,
+            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=_chat_logprobs(c),
+                                finish_reason=c.finish_reason, **({"token_ids": c.token_ids} if ids else {}))
+                     for c in result.choices])
+    return Completion(
+        id=f"cmpl-{job_id}", created=created, model=body.model, usage=_usage(result), **extra,
+        choices=[CompletionChoice(index=c.index, text=c.text, logprobs=_completion_logprobs(c),
+                                  finish_reason=c.finish_reason, **({"token_ids": c.token_ids} if ids else {}))
+                 for c in result.choices])
+
+
+_EXTENSIONS = ("token_ids", "prompt_token_ids")
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A response as JSON-ready data, with the token-id fields only where they were asked for."""
+    data = model.model_dump(mode="json")
+    for item in (data, *data.get("choices", ())):
+        for name in _EXTENSIONS:
+            if item.get(name, 0) is None:
+                del item[name]
+    return data
+
+
+class ChunkWriter:
+    """One streamed response: OpenAI chunks (as dicts) from a job's stream events, in order."""
+
+    def __init__(self, body: OpenAIRequest, job_id: str, created: int) -> None:
+        self.body = body
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{job_id}"
+        self.created = created
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.body.model, "choices": choices}
+        chunk.update(extra)
+        return chunk
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+                logprobs: Any = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if role else {}
+            if text and not role:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None and self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def opening(self) -> list[dict[str, Any]]:
+        """What goes out before the first token: the assistant role of each chat choice."""
+        if not self.chat:
+            return []
+        return [self._chunk([self._choice(i, "", role=True) for i in range(self.body.n)])]
+
+    def token(self, event: dict[str, Any]) -> dict[str, Any]:
+        return self._chunk([self._choice(event["index"], event["text"], token_ids=event["token_ids"])])
+
+    def closing(self, result: GenerationResult) -> list[dict[str, Any]]:
+        """The last chunks: each choice's finish reason (with its logprobs, when asked), then usage."""
+        failed = result_error(result)
+        if failed is not None:
+            return [failed[1]]
+        ids = {"prompt_token_ids": result.prompt_token_ids} if self.body.return_token_ids else {}
+        chunks = []
+        for c in result.choices:
+            logprobs = _chat_logprobs(c) if self.chat else _completion_logprobs(c)
+            chunks.append(self._chunk([self._choice(c.index, None, c.finish_reason, token_ids=[],
+                                                    logprobs=dump(logprobs) if logprobs else None)]))
+        if not chunks:  # cancelled before it started
+            chunks.append(self._chunk([self._choice(i, None, "cancelled") for i in range(self.body.n)]))
+        if self.body.include_usage:
+            chunks.append(self._chunk([], usage=dump(_usage(result))))
+        chunks[-1].update(ids)
+        return chunks

@@ -1,0 +1,173 @@
+"""Token streams and the twin clients: every case runs with `Client` and with `AsyncClient`.
+
+A test here writes what a worker writes (stream entries through schemas.events, the result key,
+the done message) at the moment it chooses; tests/test_gateway*.py read streams of real workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+from rq.job import Job
+
+import producer
+from producer import AsyncClient, Client, GenerationResult, JobNotFound, StreamExpired, WaitTimeout
+from schemas import keys
+from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
+from tests.clients import client, kind, make_client, new_client  # noqa: F401  (fixtures)
+
+
+def emit(conn: redis.Redis, job_id: str, index: int, token_ids: list[int], text: str) -> None:
+    conn.xadd(keys.stream_key(job_id), encode_event(TokenStreamEvent(index=index, token_ids=token_ids, text=text)))
+
+
+def end(conn: redis.Redis, job_id: str, texts: list[str], status: str = "finished", stream: bool = True) -> None:
+    """The worker's last write: result key, the stream's end event, the done message, at once."""
+    choices = [{"index": i, "text": t, "token_ids": [ord(c) for c in t], "finish_reason": "stop"}
+               for i, t in enumerate(texts)]
+    result = GenerationResult(id=job_id, status=status, choices=choices)  # type: ignore[arg-type]
+    with conn.pipeline() as pipe:
+        pipe.set(keys.result_key(job_id), result.model_dump_json(), ex=60)
+        if stream:
+            pipe.xadd(keys.stream_key(job_id), encode_event(
+                EndStreamEvent(status=status, finish_reasons=["stop"] * len(texts))))  # type: ignore[arg-type]
+        pipe.publish(keys.done_channel(job_id), job_id)
+        pipe.execute()
+
+
+def test_the_clients_are_twins() -> None:
+    def public(cls: type) -> dict[str, inspect.Signature]:
+        return {name: inspect.signature(member) for name, member in vars(cls).items()
+                if callable(member) and not name.startswith("_")}
+
+    sync, asynchronous = public(Client), public(AsyncClient)
+    assert set(sync) == set(asynchronous)
+    for name, signature in sync.items():
+        assert asynchronous[name].parameters == signature.parameters, name
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) == (name not in ("stream",)), name
+    assert inspect.signature(Client.__init__).parameters.keys() == inspect.signature(AsyncClient.__init__).parameters.keys()
+    assert {"__enter__", "__exit__"} <= set(vars(Client)) and {"__aenter__", "__aexit__"} <= set(vars(AsyncClient))
+    assert "AsyncClient" in producer.__all__
+
+
+def test_stream_yields_events_then_ends(client: Any, redis_conn: redis.Redis) -> None:
+    job_id = client.submit({"prompt": "x", "stream": True, "n": 2})
+    writer = threading.Timer(0.3, lambda: (emit(redis_conn, job_id, 0, [104], "h"), emit(redis_conn, job_id, 1, [121], "y"),
+                                           emit(redis_conn, job_id, 0, [105], "i"), end(redis_conn, job_id, ["hi", "y"])))
+    writer.start()
+    stream = client.stream(job_id, timeout=30)
+    events = list(stream)
+    writer.join()
+    assert events == [
+        {"event": "token", "index": 0, "token_ids": [104], "text": "h"},
+        {"event": "token", "index": 1, "token_ids": [121], "text": "y"},
+        {"event": "token", "index": 0, "token_ids": [105], "text": "i"},
+        {"event": "end", "status": "finished", "finish_reasons": ["stop", "stop"]},
+    ]
+    last_real = redis_conn.xrevrange(keys.stream_key(job_id), count=1)[0][0].decode()
+    assert stream.last_event_id == last_real
+
+
+def test_stream_resumes_after_the_last_event_id(client: Any, redis_conn: redis.Redis) -> None:
+    job_id = client.submit({"prompt": "x", "stream": True})
+    for piece in "abc":
+        emit(redis_conn, job_id, 0, [ord(piece)], piece)
+    first = client.stream(job_id, timeout=30)
+    seen = [next(first), next(first)]  # then the connection "drops"
+    resumed = client.stream(job_id, timeout=30, last_event_id=first.last_event_id)
+    end(redis_conn, job_id, ["abcd"])
+    rest = list(resumed)
+    assert [e["text"] for e in seen] == ["a", "b"]
+    assert [e.get("text") for e in rest] == ["c", None] and rest[-1]["event"] == "end"
+
+
+def test_a_job_without_a_stream_yields_its_result(client: Any, redis_conn: redis.Redis) -> None:
+    job_id = client.submit({"prompt": "x", "n": 2})
+    threading.Timer(0.3, end, (redis_conn, job_id, ["one", "two"]), {"stream": False}).start()
+    stream = client.stream(job_id, timeout=30)
+    events = list(stream)
+    assert events == [
+        {"event": "token", "index": 0, "token_ids": [111, 110, 101], "text": "one"},
+        {"event": "token", "index": 1, "token_ids": [116, 119, 111], "text": "two"},
+        {"event": "end", "status": "finished", "finish_reasons": ["stop", "stop"]},
+    ]
+    assert stream.last_event_id == "0-3"
+    # resuming after the first made-up event yields the rest, once
+    assert [e["event"] for e in client.stream(job_id, timeout=5, last_event_id="0-1")] == ["token", "end"]
+    assert list(client.stream(job_id, timeout=5, last_event_id="0-3")) == []
+
+
+def test_stream_ends_on_cancel_and_on_rq_failure(client: Any, redis_conn: redis.Redis) -> None:
+    queued = client.submit({"prompt": "x", "stream": True})
+    client.cancel(queued)
+    assert list(client.stream(queued, timeout=10)) == [{"event": "end", "status": "cancelled", "finish_reasons": []}]
+
+    # A worker that streamed a token, then died; RQ's cleanup failed the job without a result.
+    dead = client.submit({"prompt": "y", "stream": True})
+    emit(redis_conn, dead, 0, [1], "a")
+    redis_conn.lrem("rq:queue:mlxq", 1, dead)
+    redis_conn.hset(Job.key_for(dead), "status", "failed")
+    events = list(client.stream(dead, timeout=10))
+    assert events == [{"event": "token", "index": 0, "token_ids": [1], "text": "a"},
+                      {"event": "end", "status": "failed", "finish_reasons": []}]
+
+
+def test_stream_errors(client: Any, redis_conn: redis.Redis) -> None:
+    with pytest.raises(JobNotFound):
+        list(client.stream("nope", timeout=5))
+    job_id = client.submit({"prompt": "x", "stream": True})
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout) as info:
+        list(client.stream(job_id, timeout=0.5))
+    assert 0.45 <= time.monotonic() - start < 5 and info.value.pending == (job_id,)
+
+    # The stream expired after part of it was read: a clear error, not a hang nor a silent gap.
+    emit(redis_conn, job_id, 0, [1], "a")
+    stream = client.stream(job_id, timeout=10)
+    next(stream)
+    end(redis_conn, job_id, ["ab"], stream=False)
+    redis_conn.delete(keys.stream_key(job_id))
+    with pytest.raises(StreamExpired) as expired:
+        next(stream)
+    assert expired.value.job_id == job_id and isinstance(expired.value, LookupError)
+
+
+def test_blocking_reads_outlast_the_socket_timeout(redis_url: str, redis_conn: redis.Redis) -> None:
+    """redis-py cuts any read at its socket timeout (5 s by default): a stream silent for 6 s and a
+    wait of 6 s still end as their callers asked, with both clients (issue 19, point 6)."""
+    clients = {kind_: make_client(kind_, redis_url) for kind_ in ("sync", "async")}
+    assert redis.Redis.from_url(redis_url).connection_pool.make_connection().socket_timeout == 5
+    jobs = {(kind_, what): c.submit({"prompt": what, "stream": what == "stream"})
+            for kind_, c in clients.items() for what in ("stream", "wait")}
+    got: dict[tuple[str, str], Any] = {}
+
+    def read(kind_: str, what: str) -> None:
+        job_id = jobs[(kind_, what)]
+        try:
+            if what == "stream":
+                got[(kind_, what)] = list(clients[kind_].stream(job_id, timeout=30))
+            else:
+                got[(kind_, what)] = clients[kind_].wait(job_id, timeout=30).status
+        except Exception as exc:  # reported below
+            got[(kind_, what)] = exc
+
+    readers = [threading.Thread(target=read, args=key) for key in jobs]
+    for thread in readers:
+        thread.start()
+    time.sleep(6.0)
+    for (kind_, what), job_id in jobs.items():
+        if what == "stream":
+            emit(redis_conn, job_id, 0, [1], "late")
+        end(redis_conn, job_id, ["late"], stream=what == "stream")
+    for thread in readers:
+        thread.join(timeout=20)
+    for c in clients.values():
+        c.close()
+    for kind_ in clients:
+        assert got[(kind_, "wait")] == "finished", got
+        assert [e["event"] for e in got[(kind_, "stream")]] == ["token", "end"], got

@@ -1,0 +1,318 @@
+"""Structured output: a request's constraint (JSON schema, regex, Lark grammar) as a per-row token
+mask, with llguidance (docs/structured-output.md says why this library, with measurements).
+
+- `ConstraintCompiler`, one per worker: builds llguidance's view of the tokenizer on a thread at
+  start, compiles each constraint once (a cache keyed by its kind and text), and turns what the
+  library cannot compile into a ValueError that names the request field (`prepare` fails the job).
+- `RowConstraint`, one per sequence: a logits processor `(tokens, logits) -> logits` as mlx-lm's and
+  mlx-vlm's BatchGenerators call them, once per sampled token, with the prompt and the tokens so far.
+  It advances its matcher with the tokens it has not seen and masks every token the grammar does not
+  allow next. EOS is allowed only where the grammar may end. A row whose matcher fails ends alone
+  (its processor raises, or, deferred, `RowConstraint.error` is set for the engine to end it).
+- `MaskBatch`, one per engine: where the rows' masks live, and when they are filled. A row's
+  processor only records that its mask is wanted and returns the masked logits as a lazy MLX graph
+  over its row of a shared buffer; `fill()` (called before the batch is sampled: `fenced` wraps a
+  sampler so) reads every waiting row's new token in one evaluation, advances the matchers and
+  computes their masks at once on llguidance's thread pool, while the model's forward pass, which
+  the first row's call set off, runs. An engine that cannot call
+  `fill()` before sampling builds its `MaskBatch(deferred=False)`: each row then fills its own mask
+  in its call.
+
+The buffer's rows are written only after the step that last read them has ended: a row writes its
+slot once it has read the token sampled from its previous mask (which waits for that step), and a
+slot given back is handed out again only two steps later.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from schemas.constraints import Constraint
+
+COMPILED_CACHE_SIZE = 128  # compiled constraints kept per worker, least recently used dropped first
+REUSE_AFTER_STEPS = 2
+# JSON as json.dumps writes it: a model is not let to fill its output with whitespace. A schema's own
+# "x-guidance" options come after these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """A constraint the library cannot compile; the message names the request field."""
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A constraint compiled for one tokenizer: matchers for new rows are copies of `prototype`."""
+
+    constraint: Constraint
+    prototype: Any  # llguidance.LLMatcher at the start state
+
+    def new_matcher(self) -> Any:
+        return self.prototype.deep_copy()
+
+
+class ConstraintCompiler:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 cache_size: int = COMPILED_CACHE_SIZE) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        self._cache_size = cache_size
+        self._tokenizer: Any = None
+        self._tokenizer_error: Optional[BaseException] = None
+        # About a second for a 150k vocabulary (docs/structured-output.md): not on the first request's path.
+        self._ready = threading.Event()
+        threading.Thread(target=self._build_tokenizer, args=(hf_tokenizer,), name="llguidance-tokenizer",
+                         daemon=True).start()
+
+    def _build_tokenizer(self, hf_tokenizer: Any) -> None:
+        try:
+            import llguidance
+
+            # As llguidance.hf.from_tokenizer does, through the attribute mlx-lm's TokenizerWrapper passes on.
+            backend = copy.copy(hf_tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                     eos_token=sorted(self.eos_token_ids))
+        except BaseException as exc:  # reported to each constrained request, never crashes the worker
+            self._tokenizer_error = exc
+        finally:
+            self._ready.set()
+
+    def compile(self, constraint: Constraint) -> CompiledConstraint:
+        key = (constraint.kind, constraint.source)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        compiled = CompiledConstraint(constraint, self._matcher(constraint))
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _matcher(self, constraint: Constraint) -> Any:
+        import llguidance
+
+        self._ready.wait()
+        if self._tokenizer is None:
+            raise ConstraintError(f"{constraint.field}: structured output is unavailable on this worker: "
+                                  f"{self._tokenizer_error!r}")
+        try:
+            if constraint.kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=JSON_OPTIONS)
+            elif constraint.kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(constraint.source)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
+        except ValueError as exc:
+            raise ConstraintError(f"{constraint.field}: {exc}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"{constraint.field}: cannot be compiled: {_first_lines(matcher.get_error())}")
+        return matcher
+
+
+class RowConstraint:
+    """One sequence's matcher and its logits processor (see the module docstring)."""
+
+    def __init__(self, compiled: CompiledConstraint, prompt_len: int, batch: "MaskBatch") -> None:
+        self.constraint = compiled.constraint
+        self._matcher = compiled.new_matcher()
+        self._prompt_len = prompt_len
+        self._batch = batch
+        self._consumed = 0  # generated tokens the matcher has taken
+        self._emitted: list[int] = []  # generated tokens the engine has returned
+        self._accepting_before_last = False
+        self.slot: Optional[int] = None
+        # Set when a deferred fill could not advance the matcher: the engine ends the row with it.
+        self.error: Optional[str] = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._batch.launch(logits)
+        return self._batch.masked(self, tokens, logits)
+
+    def unseen(self, tokens: mx.array) -> Optional[mx.array]:
+        """The generated tokens in `tokens` (the prompt, then the output so far) not consumed yet: lazy."""
+        count = tokens.shape[-1] - self._prompt_len - self._consumed
+        return tokens.reshape(-1)[-count:] if count > 0 else None
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume `tokens`; raises RuntimeError naming the field if the matcher cannot go on."""
+        self._consume(tokens)
+        if self._matcher.is_error():
+            raise RuntimeError(f"{self.constraint.field}: {_first_lines(self._matcher.get_error())}")
+
+    def _consume(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._accepting_before_last = self._matcher.is_accepting()
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(f"{self.constraint.field}: the constraint failed at generated token "
+                                   f"{self._consumed}: {_first_lines(self._matcher.get_error(), 1)}")
+            self._consumed += 1
+
+    def fill_into(self, target: np.ndarray) -> None:
+        """This row's next-token mask into `target` (uint32 words, 32 tokens each)."""
+        self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+
+    @property
+    def matcher(self) -> Any:
+        return self._matcher
+
+    def observe(self, token: int) -> None:
+        """The engine returned `token` for this row (the processor sees it one call later, if at all)."""
+        self._emitted.append(token)
+
+    def ended(self, stopped_by_token: bool) -> bool:
+        """Whether the row's text is a complete match: with its last token, or without it when a
+        stop token (not text) ended the row."""
+        self._consume(self._emitted[self._consumed:])
+        return self._accepting_before_last if stopped_by_token else bool(self._matcher.is_accepting())
+
+    def release(self) -> None:
+        self._batch.release(self)
+
+
+class MaskBatch:
+    """The masks of an engine's constrained rows: a buffer of uint32 words, one row per slot."""
+
+    def __init__(self, vocab_size: int, capacity: int, *, deferred: bool = True,
+                 threads: Optional[int] = None) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._words = math.ceil(vocab_size / 32)
+        self._capacity = capacity
+        self._buffer, self._view = _shared_buffer(capacity, self._words)
+        # Without a view into MLX's memory (a backend that gives none), each row copies its own mask in.
+        self.deferred = deferred and self._buffer is not None
+        self._free = list(range(capacity - 1, -1, -1))
+        self._released: list[tuple[int, int]] = []  # (slot, step it was given back)
+        self._step = 0
+        self._waiting: list[tuple[RowConstraint, Optional[mx.array]]] = []
+        self._launched = False
+        self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
+        self._apply = mx.compile(_apply_mask)
+
+    def begin_step(self) -> None:
+        """Before each batch step: a step that failed halfway leaves masks nobody will use."""
+        self._waiting.clear()
+        self._launched = False
+        self._step += 1
+
+    def launch(self, logits: mx.array) -> None:
+        """Start the forward pass now, so that it runs while the masks are computed (once a step)."""
+        if not self._launched:
+            mx.async_eval(logits)
+            self._launched = True
+
+    def masked(self, row: RowConstraint, tokens: mx.array, logits: mx.array) -> mx.array:
+        if row.slot is None:
+            row.slot = self._take_slot()
+        if self.deferred:
+            self._waiting.append((row, row.unseen(tokens)))
+            words = self._buffer[row.slot : row.slot + 1]
+        else:
+            unseen = row.unseen(tokens)
+            row.advance(unseen.tolist() if unseen is not None else [])
+            row.fill_into(self._view[row.slot])
+            self._launched = False
+            words = self._buffer[row.slot : row.slot + 1] if self._buffer is not None else mx.array(
+                self._view[row.slot : row.slot + 1])
+        return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
+
+    def fill(self) -> None:
+        """Advance every row waiting since the last fill by its new tokens (read in one evaluation:
+        each read waits on the device) and compute their masks in parallel; before sampling. Never
+        raises: a row whose matcher cannot go on gets `error` set and an all-allowing mask."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        self._launched = False
+        fresh = [unseen for _, unseen in waiting if unseen is not None]
+        values = mx.concatenate(fresh).tolist() if fresh else []
+        rows, at = [], 0
+        for row, unseen in waiting:
+            count = 0 if unseen is None else unseen.size
+            try:
+                row.advance(values[at : at + count])
+                rows.append(row)
+            except RuntimeError as exc:
+                row.error = str(exc)
+                self._view[row.slot] = 0xFFFFFFFF
+            at += count
+        self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows], self._view.ctypes.data,
+                                               self._words * 4, self._capacity)
+
+    def release(self, row: RowConstraint) -> None:
+        if row.slot is not None:
+            self._released.append((row.slot, self._step))
+            row.slot = None
+
+    def _take_slot(self) -> int:
+        reusable = [r for r in self._released if self._step - r[1] >= REUSE_AFTER_STEPS]
+        if reusable:
+            self._released = [r for r in self._released if self._step - r[1] < REUSE_AFTER_STEPS]
+            self._free.extend(slot for slot, _ in reusable)
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def _grow(self) -> None:
+        """More rows than slots (rows leaving and joining within two steps): a larger buffer. Rows
+        keep their slots; graphs already built read the old buffer, so its waiting masks go there first."""
+        self.fill()
+        old = self._view
+        self._buffer, self._view = _shared_buffer(self._capacity * 2, self._words)
+        self._view[: self._capacity] = old
+        self._free.extend(range(self._capacity * 2 - 1, self._capacity - 1, -1))
+        self._capacity *= 2
+
+
+def fenced(sampler: Callable[[mx.array], mx.array], before: Callable[[], None]) -> Callable[[mx.array], mx.array]:
+    """`sampler`, calling `before` (a MaskBatch's fill) first. Marked shared, as the samplers it
+    wraps are: one wrapper per sampler keeps a batch of rows that share a sampler sampled in one call."""
+
+    def sample(logprobs: mx.array) -> mx.array:
+        before()
+        return sampler(logprobs)
+
+    sample.shared = True  # type: ignore[attr-defined]
+    return sample
+
+
+def _shared_buffer(rows: int, words: int) -> tuple[Optional[mx.array], np.ndarray]:
+    """An MLX array and a NumPy view of the same memory, so that masks written by the library
+    reach graphs already built over it; (None, a NumPy array) where MLX gives no such view."""
+    buffer = mx.zeros((rows, words), dtype=mx.uint32)
+    mx.eval(buffer)
+    try:
+        view = np.array(buffer, copy=False)
+    except (ValueError, TypeError, RuntimeError):
+        return None, np.zeros((rows, words), dtype=np.uint32)
+    if not (view.flags["C_CONTIGUOUS"] and view.flags["WRITEABLE"]):
+        return None, np.zeros((rows, words), dtype=np.uint32)
+    return buffer, view
+
+
+_SHIFTS = mx.arange(32, dtype=mx.uint32)
+
+
+def _apply_mask(words: mx.array, logits: mx.array) -> mx.array:
+    """-inf where a token's bit in `words` (1, W) is clear; `logits` is (1, V)."""
+    bits = (words[:, :, None] >> _SHIFTS) & 1
+    allowed = bits.reshape(1, -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
+
+
+def _first_lines(message: str, lines: int = 3) -> str:
+    return " ".join(message.strip().splitlines()[:lines])

@@ -1,0 +1,186 @@
+"""The Redis side of ending jobs: the bookkeeping thread's work on the ending records the batch loop
+hands it.
+
+Each hand-off becomes tasks on the bookkeeping thread (worker/bookkeeping.py), in order: the step's
+stream deltas, the results (built here, each once, then their result keys, stream ends and done
+nudges), then each job's end in RQ's terms (worker/rq_worker.py). A job's result key is always
+written before RQ marks it ended. While the gate is in force (worker/gate.py) the work goes a Redis
+call's worth at a time and waits at the gate between them. Once a job is fully ended its record
+goes back to the loop (`done`), which alone removes it from its table of running jobs.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import redis
+from rq import Queue
+from rq.executions import Execution
+from rq.job import Job
+
+from schemas import GenerationResult, keys
+from worker import retry_policy
+from worker.bookkeeping import Bookkeeper
+from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
+from worker.intake import Unreadable
+from worker.metrics import WorkerMetrics
+from worker.output import EndedJob, StreamDelta
+from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable
+from worker.settings import WorkerSettings
+
+
+@dataclass(frozen=True)
+class Ending:
+    """One job's end, as the loop hands it over: nothing in it changes afterwards but the rq job,
+    which only the bookkeeping thread touches from then on."""
+
+    ended: Optional[EndedJob]  # None: not ended, re-queued to run alone after an engine failure
+    job: Job
+    queue: Queue
+    execution: Execution
+    streams: bool  # the job publishes a token stream, which its end event closes
+    callbacks_allowed: bool  # its function and callbacks passed the allowlist: its callbacks may run
+    entry: object  # the loop's own record of the job, handed back through `done`
+    handed_at: float = 0.0  # time.monotonic() when the loop handed it over
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id
+
+    @property
+    def outcome(self) -> EndedJob:
+        assert self.ended is not None, "a re-queued job has no outcome"
+        return self.ended
+
+
+class JobTally:
+    """Jobs ended and tokens made since the worker started, and tokens in the last minute: published
+    in the worker's stats hash (`jobs_finished`, `jobs_failed_<type>`, `tokens`, `tokens_per_s_1m`,
+    `updated_at`) for `mlxq stats`."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {"jobs_finished": 0, "tokens": 0}
+        self._recent: deque[tuple[float, int]] = deque()  # (time.time(), completion tokens)
+
+    def add(self, result: GenerationResult) -> None:
+        name = "jobs_finished" if result.status != "failed" or result.error is None else (
+            f"jobs_failed_{result.error.type}")
+        self._counts[name] = self._counts.get(name, 0) + 1
+        self._counts["tokens"] += result.usage.completion_tokens
+        self._recent.append((time.time(), result.usage.completion_tokens))
+
+    def counters(self) -> dict[str, float]:
+        now = time.time()
+        while self._recent and self._recent[0][0] < now - self.WINDOW_S:
+            self._recent.popleft()
+        return {**self._counts, "tokens_per_s_1m": sum(t for _, t in self._recent) / self.WINDOW_S,
+                "updated_at": now}
+
+
+class RQEnds(Protocol):
+    """A job's end in RQ's terms (BatchWorker), called on the bookkeeping thread."""
+
+    def finish_successes(self, endings: Sequence[Ending], pause: Callable[[], None]) -> None: ...
+
+    def finish_failure(self, ending: Ending, result: GenerationResult) -> None: ...
+
+    def requeue(self, ending: Ending, alone: bool) -> None: ...
+
+
+class JobEnding:
+    def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
+                 worker_name: str, metrics: Optional[WorkerMetrics] = None) -> None:
+        self._connection = connection
+        self._metrics = metrics
+        self._worker_name = worker_name
+        self._bookkeeper = bookkeeper
+        self._rq = rq
+        self._settings = settings
+        self.done: "queue.SimpleQueue[Ending]" = queue.SimpleQueue()
+        self._tally = JobTally()  # the bookkeeping thread's
+
+    # --- the loop's side: each call queues tasks and returns at once ------------------------
+    def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
+                 stats: Optional[WorkerStats]) -> None:
+        """This step's stream deltas and ended jobs: published, then ended in RQ."""
+        if deltas:
+            self._bookkeeper.submit(lambda: publish_stream_deltas(self._connection, list(deltas), stream_ttls))
+        if not endings:
+            return
+        unpublished = list(endings)
+        self._bookkeeper.submit(lambda: self._publish(unpublished, stats))
+        finished = [e for e in endings if e.outcome.status == "finished"]
+        if finished:
+            self._bookkeeper.submit(lambda: self._end_finished(finished))
+        for ending in endings:
+            if ending.outcome.status != "finished":
+                self._bookkeeper.submit(lambda ending=ending: self._end_failed(ending))
+
+    def requeue(self, ending: Ending, alone: bool = False) -> None:
+        """A job that has not ended back to its queue, to run again: `alone` after it was in the engine
+        when a step failed; else because the control plane asked (weights swapped, a pause)."""
+        def requeue() -> None:
+            self._rq.requeue(ending, alone)
+            self.done.put(ending)
+
+        self._bookkeeper.submit(requeue)
+
+    def refuse(self, refused: list[tuple[Unreadable, Queue]]) -> None:
+        """Queue entries that cannot run: failed result keys, and out of their intermediate lists."""
+        self._bookkeeper.submit(lambda: self.refuse_now(refused))
+
+    def refuse_now(self, refused: list[tuple[Unreadable, Queue]]) -> None:
+        """`refuse`, from the bookkeeping thread itself (its maintenance)."""
+        refuse_unreadable(self._connection, refused, self._settings.served_alias, self._worker_name)
+
+    # --- the bookkeeping thread's side ------------------------------------------------------
+    def _publish(self, pending: list[Ending], stats: Optional[WorkerStats]) -> None:
+        """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL a
+        round trip while the gate is in force; the stats go with the first."""
+        gate = self._bookkeeper.gate
+        for chunk in per_call(pending, RESULTS_PER_CALL, gate):
+            publications = []
+            for ending in chunk:
+                gate.wait()
+                publications.append(self._publication(ending))
+            gate.wait()
+            if stats is not None:
+                stats.counters.update(self._tally.counters())
+            publish_results(self._connection, publications, stats=stats)
+            stats = None
+
+    def _publication(self, ending: Ending) -> Publication:
+        job, result = ending.job, ending.outcome.result()
+        if result.status == "failed":
+            retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
+                               self._settings.retry_backoff_s)
+        retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        if not retried:
+            self._tally.add(result)
+            if self._metrics is not None:
+                self._metrics.ended(result, time.monotonic() - ending.handed_at)
+        return Publication(result, keys.result_key_ttl(job.result_ttl), write_key=not retried,
+                           ends_stream=ending.streams and not retried,
+                           encoded=None if retried else ending.outcome.encoded())
+
+    def _end_finished(self, pending: list[Ending]) -> None:
+        """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is in
+        force; a result that could not be built ends its job as failed."""
+        gate = self._bookkeeper.gate
+        for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
+            self._rq.finish_successes([e for e in chunk if e.outcome.result().status == "finished"], gate.wait)
+            for ending in chunk:
+                if ending.outcome.result().status != "finished":
+                    self._rq.finish_failure(ending, ending.outcome.result())
+                self.done.put(ending)
+
+    def _end_failed(self, ending: Ending) -> None:
+        self._rq.finish_failure(ending, ending.outcome.result())
+        self.done.put(ending)

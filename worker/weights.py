@@ -1,0 +1,160 @@
+"""Weight versions: a published version's safetensors fetched (from a directory the worker can read,
+or from chunks streamed through Redis, each file checksummed) and checked against the served model's
+parameters on a thread of their own, before the loop swaps them in between two engine steps
+(worker/engines/weight_swap.py).
+
+A version is the model's parameters in MLX's own naming (what `model.parameters()` flattens to,
+as `mx.save_safetensors` or mlx-lm's `save_weights` write them): every parameter, with its shape
+and dtype, and nothing else. Any mismatch fails the version and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import shutil
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import redis
+
+from schemas import keys
+from schemas.control import ControlCommand
+from worker.engines.weight_swap import ParameterSpec, WeightsError
+
+log = logging.getLogger("mlxq.worker")
+
+# safetensors' dtype names, as MLX names its dtypes.
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I8": "int8", "U8": "uint8",
+                      "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64",
+                      "U64": "uint64", "BOOL": "bool"}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+def safetensors_spec(path: Path) -> ParameterSpec:
+    """The tensors a safetensors file holds, from its header alone (nothing is loaded)."""
+    try:
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > MAX_HEADER_BYTES:
+                raise WeightsError(f"{path.name}: a header of {length} bytes is not a safetensors header")
+            header = json.loads(file.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WeightsError(f"{path.name}: not a readable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    spec = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise WeightsError(f"{path.name}: tensor {name!r} has no dtype MLX reads")
+        spec[name] = (SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry.get("shape", ())))
+    return spec
+
+
+def check_files(files: list[Path], expected: ParameterSpec) -> None:
+    """Every parameter of the model, once, with its shape and dtype, and nothing else."""
+    found: ParameterSpec = {}
+    for path in files:
+        for name, spec in safetensors_spec(path).items():
+            if name in found:
+                raise WeightsError(f"{path.name}: parameter {name!r} appears in two files")
+            found[name] = spec
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise WeightsError(f"{len(missing)} of the model's parameters are missing, e.g. {missing[0]!r}")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise WeightsError(f"{len(extra)} tensors are not parameters of this model, e.g. {extra[0]!r}")
+    for name, (dtype, shape) in expected.items():
+        if found[name] != (dtype, shape):
+            raise WeightsError(f"parameter {name!r}: the version has {found[name][1]} {found[name][0]}, the model "
+                               f"{shape} {dtype}")
+
+
+def fetch(connection: redis.Redis, command: ControlCommand, into: Path) -> list[Path]:
+    """The version's safetensors files: listed from its directory, or assembled from Redis chunks
+    into `into` and checked against their checksums."""
+    if command.path is not None:
+        files = sorted(Path(command.path).glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"path: {command.path!r} holds no .safetensors files the worker can read")
+        return files
+    if command.blob_prefix is None or not command.files:
+        raise WeightsError("the weights command names neither a path nor files streamed through Redis")
+    paths = []
+    for entry in command.files:
+        digest = hashlib.sha256()
+        target = into / entry.name
+        with target.open("wb") as out:
+            for chunk in range(entry.chunks):
+                data = connection.get(keys.blob_key(command.blob_prefix, entry.name, chunk))
+                if data is None:
+                    raise WeightsError(f"{entry.name}: chunk {chunk} of {entry.chunks} is gone from Redis (expired?)")
+                digest.update(data)
+                out.write(data)
+        if target.stat().st_size != entry.size or digest.hexdigest() != entry.sha256:
+            raise WeightsError(f"{entry.name}: checksum mismatch (the file was changed or cut in transit)")
+        paths.append(target)
+    return paths
+
+
+@dataclass(frozen=True)
+class FetchedVersion:
+    """A version ready to be swapped in (`files`), or why it cannot be (`error`)."""
+
+    command: ControlCommand
+    files: list[Path]
+    error: Optional[str] = None
+
+
+class WeightLoader:
+    """The thread that fetches and checks published versions while the loop goes on decoding; the
+    loop takes what it finished (`ready`) between two steps and swaps it in then."""
+
+    def __init__(self, connection: redis.Redis, expected: Optional[ParameterSpec]) -> None:
+        """`expected`: what a version must hold (None: an engine without weights, which takes any)."""
+        self._connection = connection
+        self._expected = expected
+        self._todo: "queue.SimpleQueue[Optional[ControlCommand]]" = queue.SimpleQueue()
+        self.ready: "queue.SimpleQueue[FetchedVersion]" = queue.SimpleQueue()
+        self._workdir = Path(tempfile.mkdtemp(prefix="mlxq-weights-"))
+        self._thread = threading.Thread(target=self._run, name="mlxq-weights", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: ControlCommand) -> None:
+        self._todo.put(command)
+
+    def stop(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=5)
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _run(self) -> None:
+        while True:
+            command = self._todo.get()
+            if command is None:
+                return
+            self.ready.put(self._fetch(command))
+
+    def _fetch(self, command: ControlCommand) -> FetchedVersion:
+        into = self._workdir / f"v{command.version}-{command.id}"
+        shutil.rmtree(into, ignore_errors=True)
+        into.mkdir(parents=True)
+        try:
+            files = fetch(self._connection, command, into)
+            if self._expected is not None:
+                check_files(files, self._expected)
+        except (WeightsError, OSError, redis.RedisError) as exc:
+            return FetchedVersion(command, [], f"version {command.version}: {exc}")
+        return FetchedVersion(command, files)
+
+
+def release(fetched: Union[FetchedVersion, None]) -> None:
+    """Remove a fetched version's copies once swapped in (or refused): files of a `path` stay."""
+    if fetched is not None and fetched.command.path is None:
+        for path in fetched.files:
+            path.unlink(missing_ok=True)
