@@ -31,6 +31,8 @@ class CompiledEngineArm(_BatchingArm):
         self.warmup_tokens = warmup_tokens
         self.engine: Any = None
         self.warmup: dict[str, float] = {}
+        # MLXQ_BENCH_K_OVERLAP=0: every step read back before the next is built (CompiledEngine(overlap=False)).
+        self.overlap = os.environ.get("MLXQ_BENCH_K_OVERLAP", "1") != "0"
 
     def start(self) -> None:
         from worker.engines.compiled import CompiledEngine
@@ -40,11 +42,8 @@ class CompiledEngineArm(_BatchingArm):
         path = choose_decode_path(model, "auto")
         if path.name != "compiled":
             raise ArmSkipped(f"the compiled decode path does not run this model: {path.reason}")
-        # MLXQ_BENCH_K_OVERLAP=0 reads every step back before building the next (worker/engines/compiled.py).
-        overlap = os.environ.get("MLXQ_BENCH_K_OVERLAP", "1") != "0"
         self.engine = CompiledEngine(model, self.local.tokenizer, max_num_seqs=self.max_num_seqs,
-                                     prefill_batch_size=self.prefill_batch_size, overlap=overlap)
-        self.overlap = overlap
+                                     prefill_batch_size=self.prefill_batch_size, overlap=self.overlap)
         shapes, seconds = self.engine.warm_up(self.warmup_tokens)
         self.warmup = {"shapes": shapes, "seconds": seconds}
 
@@ -53,7 +52,7 @@ class CompiledEngineArm(_BatchingArm):
 
     def info(self) -> dict[str, Any]:
         return {"max_num_seqs": self.max_num_seqs, "prefill_batch_size": self.prefill_batch_size,
-                "overlap": getattr(self, "overlap", True),
+                "overlap": self.overlap,
                 "warm_up": self.warmup, "compiled_shapes": len(self.engine.compiled_shapes) if self.engine else 0}
 
     def _run(self, workload: Workload) -> list[RequestRecord]:

@@ -174,8 +174,8 @@ class EngineBoundArm(_BatchingArm):
 
 class SchedulerArm(_BatchingArm):
     """mlxq's own BatchScheduler and the engine a worker would pick (worker/loading.py) driven in this
-    process: what the worker runs, with no Redis, RQ or worker loop around it. Against B it prices mlxq's engine wrapper; against C,
-    the queue. It builds each ended job's result in its loop, which a worker leaves to its
+    process: what the worker runs, with no Redis, RQ or worker loop around it. Against B it prices
+    mlxq's engine wrapper; against C, the queue. It builds each ended job's result in its loop, which a worker leaves to its
     bookkeeping thread (~0.1 ms a result)."""
 
     key = "S"
