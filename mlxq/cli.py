@@ -39,6 +39,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metal_wired_limit_mb=args.metal_wired_limit_mb,
         metal_cache_limit_mb=args.metal_cache_limit_mb,
         priorities=tuple(p.strip() for p in args.priorities.split(",") if p.strip()) if args.priorities else None,
+        image_dir=args.image_dir,
     )
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
     processes = _processes(args)
@@ -86,9 +87,12 @@ def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, proces
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     import worker  # noqa: F401  (BLAS preload before MLX)
-    from worker.tiny_model import make_tiny_model
+    from worker.tiny_model import make_tiny_model, make_tiny_vision_model
 
-    path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
+    if args.vision:
+        path = make_tiny_vision_model(args.path, shape=args.shape, seed=args.seed)
+    else:
+        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
     print(path)
     return 0
 
@@ -103,6 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
+        vision=args.vision,
     )
 
 
@@ -135,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
+    p.add_argument("--image-dir", help="vision models: the one folder image paths in requests may name (MLXQ_IMAGE_DIR)")
     p.add_argument("--processes", type=int, help=(
         "worker processes on this host (default 1). Above 1, --max-num-seqs, --prefix-cache-mb, "
         "--blas-threads and MLXQ_KV_BUDGET_MB are the host's totals, shared out; --max-jobs is per process"))
@@ -146,10 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build a small random-weight model directory (offline)")
     p.add_argument("path")
-    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b")
+    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b (with --vision: tiny | small)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
+    p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
@@ -159,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--vision", action="store_true",
+                   help="image jobs (generated pictures) and text jobs on a tiny vision-language model")
     p.set_defaults(func=cmd_demo)
 
     producer_commands.register(sub)

@@ -1,4 +1,5 @@
-"""`mlxq demo`: Redis, a model, a worker process and concurrent producers on one machine.
+"""`mlxq demo`: Redis, a model, a worker process and concurrent producers on one machine
+(`--vision`: image jobs, with pictures drawn here, on a tiny vision-language model).
 
 Everything it starts it stops: the private redis-server, the worker, the temporary model dir.
 """
@@ -28,18 +29,49 @@ PROMPTS = [
 
 
 @contextlib.contextmanager
-def _model(model: Optional[str]) -> Iterator[str]:
+def _model(model: Optional[str], vision: bool = False) -> Iterator[str]:
     if model:
         yield model
         return
     workdir = tempfile.mkdtemp(prefix="mlxq-demo-")
     try:
-        subprocess.run([sys.executable, "-m", "mlxq", "make-tiny-model", f"{workdir}/tiny"], check=True,
-                       stdout=subprocess.DEVNULL)
-        print(f"built the tiny random-weight model in {workdir}/tiny (its text is gibberish by design)")
+        subprocess.run([sys.executable, "-m", "mlxq", "make-tiny-model", *(["--vision"] if vision else []),
+                        f"{workdir}/tiny"], check=True, stdout=subprocess.DEVNULL)
+        kind = "vision-language model (qwen2_vl)" if vision else "model"
+        print(f"built the tiny random-weight {kind} in {workdir}/tiny (its text is gibberish by design)")
         yield f"{workdir}/tiny"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def image_request(i: int, max_tokens: int) -> dict:
+    """Job i of `mlxq demo --vision`: a picture drawn here (every third job has two, every fourth
+    none), a question, and greedy or seeded sampling with logprobs."""
+    pictures = [] if i % 4 == 3 else [_picture(i)] + ([_picture(i + 100)] if i % 3 == 0 else [])
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in pictures]
+    question = ["What is in this picture?", "Describe the colours.", "Count the shapes.", "Tell a joke."][i % 4]
+    return {"messages": [{"role": "user", "content": parts + [{"type": "text", "text": question}]}],
+            "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8, "seed": i, "logprobs": True,
+            "custom_id": f"demo-{i}"}
+
+
+def _picture(i: int) -> str:
+    """A data URL of a small generated picture: a gradient with a few shapes, PNG or JPEG."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    width, height = 96 + 24 * (i % 3), 72 + 16 * (i % 2)
+    image = Image.linear_gradient("L").resize((width, height)).convert("RGB")
+    draw = ImageDraw.Draw(image)
+    for k in range(1 + i % 3):
+        x, y = (17 * (i + k)) % width, (29 * (i + 2 * k)) % height
+        draw.ellipse((x, y, x + 20, y + 20), fill=((60 * i) % 256, (90 * k) % 256, 200))
+    fmt = "JPEG" if i % 2 else "PNG"
+    out = io.BytesIO()
+    image.save(out, fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(out.getvalue()).decode()}"
 
 
 @contextlib.contextmanager
@@ -67,16 +99,20 @@ def run_demo(
     threads: int = 4,
     max_tokens: int = 32,
     max_num_seqs: int = 32,
+    vision: bool = False,
 ) -> int:
     from producer import Client
 
-    with existing_or_private(url, announce=True) as redis_url, _model(model) as model_path, _worker(redis_url, model_path, max_num_seqs):
+    with existing_or_private(url, announce=True) as redis_url, _model(model, vision) as model_path, \
+            _worker(redis_url, model_path, max_num_seqs):
         client = Client(redis_url)
         requests = [
             {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8,
              "seed": i, "custom_id": f"demo-{i}"}
             for i in range(jobs)
         ]
+        if vision:
+            requests = [image_request(i, max_tokens) for i in range(jobs)]
         # Warm-up: the worker loads the model before it takes the first job.
         client.wait(client.submit({"prompt": "warm up", "max_tokens": 2}), timeout=300)
 
@@ -101,5 +137,9 @@ def run_demo(
             + (f", median TTFT {ttfts[len(ttfts) // 2] * 1000:.0f} ms" if ttfts else "")
         )
         print(f"first token ids of {results[0].id}: {results[0].choices[0].token_ids[:8]}")
+        if vision:
+            first = results[0].choices[0]
+            print(f"logprobs of its first tokens: {[round(lp, 3) for lp in (first.logprobs or [])[:4]]}; "
+                  "prompt tokens count each picture's image tokens")
         client.close()
         return 1 if failed else 0

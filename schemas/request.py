@@ -45,6 +45,10 @@ class RequestLimits:
     max_prompt_tokens: int = 32768
     max_prompt_chars: int = 1_000_000
     max_messages: int = 2048
+    max_images: int = 8  # image_url parts per request
+    # An inline image's decoded size (the worker checks every source). Its base64 takes 4/3 of it in the
+    # job, which a worker refuses whole above MLXQ_MAX_JOB_BYTES (16 MiB).
+    max_image_bytes: int = 10 * 1024 * 1024
 
 
 class InvalidRequestError(ValueError):
@@ -210,6 +214,23 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
             f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceeds the limit of "
             f"{limits.max_prompt_tokens}"
         )
+    _check_image_limits(request, limits)
+
+
+def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> None:
+    """The cheap image checks, before any decoding: how many, and how large an inline one can be."""
+    images = [(f"messages[{i}].content[{j}].image_url", part.image_url.url)
+              for i, message in enumerate(request.messages or []) if not isinstance(message.content, str)
+              for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
+    if len(images) > limits.max_images:
+        raise ValueError(f"messages: {len(images)} images exceed the limit of {limits.max_images} per request "
+                         "(MLXQ_MAX_IMAGES)")
+    for field, url in images:
+        # Base64 carries 3 bytes in 4 characters: a longer inline image cannot fit the byte limit.
+        data = url.partition(",")[2] if url.startswith("data:") else url
+        if len(data) // 4 * 3 > limits.max_image_bytes + 2:
+            raise ValueError(f"{field}: an inline image of about {len(data) // 4 * 3} bytes exceeds the limit "
+                             f"of {limits.max_image_bytes} bytes (MLXQ_MAX_IMAGE_BYTES)")
 
 
 # Pydantic puts the tried union member's type into error locations; users name fields, not types.
@@ -225,7 +246,7 @@ def as_invalid_request(exc: ValidationError) -> InvalidRequestError:
         loc = ".".join(str(p) for p in err["loc"] if not _UNION_MEMBER.match(str(p)))
         message = err["msg"].removeprefix("Value error, ")
         if not loc:  # model-level checks name their field at the start of the message
-            named = re.match(r"(\w+): ", message)
+            named = re.match(r"([\w.\[\]]+): ", message)
             first_field = first_field or (named.group(1) if named else "prompt")
         first_field = first_field or loc
         if err["type"] == "extra_forbidden":

@@ -41,6 +41,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import worker  # noqa: F401  (points MLX at OpenBLAS before it loads)
+    from worker.tiny_model import make_tiny_vision_model
+
+    return str(make_tiny_vision_model(tmp_path_factory.mktemp("models") / "tiny-vision"))
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     import worker  # noqa: F401
     from mlx_lm import load

@@ -53,3 +53,22 @@ def run_all(scheduler, requests: dict[str, dict], max_steps: int = 10_000) -> di
             results[ended.id] = ended.result()
     assert not len(scheduler), "jobs did not end"
     return results
+
+
+def vlm_alone(model, prompt, max_tokens: int, stop_ids: set[int] = frozenset(), sampler=None):
+    """The same request alone through mlx-vlm's own generate_step, from the engine's `Prompt` (token
+    ids, and the processor's pixels for an image request): its tokens and full log-distributions."""
+    from mlx_vlm.generate.ar import generate_step as vlm_generate_step
+
+    inputs = prompt.inputs
+    kwargs = {} if inputs is None else {"image_grid_thw": inputs.image_grid_thw}
+    steps = vlm_generate_step(mx.array([prompt.token_ids]), model, None if inputs is None else inputs.pixel_values,
+                              None, max_tokens=max_tokens, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
+                              **kwargs)
+    tokens, distributions = [], []
+    for token, logprobs in steps:
+        tokens.append(int(token))
+        distributions.append(logprobs)
+        if int(token) in stop_ids:
+            break
+    return tokens, distributions

@@ -240,7 +240,7 @@ def test_seeded_sampler_draws_what_mlx_categorical_draws_for_each_row_alone(dtyp
         for choice, params in enumerate(settings):
             sampler.name_row(params, choice)(mx.array([]), logprobs[choice:choice + 1])
         for _ in range(step):  # later tokens of the same rows: the key moves on with each draw
-            for row in sampler._named:
+            for row in sampler._names.pending:
                 row.next_key()
         batched = sampler(logprobs).tolist()
         alone = [mx.random.categorical(truncate(logprobs[i:i + 1], p) * (1.0 / p.temperature),

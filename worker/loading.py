@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 from worker.platform import apply_metal_limits, device_description, limit_blas_threads, preload_blas
@@ -27,15 +29,14 @@ def check_model_setting(model: Optional[str]) -> None:
 
 
 def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
+    """(model, tokenizer) through mlx-lm; for a vision-language model (model, processor) through mlx-vlm."""
     check_model_setting(settings.model)
     blas = preload_blas(settings.blas)
     blas_threads = limit_blas_threads(settings.blas_threads, blas) if settings.blas_threads else None
-    from mlx_lm import load
-
     try:
-        model, tokenizer = load(
-            settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code}
-        )
+        model, tokenizer = _load(settings)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"MLXQ_MODEL: could not load {settings.model!r}: {type(exc).__name__}: {exc}") from exc
     limits = apply_metal_limits(settings.metal_wired_limit_mb, settings.metal_cache_limit_mb)
@@ -49,6 +50,20 @@ def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _load(settings: WorkerSettings) -> tuple[Any, Any]:
+    assert settings.model
+    if is_vision_model(settings.model):
+        try:
+            from mlx_vlm import load as load_vlm
+        except ImportError as exc:
+            raise ModelLoadError(f"MLXQ_MODEL: {settings.model!r} is a vision-language model: install mlxq[vlm] "
+                                 f"({exc})") from None
+        return load_vlm(settings.model, trust_remote_code=settings.trust_remote_code)
+    from mlx_lm import load
+
+    return load(settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code})
+
+
 def build_engine(settings: WorkerSettings) -> Any:
     if settings.engine == "fake":
         from worker.engines.fake import FakeEngine
@@ -58,6 +73,13 @@ def build_engine(settings: WorkerSettings) -> Any:
     if settings.engine != "mlx":
         raise ValueError(f"MLXQ_ENGINE: unknown engine {settings.engine!r} (mlx | fake)")
     model, tokenizer = load_model(settings)
+    if is_vision_model(settings.model or ""):
+        from worker.engines.vision import VisionEngine
+
+        log.info("engine: vision (mlx-vlm), for image and text requests")
+        return VisionEngine(model, tokenizer, max_num_seqs=settings.max_num_seqs,
+                            prefill_batch_size=settings.prefill_batch_size,
+                            prefill_step_size=settings.prefill_step_size, images=settings.image_policy)
     return engine_for_model(settings, model, tokenizer)
 
 
@@ -82,6 +104,25 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
     from worker.engines.text import TextEngine
 
     return TextEngine(model, tokenizer, **options)
+
+
+def is_vision_model(model: str) -> bool:
+    """Whether the model's config.json describes a vision-language model (it has a vision tower)."""
+    return "vision_config" in model_config(model)
+
+
+def model_config(model: str) -> dict[str, Any]:
+    """config.json of a local model directory, or of a hub model (from the hub cache, or downloaded)."""
+    local = Path(model) / "config.json"
+    if local.is_file():
+        path = local
+    elif Path(model).exists():
+        raise RuntimeError(f"{model}: no config.json there")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    return dict(json.loads(path.read_text()))
 
 
 def build_scheduler(settings: WorkerSettings, worker_name: Optional[str] = None):  # -> BatchScheduler

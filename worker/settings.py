@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from schemas import RequestLimits, keys
+from worker.images import ImagePolicy
 
 
 @dataclass
@@ -47,6 +48,14 @@ class WorkerSettings:
     metal_wired_limit_mb: Optional[int] = None  # macOS Metal only
     metal_cache_limit_mb: Optional[int] = None  # macOS Metal only
     trust_remote_code: bool = False
+    # Images (vision-language models; see docs/images.md).
+    image_dir: Optional[str] = None  # the one folder local image paths may name; unset: no local files
+    max_images: int = RequestLimits.max_images  # image parts per request
+    max_image_bytes: int = RequestLimits.max_image_bytes  # an image's encoded size, from any source
+    max_image_pixels: int = ImagePolicy.max_pixels  # width x height, read from the header before decoding
+    image_fetch: bool = False  # fetch http(s) image URLs (off: such a request fails)
+    image_fetch_timeout_s: float = ImagePolicy.fetch_timeout_s
+    image_fetch_max_redirects: int = ImagePolicy.fetch_max_redirects
     callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
     # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
     metrics_port: Optional[int] = None
@@ -88,7 +97,8 @@ class WorkerSettings:
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
-                     "prefill_batch_size", "prefill_step_size", "max_job_bytes"):
+                     "prefill_batch_size", "prefill_step_size", "max_job_bytes", "max_images", "max_image_bytes",
+                     "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0 or self.retry_backoff_s < 0:
@@ -140,7 +150,14 @@ class WorkerSettings:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(max_tokens=self.max_tokens_limit, max_prompt_tokens=self.max_prompt_tokens)
+        return RequestLimits(max_tokens=self.max_tokens_limit, max_prompt_tokens=self.max_prompt_tokens,
+                             max_images=self.max_images, max_image_bytes=self.max_image_bytes)
+
+    @property
+    def image_policy(self) -> ImagePolicy:
+        return ImagePolicy(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels, image_dir=self.image_dir,
+                           fetch=self.image_fetch, fetch_timeout_s=self.image_fetch_timeout_s,
+                           fetch_max_redirects=self.image_fetch_max_redirects)
 
 
 def _parse(name: str, raw: str, type_name: Any) -> Any:

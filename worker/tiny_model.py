@@ -1,7 +1,8 @@
 """Build a small random-weight model directory offline: the test and demo fixture.
 
 The directory has the layout of a hub model (config.json, model.safetensors, tokenizer
-files with a chat template), so it goes through the same `mlx_lm.load` path as real models.
+files with a chat template), so it goes through the same `mlx_lm.load` path as real models;
+the vision one (`make_tiny_vision_model`, a qwen2_vl) through `mlx_vlm.load`. For text models,
 `arch` picks the architecture (mlx-lm's model class and the config fields it reads): llama by
 default, or one of ARCHITECTURES.
 """
@@ -69,7 +70,8 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 
-def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS,
+                     chat_template: str = CHAT_TEMPLATE):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,7 +80,7 @@ def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -94,7 +96,7 @@ def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
         eos_token=EOS_TOKEN,
         pad_token="<|endoftext|>",
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -144,3 +146,109 @@ def make_tiny_model(
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+# Qwen2-VL's image tokens and the ChatML template with its image placeholder (one per image part).
+VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    text: ModelShape
+    mrope_section: tuple[int, int, int]  # sums to the text head_dim / 2
+    depth: int  # vision transformer blocks
+    embed_dim: int
+    num_heads: int
+    max_pixels: int  # the image processor resizes every image to at most this many pixels
+    min_pixels: int = 28 * 28 * 4
+
+
+VISION_SHAPES: dict[str, VisionShape] = {
+    # 28 x 28 pixels make one image token; an image is 4 to 16 of them.
+    "tiny": VisionShape(SHAPES["tiny"], (2, 3, 3), depth=2, embed_dim=32, num_heads=2, max_pixels=28 * 28 * 16),
+    # The image benchmark's model: 8 layers of 256, up to 64 tokens an image.
+    "small": VisionShape(ModelShape(256, 8, 768, 4, 2, 4096), (8, 12, 12), depth=4, embed_dim=128, num_heads=4,
+                         max_pixels=28 * 28 * 64),
+}
+
+
+def make_tiny_vision_model(path: str | Path, *, shape: str = "tiny", model_type: str = "qwen2_vl",
+                           seed: int = 0) -> Path:
+    """Write a random-weight qwen2_vl (or qwen2_5_vl) model, its language model, vision tower and
+    image processor config, to `path` and return it."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if shape not in VISION_SHAPES:
+        raise ValueError(f"vision shape {shape!r}: choose from {', '.join(VISION_SHAPES)}")
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    dims = VISION_SHAPES[shape]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(dims.text.vocab_size, VISION_SPECIAL_TOKENS, VISION_CHAT_TEMPLATE)
+    tokenizer.save_pretrained(str(out))
+    token = tokenizer.convert_tokens_to_ids
+    config = {
+        "model_type": model_type,
+        "architectures": [{"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[model_type]],
+        "hidden_size": dims.text.hidden_size,
+        "num_hidden_layers": dims.text.num_hidden_layers,
+        "intermediate_size": dims.text.intermediate_size,
+        "num_attention_heads": dims.text.num_attention_heads,
+        "num_key_value_heads": dims.text.num_key_value_heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": dims.text.vocab_size,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": list(dims.mrope_section)},
+        "tie_word_embeddings": True,
+        "image_token_id": token("<|image_pad|>"),
+        "video_token_id": token("<|video_pad|>"),
+        "vision_start_token_id": token("<|vision_start|>"),
+        "vision_end_token_id": token("<|vision_end|>"),
+        "bos_token_id": token("<|endoftext|>"),
+        "eos_token_id": token(EOS_TOKEN),
+        "torch_dtype": "float32",
+        "vision_config": _vision_config(model_type, dims),
+    }
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": dims.min_pixels, "max_pixels": dims.max_pixels,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }
+    mx.random.seed(seed)
+    model_config = family.ModelConfig.from_dict(dict(config))
+    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = family.VisionConfig.from_dict(model_config.vision_config)
+    model = family.Model(model_config)
+    # Doubled, a random language model's matrices give varied tokens; at their initial scale a few
+    # layers settle on one token whatever the prompt.
+    weights = {k: (v * 2 if k.startswith("language_model.") and v.ndim == 2 else v)
+               for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return out
+
+
+def _vision_config(model_type: str, dims: VisionShape) -> dict[str, object]:
+    """The vision tower's config: Qwen2-VL names its width embed_dim and sizes its MLP by ratio;
+    Qwen2.5-VL names them hidden_size and intermediate_size and attends in windows."""
+    common = {"model_type": model_type, "depth": dims.depth, "num_heads": dims.num_heads, "patch_size": 14,
+              "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    if model_type == "qwen2_vl":
+        return {**common, "embed_dim": dims.embed_dim, "hidden_size": dims.text.hidden_size, "mlp_ratio": 2}
+    return {**common, "hidden_size": dims.embed_dim, "intermediate_size": 2 * dims.embed_dim,
+            "out_hidden_size": dims.text.hidden_size, "window_size": 56, "fullatt_block_indexes": [dims.depth - 1]}

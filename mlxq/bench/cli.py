@@ -24,7 +24,8 @@ Benchmark mlxq against its alternatives on one machine, with the same model and 
      mlxq's engine wrapper, C/S the queue around it
   K  mlxq's compiled decode engine alone in this process, fed as B is: K/B is the engine against mlx-lm's
 Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
-(--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, or all.
+(--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, structured, images (image jobs
+alone, through mlx-vlm's batched generation and through mlxq), or all.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
 """
 
@@ -114,6 +115,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--soak-sample", type=float, default=1.0, help="seconds between RSS samples")
     g.add_argument("--gateway-clients", type=int, default=256, help="gateway scenarios: concurrent clients (256)")
     g.add_argument("--gateway-requests", type=int, default=3000, help="gateway-blocking: requests per arm (3000)")
+    g.add_argument("--image-model", help="images: a vision-language model (default: build --image-shape)")
+    g.add_argument("--image-shape", default="small", help="images: tiny | small random qwen2_vl (default small)")
+    g.add_argument("--image-requests", type=int, default=32, help="images: image jobs sent at once (32)")
+    g.add_argument("--image-new-tokens", type=int, default=32, help="images: new tokens per job (32)")
     p.set_defaults(func=_run)
 
 
@@ -140,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         soak_rate=args.soak_rate, soak_max_tokens=args.soak_max_tokens, soak_invalid=args.soak_invalid,
         soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
         gateway_clients=args.gateway_clients, gateway_requests=args.gateway_requests,
+        image_model=args.image_model, image_shape=args.image_shape, image_requests=args.image_requests,
+        image_new_tokens=args.image_new_tokens,
     )
 
 

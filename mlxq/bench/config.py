@@ -8,7 +8,7 @@ from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S", "K")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
-             "gateway-blocking")
+             "gateway-blocking", "images")
 
 ARM_LABELS = {
     "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",
@@ -76,6 +76,10 @@ class BenchConfig:
     soak_sample_s: float = 1.0
     gateway_clients: int = 256  # gateway scenarios: concurrent clients (mlxq/bench/scenario_gateway.py)
     gateway_requests: int = 3000  # gateway-blocking: requests per arm
+    image_model: Optional[str] = None  # a vision-language model; default: build the `image_shape` one
+    image_shape: str = "small"
+    image_requests: int = 32
+    image_new_tokens: int = 32
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -99,6 +103,8 @@ class BenchConfig:
             raise ValueError("--concurrency and --workers take positive integers")
         if any(r <= 0 for r in self.rates):
             raise ValueError("--rates take positive numbers (requests per second)")
+        if self.image_requests < 1 or self.image_new_tokens < 1:
+            raise ValueError("--image-requests and --image-new-tokens must be >= 1")
         if self.soak_engine not in ("model", "fake"):
             raise ValueError("--soak-engine is model or fake")
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
 from mlxq.bench import scenario_gateway
 from mlxq.bench.stats import median, ratio
@@ -286,6 +287,7 @@ _SCENARIO_LINES = {
     "structured": structured_summary_line,
     "gateway-stream": scenario_gateway.stream_line,
     "gateway-blocking": scenario_gateway.blocking_line,
+    "images": images_line,
 }
 
 

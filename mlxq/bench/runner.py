@@ -223,7 +223,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import scenario_gateway, scenarios, soak, structured
+        from mlxq.bench import images, scenario_gateway, scenarios, soak, structured
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -248,6 +248,7 @@ class Runner:
             "structured": lambda: structured.structured(cfg, self.model),
             "gateway-stream": lambda: scenario_gateway.gateway_stream(cfg, self.tokenizer, make_cluster, url, procs),
             "gateway-blocking": lambda: scenario_gateway.gateway_blocking(cfg, url, procs),
+            "images": lambda: images.images(cfg, url, procs, self.blas.path),
         }
         for name, run in runs.items():
             if name not in cfg.scenarios:

@@ -35,8 +35,8 @@ from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, M
 from worker.engines.counters import EngineCounters
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
-from worker.engines.rows import LogprobGather, Row, RowGuard, distribution, needs_raw_capture, note_constraint
-from worker.engines.sampling import SamplerPool, logits_processors, repair_random_state
+from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
+                                     repair_random_state, requested_distribution)
 from worker.engines.slot_cache import KVLayout, SlotBuffers
 from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
@@ -58,7 +58,14 @@ EXACT_LENGTH_STEP = 64
 
 @dataclass
 class _Sequence:
-    row: Row
+    """One sequence's own state: its spec, its sampler and logits processors (guarded: their failure
+    ends it alone), its constraint, its slot and what it has produced."""
+
+    spec: SequenceSpec
+    guard: RowGuard
+    sampler: Any
+    processors: list[Any]
+    constraint: Optional[RowConstraint]
     prompt: list[int]
     custom: bool  # it has processors that change its logits (beyond naming a seeded row)
     seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
@@ -306,8 +313,8 @@ class CompiledEngine:
         custom = bool(processors)
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        row = Row(spec, None, guard, guard.sampler(sampler), processors, constraint)
-        return _Sequence(row, list(spec.prompt_token_ids), custom, seeded=namer is not None,
+        return _Sequence(spec, guard, guard.sampler(sampler), processors, constraint, list(spec.prompt_token_ids),
+                         custom, seeded=namer is not None,
                          context=mx.array(spec.prompt_token_ids) if custom else None)
 
     def _sampler_pool(self) -> SamplerPool:
@@ -464,7 +471,7 @@ class CompiledEngine:
         inputs = self._inputs
         logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
         tokens, gather, wanting = self._sample(logits, inputs, occupied)
-        errors = [seq.row.guard.error or (seq.row.constraint.error if seq.row.constraint is not None else None)
+        errors = [seq.guard.error or (seq.constraint.error if seq.constraint is not None else None)
                   for seq in occupied]
         for seq in occupied:
             seq.position += 1
@@ -485,7 +492,7 @@ class CompiledEngine:
         processed = logits
         changed: list[tuple[int, mx.array]] = []
         for seq in occupied:
-            if not seq.row.processors:
+            if not seq.processors:
                 continue
             context = self._no_tokens
             if seq.custom:
@@ -494,7 +501,7 @@ class CompiledEngine:
                     seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
                 context = seq.context
             row_logits = logits[seq.slot:seq.slot + 1]
-            for processor in seq.row.processors:
+            for processor in seq.processors:
                 row_logits = processor(context, row_logits)
             if seq.custom:
                 changed.append((seq.slot, row_logits))
@@ -504,18 +511,17 @@ class CompiledEngine:
             processed = mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
         tokens = self._draw(logprobs, occupied)
-        wanting = [i for i, seq in enumerate(occupied) if seq.row.spec.logprobs or seq.row.spec.top_logprobs]
+        wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
         if not wanting:
             return tokens, None, wanting
-        rows_wanting = [occupied[i].row for i in wanting]
-        specs = [row.spec for row in rows_wanting]
+        specs = [occupied[i].spec for i in wanting]
         slots = [occupied[i].slot for i in wanting]
         index = mx.array(slots, dtype=mx.int32)
-        raw = [needs_raw_capture(row.spec, row.constraint is not None) for row in rows_wanting]
+        raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
         if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
             rows = logprobs[index]
         else:
-            rows = mx.stack([distribution(spec, logprobs[slot], logits[slot] if keep else None)
+            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
                              for spec, slot, keep in zip(specs, slots, raw)])
         return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
 
@@ -525,7 +531,7 @@ class CompiledEngine:
         read); the others sample their own rows, in slot order."""
         groups: dict[int, tuple[Any, list[int], bool]] = {}
         for seq in occupied:
-            groups.setdefault(id(seq.row.sampler), (seq.row.sampler, [], seq.seeded))[1].append(seq.slot)
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
         base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
         tokens = (base[0](logprobs) if base is not None else mx.zeros((len(self._slots),))).astype(mx.uint32)
         for group in groups.values():
@@ -547,7 +553,7 @@ class CompiledEngine:
         for i, (slot, seq) in enumerate(launched.rows):
             if seq.done:  # removed, or ended by an earlier step, while this one was in flight
                 continue
-            spec = seq.row.spec
+            spec = seq.spec
             if launched.errors[i] is not None:
                 events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=launched.errors[i]))
                 self._end(seq)
@@ -558,9 +564,11 @@ class CompiledEngine:
                       else "length" if len(seq.generated) >= spec.max_tokens else None)
             event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
                                weight_version=launched.weight_version)
-            note_constraint(seq.row, event)
+            if seq.constraint is not None:  # its matcher follows what was returned
+                seq.constraint.observe(token)
+                if finish is not None:
+                    event.constraint_complete = seq.constraint.ended(stopped_by_token=finish == "stop")
             events.append(event)
-            seq.row.emitted = True
             if i in wanted_at:
                 wanted_events[wanted_at[i]] = event
             if finish is not None:
@@ -582,8 +590,8 @@ class CompiledEngine:
 
     def _end(self, seq: _Sequence) -> None:
         seq.done = True
-        if seq.row.constraint is not None:
-            seq.row.constraint.release()
-        self._by_uid.pop(seq.row.spec.uid, None)
+        if seq.constraint is not None:
+            seq.constraint.release()
+        self._by_uid.pop(seq.spec.uid, None)
         if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None

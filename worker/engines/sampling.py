@@ -16,13 +16,14 @@ Distributions (what `logprobs_mode` selects):
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from worker.engines.base import SamplingParams
+from worker.engines.base import SamplingParams, SequenceSpec, TokenEvent
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
@@ -99,7 +100,7 @@ class SamplerPool:
 
 
 @dataclass
-class _SeededRow:
+class SeededRow:
     params: SamplingParams
     choice: int
     drawn: int = 0  # tokens drawn so far
@@ -124,35 +125,73 @@ class SeededSampler:
     Token k of choice i is the one MLX's `random.categorical` draws from that row alone under the
     key `key(mix_seed(seed, i, k))`: the inverse CDF of exp(x - max) at one uniform draw."""
 
-    shared = True  # one object for every row: _RowGuard leaves it unwrapped
+    shared = True  # one object for every row: RowGuard leaves it unwrapped
 
     def __init__(self) -> None:
-        self._named: list[_SeededRow] = []
+        self._names: RowNames[SeededRow] = RowNames()
 
     def name_row(self, params: SamplingParams, choice: int) -> Processor:
-        row = _SeededRow(params, choice)
-
-        def name(tokens: mx.array, logits: mx.array) -> mx.array:
-            self._named.append(row)
-            return logits
-
-        return name
+        return self._names.namer(SeededRow(params, choice))
 
     def begin(self) -> None:
         """Before a step: names left by a step that failed halfway belong to no call."""
-        self._named.clear()
+        self._names.clear()
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        count = logprobs.shape[0]
-        if len(self._named) < count:
-            raise RuntimeError(f"seeded sampling: {count} rows to sample but {len(self._named)} named; this "
-                               "mlx-lm does not run each row's processors before sampling, as 0.32 does")
-        rows, self._named = self._named[:count], self._named[count:]
-        scores = _truncated_and_scaled(logprobs, [row.params for row in rows])
-        keys = mx.array([[key >> 32, key & 0xFFFFFFFF] for key in (row.next_key() for row in rows)],
-                        dtype=mx.uint32)
-        uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
-        return _inverse_cdf(scores, uniform)
+        return draw_seeded(logprobs, self._names.take(logprobs.shape[0]))
+
+
+RowT = TypeVar("RowT")
+
+
+class RowNames(Generic[RowT]):
+    """The rows a shared sampler's next call samples, in batch order. Each row's first logits
+    processor (`namer`) names its row here; mlx-lm 0.32 and mlx-vlm 0.7 run every row's processors,
+    in batch order, before they sample, so a call's rows are the names given since the last call,
+    oldest first."""
+
+    def __init__(self) -> None:
+        self.pending: list[RowT] = []
+
+    def namer(self, row: RowT) -> "Namer":
+        return Namer(self.pending, row)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    def take(self, count: int) -> list[RowT]:
+        if len(self.pending) < count:
+            raise RuntimeError(f"{count} rows to sample but {len(self.pending)} named: this generator does not run "
+                               "each row's processors before it samples, as mlx-lm 0.32 and mlx-vlm 0.7 do")
+        rows = self.pending[:count]
+        del self.pending[:count]  # in place: the namers hold this list
+        return rows
+
+
+class Namer:
+    """A row's first logits processor: it names the row to its sampler and leaves the logits as they
+    are. mlx-vlm calls `process_last_token` where a processor has one, sparing it the row's context."""
+
+    def __init__(self, pending: list[Any], row: Any) -> None:
+        self._pending = pending
+        self._row = row
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._pending.append(self._row)
+        return logits
+
+    def process_last_token(self, token: int, logits: mx.array) -> mx.array:
+        self._pending.append(self._row)
+        return logits
+
+
+def draw_seeded(logprobs: mx.array, rows: list[SeededRow]) -> mx.array:
+    """Row i's next token under its own key: the same draw alone or beside any other rows."""
+    scores = _truncated_and_scaled(logprobs, [row.params for row in rows])
+    keys = mx.array([[key >> 32, key & 0xFFFFFFFF] for key in (row.next_key() for row in rows)],
+                    dtype=mx.uint32)
+    uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
+    return _inverse_cdf(scores, uniform)
 
 
 def _truncated_and_scaled(logprobs: mx.array, params: list[SamplingParams]) -> mx.array:
@@ -231,3 +270,107 @@ def _openai_penalties(presence: float, frequency: float, prompt_len: int) -> Pro
         return logits - counts * frequency - (counts > 0).astype(logits.dtype) * presence
 
     return apply
+
+
+# --- a row's own callables and the logprobs it asked for (both engines) ---------------------
+class RowGuard:
+    """Wraps one row's own callables (its processors, its seeded sampler) so an exception in them
+    ends that sequence only. Shared samplers (greedy, unseeded groups) are left unwrapped: wrapping
+    would give each row its own object and cost mlx-lm its one-call sampling of the batch."""
+
+    def __init__(self) -> None:
+        self.error: Optional[str] = None
+
+    def processor(self, fn: Any) -> Any:
+        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return fn(tokens, logits)
+                except Exception as exc:
+                    self.error = f"{type(exc).__name__} in a logits processor: {exc}"
+            return logits
+
+        return guarded
+
+    def sampler(self, fn: Any) -> Any:
+        if fn is greedy or getattr(fn, "shared", False):
+            return fn
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return fn(logprobs)
+                except Exception as exc:
+                    self.error = f"{type(exc).__name__} in the sampler: {exc}"
+            return greedy(logprobs)
+
+        return guarded
+
+
+class RawLogits:
+    """First logits processor of a row whose raw logprobs were asked for while other processors
+    (bias, penalties) change the logits: it keeps the logits as the model produced them.
+    mlx-lm and mlx-vlm call a row's processors once per sampled token, in order, and return each
+    token one step after sampling it, so the oldest kept logits belong to the token being returned."""
+
+    def __init__(self) -> None:
+        self.pending: deque[mx.array] = deque()
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.pending.append(logits)
+        return logits
+
+
+def needs_raw_capture(spec: SequenceSpec, constrained: bool = False) -> bool:
+    """Whether a row's raw logits must be kept: it asked for raw logprobs and something (a bias, a
+    penalty, a constraint's mask) changes its logits before sampling."""
+    wants = spec.logprobs or spec.top_logprobs > 0
+    return wants and spec.logprobs_mode == "raw" and (constrained or has_processors(spec.sampling))
+
+
+def requested_distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
+    """The row's log-distribution the request asked to see (logprobs are after processors)."""
+    if spec.logprobs_mode == "processed":
+        return processed_logprobs(logprobs, spec.sampling)
+    if raw_logits is not None:
+        raw = raw_logits.reshape(-1).astype(mx.float32)
+        return raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    return logprobs
+
+
+class LogprobGather:
+    """The chosen token's logprob and the top-k of every row that asked, built as one lazy graph:
+    `arrays` are to be evaluated (with a step, or at once), then `fill` writes them into events."""
+
+    def __init__(self, rows: mx.array, tokens: mx.array, top: list[int]) -> None:
+        """`rows` (n, vocab): the distributions; `tokens` (n,): the sampled ones; `top`: each row's k."""
+        self.top = top
+        self.chosen = mx.take_along_axis(rows, tokens.reshape(-1, 1), axis=-1)[:, 0]
+        self.arrays = [self.chosen]
+        k = max(top)
+        if k:
+            candidates = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+            candidate_vals = mx.take_along_axis(rows, candidates, axis=-1)
+            order = mx.argsort(-candidate_vals, axis=-1)
+            self.arrays += [mx.take_along_axis(candidates, order, axis=-1),
+                            mx.take_along_axis(candidate_vals, order, axis=-1)]
+
+    def fill(self, events: list[Optional[TokenEvent]]) -> None:
+        """`events[i]` is row i's event (None: it ended meanwhile)."""
+        chosen = self.arrays[0].tolist()
+        top_ids, top_vals = (self.arrays[1].tolist(), self.arrays[2].tolist()) if len(self.arrays) > 1 else ([], [])
+        for i, event in enumerate(events):
+            if event is None:
+                continue
+            event.logprob = float(chosen[i])
+            if self.top[i]:
+                event.top_logprobs = list(zip(top_ids[i][: self.top[i]], top_vals[i][: self.top[i]]))
+
+
+def attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) -> None:
+    """Gather the chosen token's logprob (and the top-k) for every row that asked, in one eval."""
+    gather = LogprobGather(mx.stack([logprobs for _, _, logprobs in wanted]),
+                           mx.array([event.token for event, _, _ in wanted]),
+                           [spec.top_logprobs for _, spec, _ in wanted])
+    mx.eval(gather.arrays)
+    gather.fill([event for event, _, _ in wanted])

@@ -33,14 +33,10 @@ from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, M
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
-from worker.engines.rows import RawLogits as _RawLogits, Row as _Row, RowGuard as _RowGuard
-from worker.engines.rows import attach_logprobs as _attach_logprobs, distribution as _distribution
-from worker.engines.rows import needs_raw_capture as _needs_raw_capture, note_constraint as _note_constraint
-from worker.engines.sampling import SamplerPool, greedy, logits_processors, repair_random_state
-from worker.engines.text_model import prepare_prompt, prompt_token_ids
-from worker.engines.text_model import model_context_length as _model_context_length
-from worker.engines.text_model import measure_kv_bytes_per_token as _measure_kv_bytes_per_token
-from worker.engines.text_model import model_vocab_size as _model_vocab_size
+from worker.engines.sampling import (RawLogits, RowGuard, SamplerPool, attach_logprobs, greedy, logits_processors,
+                                     needs_raw_capture, repair_random_state, requested_distribution)
+from worker.engines.text_model import (RequestRejected, measure_kv_bytes_per_token, model_context_length,  # noqa: F401
+                                       model_vocab_size, prepare_prompt, prompt_token_ids)
 
 
 # Joiners prefilled one by one at admission: each stalls the running batch for its own prefill (on
@@ -74,7 +70,7 @@ class TextEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self._vocab_size = _model_vocab_size(model, tokenizer)
+        self._vocab_size = model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         self._generator_options = dict(
@@ -107,7 +103,7 @@ class TextEngine:
         self._pacing = PrefillPacing()
         self._version = 0  # of the weights now (swap_weights)
         self._launched_with = 0  # the version mlx-lm's last call launched its forward pass with
-        self._kv_bytes_per_token = _measure_kv_bytes_per_token(model)
+        self._kv_bytes_per_token = measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
 
@@ -129,7 +125,7 @@ class TextEngine:
 
     @property
     def context_length(self) -> Optional[int]:
-        return _model_context_length(self.model)
+        return model_context_length(self.model)
 
     def reset(self) -> None:
         self._generator.close()
@@ -240,8 +236,8 @@ class TextEngine:
         constraint = None
         if isinstance(spec.inputs, CompiledConstraint):
             constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
-        capture = _RawLogits() if _needs_raw_capture(spec, constraint is not None) else None
-        guard = _RowGuard()
+        capture = RawLogits() if needs_raw_capture(spec, constraint is not None) else None
+        guard = RowGuard()
         sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
         processors = [guard.processor(p) for p in
                       logits_processors(spec.sampling, len(spec.prompt_token_ids), capture, constraint)]
@@ -304,12 +300,12 @@ class TextEngine:
                 row.constraint.release()
             events.append(event)
             if spec.logprobs or spec.top_logprobs:
-                wanted.append((event, spec, _distribution(spec, logprobs[0], raw_logits)))
+                wanted.append((event, spec, requested_distribution(spec, logprobs[0], raw_logits)))
             if finish is None:
                 row.emitted = True
                 going_on.append((row, first))
         if wanted:
-            _attach_logprobs(wanted)
+            attach_logprobs(wanted)
         self._early.extend(events)
         if going_on:
             caches = _handed_out(cache, len(going_on), owned=True)
@@ -442,12 +438,12 @@ class TextEngine:
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
             if spec.logprobs or spec.top_logprobs:
-                wanted.append((event, spec, _distribution(spec, response.logprobs, raw_logits)))
+                wanted.append((event, spec, requested_distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
                 self._keep_cache(spec, response.all_tokens, response.prompt_cache)
                 self._forget(spec.uid)
         if wanted:
-            _attach_logprobs(wanted)
+            attach_logprobs(wanted)
         return events
 
     def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
@@ -498,7 +494,29 @@ class _Held:
     since_step: int  # the engine's decode step count when it arrived
 
 
+@dataclass
+class _Row:
+    """One sequence's own state in the batch: its spec, sampler, processors and their guard."""
+
+    spec: SequenceSpec
+    capture: Optional["RawLogits"]
+    guard: "RowGuard"
+    sampler: Any
+    processors: list[Any]
+    constraint: Optional[RowConstraint] = None
+    emitted: bool = False  # it has produced a token
+
+
 def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
     """`count` caches for sequences to start from: `cache` itself first if it is ours to give
     (copies cost a device copy per layer), copies for the others."""
     return [cache if owned and i == 0 else copy.deepcopy(cache) for i in range(count)]
+
+
+def _note_constraint(row: "_Row", event: TokenEvent) -> None:
+    """Tell a constrained row's matcher what it returned, and on its last token whether its text is complete."""
+    if row.constraint is None:
+        return
+    row.constraint.observe(event.token)
+    if event.finish_reason is not None:
+        event.constraint_complete = row.constraint.ended(stopped_by_token=event.finish_reason == "stop")
