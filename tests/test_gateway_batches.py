@@ -17,7 +17,7 @@ import redis
 from mlxq.redis_server import RedisServer
 from producer.api import keys as api_keys
 from tests.gateway import key_entry, running_gateway, wait_live
-from tests.workers import start_fake_worker, stop, wait_for
+from tests.workers import start_fake_worker, stop
 
 KEYS = {"acme": "sk-acme-batch", "globex": "sk-globex-batch"}
 

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

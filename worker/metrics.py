@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from schemas import GenerationResult
+from worker.redis_health import RedisHealth
+from worker.scheduler import BatchScheduler
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -128,3 +130,16 @@ class WorkerMetrics(Collector):
     def serve(self, port: int) -> None:
         """Serve /metrics on `port` from a thread of prometheus-client's own."""
         start_http_server(port, registry=self.registry)
+
+
+def scheduler_gauges(scheduler: Optional[BatchScheduler], health: RedisHealth) -> dict[str, float]:
+    """The gauges, read when Prometheus scrapes (its thread): the scheduler's state, the engine's
+    prefix-cache counters, Redis's losses."""
+    if scheduler is None:
+        return {"redis_losses": health.losses}
+    stats = scheduler.stats()
+    prefix = stats.engine.prefix_cache
+    return {"running": stats.jobs - stats.waiting, "waiting": stats.waiting, "sequences": stats.sequences,
+            "kv_usage": stats.kv_reserved_bytes / stats.kv_budget_bytes if stats.kv_budget_bytes else 0.0,
+            "prefix_cache_queries": float(prefix.get("prompt_tokens", 0)),
+            "prefix_cache_hits": float(prefix.get("reused_tokens", 0)), "redis_losses": health.losses}

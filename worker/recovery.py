@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import redis
 from rq import Queue
@@ -30,6 +30,46 @@ from worker.publish import Publication, publish_results
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
+
+# The first sweep looks this far back for jobs cancelled while queued, each later one from the one
+# before less this, so a cancel made while no worker ran still gets its result key.
+CANCELLED_SCAN_MARGIN_S = 3600
+
+
+class Housekeeping:
+    """A worker's share of the fleet's upkeep, run on its bookkeeping thread: dead workers' jobs,
+    result keys of jobs cancelled while queued, due retries back to their queues, and unreadable
+    entries out of the intermediate lists (before rq's own cleanup would trip on them)."""
+
+    def __init__(self, connection: redis.Redis, queues: list[Queue], settings: WorkerSettings,
+                 refuse: Callable[[list[tuple[Unreadable, Queue]]], None]) -> None:
+        self._connection, self._queues, self._settings, self._refuse = connection, queues, settings, refuse
+        self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S
+
+    def sweep(self, running: frozenset[str]) -> None:
+        swept = sweep_abandoned(self._connection, self._queues, self._settings, skip=running)
+        if swept:
+            log.warning("recovered %d job(s) of dead workers: %s", len(swept), swept)
+        since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
+        finish_cancelled(self._connection, self._queues, since, self._settings.max_job_bytes)
+
+    def enqueue_due_retries(self) -> None:
+        retry_policy.enqueue_due_retries(self._connection, self._queues, self._settings.max_job_bytes)
+
+    def clear_intermediate_lists(self, running: frozenset[str]) -> None:
+        limit = self._settings.max_job_bytes
+        for queue in self._queues:
+            refused = []
+            for raw_id in self._connection.lrange(queue.intermediate_queue.key, 0, -1):
+                job_id = raw_id.decode(errors="replace")
+                if job_id in running:
+                    continue
+                fields = fetch_job_fields(self._connection, job_id, limit)
+                read = None if fields is None else read_job(raw_id, fields, self._connection, limit)
+                if isinstance(read, Unreadable):
+                    refused.append((read, queue))
+            if refused:
+                self._refuse(refused)
 
 
 def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], settings: WorkerSettings,

@@ -15,7 +15,6 @@ import gc
 import json
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from datetime import datetime
 from types import FrameType
@@ -34,19 +33,18 @@ from rq.worker.base import DequeueStrategy
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
-from worker import retry_policy
 from worker.allowlist import ALLOWED_FUNCTIONS, callback_names, refusal
 from worker.batch_loop import BatchLoop, InFlight, StartedJob
 from worker.bookkeeping import Bookkeeper
 from worker.control import ControlChannel, Controller
-from worker.intake import Unreadable, fetch_job_fields, read_job
+from worker.intake import Unreadable, read_job
 from worker.job_ending import Ending, JobEnding
 from worker.liveness import Liveness
 from worker.loading import ModelLoadError
-from worker.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics, scheduler_gauges
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
-from worker.recovery import finish_cancelled, sweep_abandoned
+from worker.recovery import Housekeeping
 from worker.redis_health import RedisHealth
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.scheduler import BatchScheduler
@@ -54,9 +52,6 @@ from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
 
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
-# The first sweep looks this far back for jobs cancelled while queued, each later one from the one
-# before less this, so a cancel made while no worker ran still gets its result key.
-CANCELLED_SCAN_MARGIN_S = 3600
 
 
 def _wanted_version(job: Job) -> int:
@@ -96,6 +91,7 @@ class BatchWorker(SimpleWorker):
         self._bookkeeper = Bookkeeper(self._health)
         self._metrics = self._start_metrics() if self.settings.metrics_port is not None else None
         self._ending = JobEnding(self.connection, self._bookkeeper, self, self.settings, self.name, self._metrics)
+        self._housekeeping = Housekeeping(self.connection, self.queues, self.settings, self._ending.refuse_now)
         self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s,
                               self.settings.max_job_bytes)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
@@ -107,7 +103,6 @@ class BatchWorker(SimpleWorker):
         self._stop_job_ids: set[str] = set()  # written by rq's pubsub thread, taken by the loop
         self._stop_job_lock = threading.Lock()
         self._stop_recorded = False
-        self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S  # the bookkeeping thread's
 
     # --- RQ's hooks -----------------------------------------------------------------------
     @property
@@ -159,8 +154,9 @@ class BatchWorker(SimpleWorker):
         intermediate-list cleanups read every job hash they meet and would raise on one a producer
         wrote by hand, so the sweep and `_clear_intermediate_lists` take those out first, and nothing
         rq raises stops the worker."""
-        self.sweep(frozenset(self._loop.running_ids() if self._loop else ()))
-        self._clear_intermediate_lists()
+        running = frozenset(self._loop.running_ids() if self._loop else ())
+        self._housekeeping.sweep(running)
+        self._housekeeping.clear_intermediate_lists(running)
         try:
             super().clean_registries()
         except Exception:
@@ -223,22 +219,11 @@ class BatchWorker(SimpleWorker):
         return taken > 0
 
     def _start_metrics(self) -> WorkerMetrics:
-        metrics = WorkerMetrics(self.name, self.settings.served_alias, self._gauges)
+        metrics = WorkerMetrics(self.name, self.settings.served_alias,
+                                lambda: scheduler_gauges(self._loop.scheduler if self._loop else None, self._health))
         assert self.settings.metrics_port is not None
         metrics.serve(self.settings.metrics_port)
         return metrics
-
-    def _gauges(self) -> dict[str, float]:
-        """Read when Prometheus scrapes (any thread): the scheduler's state and the engine's counters."""
-        loop = self._loop
-        if loop is None:
-            return {"redis_losses": self._health.losses}
-        stats = loop.scheduler.stats()
-        prefix = stats.engine.prefix_cache
-        return {"running": stats.jobs - stats.waiting, "waiting": stats.waiting, "sequences": stats.sequences,
-                "kv_usage": stats.kv_reserved_bytes / stats.kv_budget_bytes if stats.kv_budget_bytes else 0.0,
-                "prefix_cache_queries": float(prefix.get("prompt_tokens", 0)),
-                "prefix_cache_hits": float(prefix.get("reused_tokens", 0)), "redis_losses": self._health.losses}
 
     def _control_plane(self, scheduler: BatchScheduler) -> Optional[Controller]:
         """The commands a trainer sends to this model's workers (docs/rl.md); none without a model name."""
@@ -358,30 +343,10 @@ class BatchWorker(SimpleWorker):
         self.run_maintenance_tasks()
 
     def sweep(self, running: frozenset[str]) -> None:
-        """Jobs of dead workers, and result keys of jobs cancelled while queued."""
-        swept = sweep_abandoned(self.connection, self.queues, self.settings, skip=running)
-        if swept:
-            self.log.warning("Worker %s: recovered %d job(s) of dead workers: %s", self.name, len(swept), swept)
-        since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
-        finish_cancelled(self.connection, self.queues, since, self.settings.max_job_bytes)
+        self._housekeeping.sweep(running)
 
     def enqueue_due_retries(self) -> None:
-        retry_policy.enqueue_due_retries(self.connection, self.queues, self.settings.max_job_bytes)
-
-    def _clear_intermediate_lists(self) -> None:
-        running = set(self._loop.running_ids()) if self._loop else set()
-        for queue in self.queues:
-            refused = []
-            for raw_id in self.connection.lrange(queue.intermediate_queue.key, 0, -1):
-                job_id = raw_id.decode(errors="replace")
-                if job_id in running:
-                    continue
-                fields = fetch_job_fields(self.connection, job_id, self.settings.max_job_bytes)
-                read = None if fields is None else read_job(raw_id, fields, self.connection, self.settings.max_job_bytes)
-                if isinstance(read, Unreadable):
-                    refused.append((read, queue))
-            if refused:
-                self._ending.refuse_now(refused)
+        self._housekeeping.enqueue_due_retries()
 
     # --- a job's end in RQ's terms (worker/job_ending.py RQEnds) ----------------------------
     def finish_successes(self, endings: Sequence[Ending], pause: Callable[[], None]) -> None:

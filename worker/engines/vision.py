@@ -390,9 +390,7 @@ class VisionEngine:
     def reset(self) -> None:
         self._generator.close()
         self._sampler = RowSampler()
-        self._constraints = ConstraintCompiler(self.tokenizer, self._vocab_size, self._eos)
-        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
-        self._max_num_seqs = max_num_seqs
+        self._masks = None  # its slots belonged to the rows of the failed batch
         self._generator = self._new_generator()
         self._live.clear()
         self._engine_uid.clear()
