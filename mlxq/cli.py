@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import api_command, batch_command, control_commands, info, producer_commands
+from mlxq import api_command, batch_command, control_commands, info, producer_commands, stats_command
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
@@ -18,39 +18,30 @@ if TYPE_CHECKING:
     from worker.settings import WorkerSettings
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    if args.blas:
-        os.environ["MLXQ_BLAS"] = args.blas  # read when `worker` is first imported, before MLX
+    blas = args.blas or os.environ.get("MLXQ_BLAS") or _dotenv_value("MLXQ_BLAS")
+    if blas:
+        os.environ["MLXQ_BLAS"] = blas  # read when `worker` is first imported, before MLX
     import redis
 
-    from worker import BatchWorker, WorkerSettings
+    from worker import BatchWorker
+    from worker.settings import SettingsError, WorkerSettings
 
-    settings = WorkerSettings.from_env(
-        model=args.model,
-        alias=args.alias,
-        max_num_seqs=args.max_num_seqs,
-        default_max_tokens=args.default_max_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        max_prompt_tokens=args.max_prompt_tokens,
-        prefix_cache_mb=args.prefix_cache_mb,
-        decode=args.decode,
-        metrics_port=args.metrics_port,
-        blas=args.blas,
-        blas_threads=args.blas_threads,
-        metal_wired_limit_mb=args.metal_wired_limit_mb,
-        metal_cache_limit_mb=args.metal_cache_limit_mb,
-        priorities=tuple(p.strip() for p in args.priorities.split(",") if p.strip()) if args.priorities else None,
-        image_dir=args.image_dir,
-    )
+    flags = vars(args)
+    try:  # a flag given beats MLXQ_* and .env; each flag's dest is its setting's name
+        settings = WorkerSettings.from_env(**{name: flags[name] for name in WorkerSettings.model_fields if name in flags})
+    except SettingsError as exc:
+        print(f"mlxq worker: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("mlxq").setLevel(args.log_level)  # rq's bootstrap sets its own loggers only
-    processes = _processes(args)
-    if processes > 1:
-        return _run_worker_group(args, settings, processes)
+    url = args.url or settings.redis_url_value or resolve_url(None)
+    if settings.processes > 1:
+        return _run_worker_group(args, settings, url)
     from worker.loading import ModelLoadError, check_model_setting
 
     try:
         if settings.engine != "fake":
             check_model_setting(settings.model)
-        connection = redis.Redis.from_url(resolve_url(args.url))
+        connection = redis.Redis.from_url(url)
         worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
         worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     except ModelLoadError as exc:
@@ -59,22 +50,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _processes(args: argparse.Namespace) -> int:
-    if args.processes is not None:
-        return int(args.processes)
-    raw = os.environ.get("MLXQ_PROCESSES", "").strip()
-    try:
-        return int(raw) if raw else 1
-    except ValueError:
-        raise SystemExit(f"MLXQ_PROCESSES: cannot parse {raw!r} as an integer") from None
+def _dotenv_value(name: str) -> Optional[str]:
+    """`name` from the working directory's .env file, as WorkerSettings reads it."""
+    from dotenv import dotenv_values
+
+    return dotenv_values(".env").get(name) if os.path.exists(".env") else None
 
 
-def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, processes: int) -> int:
+def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, url: str) -> int:
     from worker.platform import preload_blas
     from worker.process_group import WorkerGroup, child_settings
 
     try:
-        shares = child_settings(settings, processes, os.cpu_count() or 1,
+        shares = child_settings(settings, settings.processes, os.cpu_count() or 1,
                                 split_blas_threads=preload_blas(settings.blas).path is not None,
                                 group=args.name or f"{socket.gethostname()}.{os.getpid()}")
     except ValueError as exc:
@@ -82,7 +70,7 @@ def _run_worker_group(args: argparse.Namespace, settings: WorkerSettings, proces
     worker_args = ["--log-level", args.log_level, *(["--burst"] if args.burst else []),
                    *(["--max-jobs", str(args.max_jobs)] if args.max_jobs is not None else []),
                    *(["--", *args.queues] if args.queues else [])]
-    return WorkerGroup(shares, resolve_url(args.url), worker_args, name=args.name).run()
+    return WorkerGroup(shares, url, worker_args, name=args.name).run()
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -111,13 +99,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _add_more_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The settings' flags not listed above; each is its MLXQ_* variable's twin (worker/settings.py)."""
+    p.add_argument("--kv-budget-mb", type=int, help="KV-cache memory for admission (default: half the RAM)")
+    p.add_argument("--max-job-bytes", type=int, help="a job hash bigger than this fails unread (16 MiB)")
+    p.add_argument("--prefill-batch-size", type=int, help="prompts prefilled together (8)")
+    p.add_argument("--prefill-step-size", type=int, help="prompt tokens per prefill step (2048)")
+    p.add_argument("--heartbeat-interval-s", type=float, help="job heartbeats this often; TTL 3x + 5 s (5)")
+    p.add_argument("--step-timeout-s", type=float, help="a step longer than this exits the process (300)")
+    p.add_argument("--sweep-interval-s", type=float, help="how often dead workers' jobs are recovered (15)")
+    p.add_argument("--engine", help="mlx | fake (model-free, deterministic: tests and queue benchmarks)")
+    p.add_argument("--fake-step-delay-s", type=float, help="the fake engine's cost per step (0)")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model's own code run when it is loaded (off)")
+    p.add_argument("--callback-allowlist", help="RQ callback name prefixes allowed to run, comma-separated (none)")
+    p.add_argument("--max-retries", type=int, help="a failed job runs again at most this many times (5)")
+    p.add_argument("--retry-backoff-s", type=float, help="pause before the first retry, doubled each time (1)")
+    p.add_argument("--group", help="processes that share waiting jobs out (set by --processes)")
+    g = p.add_argument_group("images (vision-language models, docs/images.md)")
+    g.add_argument("--image-dir", help="the one folder image paths in requests may name (MLXQ_IMAGE_DIR)")
+    g.add_argument("--max-images", type=int, help="image parts per request (8)")
+    g.add_argument("--max-image-bytes", type=int, help="an image's encoded size, from any source (10 MiB)")
+    g.add_argument("--max-image-pixels", type=int, help="width x height, read from the header before decoding")
+    g.add_argument("--image-fetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="fetch http(s) image URLs (off: such a request fails)")
+    g.add_argument("--image-fetch-timeout-s", type=float, help="seconds a fetch may take")
+    g.add_argument("--image-fetch-max-redirects", type=int, help="redirects a fetch may follow")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="Redis/RQ-queued batch inference on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run a continuous-batching worker", description=(
         "Run a BatchWorker. Without queues it listens on mlxq:<alias> then mlxq. "
-        "Every flag has an MLXQ_* environment variable twin (e.g. MLXQ_MAX_NUM_SEQS)."))
+        "Every flag has an MLXQ_* environment variable twin (e.g. MLXQ_MAX_NUM_SEQS), which a .env file in "
+        "the working directory may set too; a flag beats the variable, the variable beats .env."))
     p.add_argument("queues", nargs="*", help="queues to listen on, in priority order")
     p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL}; {URL_PASSWORD_NOTE})")
     p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
@@ -140,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Linux CPU: that BLAS's threads (default one per core; several workers a host: a share each)")
     p.add_argument("--metal-wired-limit-mb", type=int, help="macOS: Metal wired memory limit")
     p.add_argument("--metal-cache-limit-mb", type=int, help="macOS: Metal buffer cache limit")
-    p.add_argument("--image-dir", help="vision models: the one folder image paths in requests may name (MLXQ_IMAGE_DIR)")
+    _add_more_worker_flags(p)
     p.add_argument("--processes", type=int, help=(
         "worker processes on this host (default 1). Above 1, --max-num-seqs, --prefix-cache-mb, "
         "--blas-threads and MLXQ_KV_BUDGET_MB are the host's totals, shared out; --max-jobs is per process"))
@@ -176,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     api_command.register(sub)
     bench_cli.register(sub)
     info.register(sub)
+    stats_command.register(sub)
     return parser
 
 

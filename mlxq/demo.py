@@ -14,7 +14,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional
+from typing import IO, Any, Iterator, Optional
+
+from tqdm import tqdm
 
 from mlxq.redis_server import existing_or_private
 
@@ -75,11 +77,15 @@ def _picture(i: int) -> str:
 
 
 @contextlib.contextmanager
-def _worker(url: str, model: str, max_num_seqs: int) -> Iterator[subprocess.Popen[bytes]]:
+def worker_process(url: str, model: str, *args: str, name: str = "demo", log_level: str = "WARNING",
+                   log: Optional[IO[bytes]] = None) -> Iterator[subprocess.Popen[bytes]]:
+    """An `mlxq worker` on `model` while the block runs (`args`: more of its flags; `log`: where its
+    output goes, else this process's). The demo's, and examples/grpo's."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "worker", "--model", model,
-         "--max-num-seqs", str(max_num_seqs), "--name", f"demo-{os.getpid()}", "--log-level", "WARNING"],
+        [sys.executable, "-m", "mlxq", "worker", "--model", model, *args, "--name", f"{name}-{os.getpid()}",
+         "--log-level", log_level],
         env={**os.environ, "MLXQ_REDIS_URL": url},  # not argv: a password there shows in `ps`
+        stdout=log, stderr=subprocess.STDOUT if log is not None else None,
     )
     try:
         yield proc
@@ -104,7 +110,7 @@ def run_demo(
     from producer import Client
 
     with existing_or_private(url, announce=True) as redis_url, _model(model, vision) as model_path, \
-            _worker(redis_url, model_path, max_num_seqs):
+            worker_process(redis_url, model_path, "--max-num-seqs", str(max_num_seqs)):
         client = Client(redis_url)
         requests = [
             {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8,
@@ -117,9 +123,16 @@ def run_demo(
         client.wait(client.submit({"prompt": "warm up", "max_tokens": 2}), timeout=300)
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
+        with ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=jobs, desc="jobs done", unit="job", file=sys.stderr, disable=None, leave=False) as bar:
             ids = list(pool.map(client.submit, requests))
-            results = list(pool.map(lambda job_id: client.wait(job_id, timeout=600), ids))
+
+            def wait(job_id: str) -> Any:
+                result = client.wait(job_id, timeout=600)
+                bar.update()
+                return result
+
+            results = list(pool.map(wait, ids))
         elapsed = time.perf_counter() - start
 
         print(f"\n{'custom_id':<10} {'status':<9} {'finish':<7} {'prompt':>6} {'compl':>6}  text")

@@ -53,7 +53,7 @@ from producer.wire import (
     rq_status,
 )
 from schemas import GenerationResult, RequestLimits, keys
-from schemas.control import ControlOutcome, PauseMode, WeightPolicy
+from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
 __all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "execute_batch"]
@@ -425,6 +425,10 @@ class AsyncClient:
         if job_id is not None:
             await self.cancel(job_id)
         return await self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
+
+    async def latest_weights(self, model: str) -> ControlCommand | None:
+        """The latest version published for `model` (where it came from, its policy), or None."""
+        return await self._control.latest_weights(model)
 
     async def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
         return await self._control.send(control_command("reset_prefix_cache", model), {}, timeout)

@@ -48,7 +48,7 @@ from producer.wire import (
     STREAM_BATCH,
 )
 from schemas import GenerationResult, RequestLimits, keys
-from schemas.control import ControlOutcome, PauseMode, WeightPolicy
+from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import CommandBatch
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
@@ -336,6 +336,10 @@ class Client:
             self.cancel(job_id)
         return self._control.send(control_command("abort", model, job_id=job_id), {}, timeout)
 
+    def latest_weights(self, model: str) -> ControlCommand | None:
+        """The latest version published for `model` (where it came from, its policy), or None."""
+        return self._control.latest_weights(model)
+
     def reset_prefix_cache(self, model: str, *, timeout: float = 60) -> ControlOutcome:
         return self._control.send(control_command("reset_prefix_cache", model), {}, timeout)
 
@@ -349,7 +353,8 @@ class Client:
         """Iterate a job's events as its worker writes them (one per choice per decode step):
         `{"event": "token", "index", "token_ids", "text"}`, then one `{"event": "end", "status",
         "finish_reasons"}`. The texts of a choice add up to its final `text`; its token_ids to its
-        `token_ids`. It ends after the end event, whether the job finished, failed, was cancelled
+        `token_ids`, counted from the last `{"event": "restart", "reason"}`, which says the job went back
+        to its queue and what came before is void. It ends after the end event, whether the job finished, failed, was cancelled
         or was ended by RQ without a result; a job submitted without `stream` yields its whole
         result as one token event per choice. The iterator's `last_event_id` is the id of the
         last event it yielded: pass it as `last_event_id` to resume after a dropped connection.

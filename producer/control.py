@@ -97,6 +97,10 @@ def outcome(command: ControlCommand, raw_acks: dict[bytes, bytes], live: set[str
     return ControlOutcome(command=command, acked=acked, missing=sorted(live - set(acked)))
 
 
+def _command_or_none(raw: Optional[bytes]) -> Optional[ControlCommand]:
+    return None if raw is None else ControlCommand.model_validate_json(raw)
+
+
 def _publish_commands(pipe: Any, command: ControlCommand, chunks: dict[str, bytes]) -> None:
     for key, value in chunks.items():
         pipe.set(key, value, ex=BLOB_TTL_S)
@@ -130,6 +134,10 @@ class ControlCalls:
                     return result
                 time.sleep(ACK_POLL_S)
 
+    def latest_weights(self, model: str) -> Optional[ControlCommand]:
+        with broker_errors():
+            return _command_or_none(self._connection.get(keys.weights_key(model)))
+
     def _live(self, model: str) -> set[str]:
         now = time.time()
         names = self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
@@ -155,6 +163,10 @@ class AsyncControlCalls:
                 if not result.missing or time.monotonic() >= deadline:
                     return result
                 await asyncio.sleep(ACK_POLL_S)
+
+    async def latest_weights(self, model: str) -> Optional[ControlCommand]:
+        with broker_errors():
+            return _command_or_none(await self._connection.get(keys.weights_key(model)))
 
     async def _live(self, model: str) -> set[str]:
         now = time.time()

@@ -63,7 +63,7 @@ class _Common(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
-    logprobs_mode: Optional[Literal["raw", "processed"]] = None
+    logprobs_mode: Optional[Literal["raw", "scaled", "processed"]] = None
     # Structured output (OpenAI's response_format, and mlxq's regex and grammar) and RL's fields, as in
     # GenerationRequest (docs/structured-output.md, docs/rl.md).
     response_format: Optional[ResponseFormat] = None

@@ -61,6 +61,7 @@ class ControlAck(BaseModel):
     message: str = ""
     weight_version: Optional[int] = None  # the worker's version once it applied the command
     at: float = 0.0
+    seconds: Optional[float] = None  # from the command's arrival at the worker to its acknowledgement
 
 
 class ControlOutcome(BaseModel):

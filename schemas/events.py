@@ -2,7 +2,9 @@
 
 Each stream entry has one field, `data`, holding one event as JSON: a `token` event per choice per
 decode step that produced something, then one `end` event. A choice's texts add up to its final
-`text` and its token ids to its `token_ids`.
+`text` and its token ids to its `token_ids`, counted from the last `restart` event: a job that goes
+back to its queue to run again (a weight swap under `abort`, a pause with `abort`, a failed engine
+step) restarts its stream, and what came before that event is void.
 """
 
 from __future__ import annotations
@@ -31,15 +33,24 @@ class EndStreamEvent(BaseModel):
     finish_reasons: list[Optional[FinishReason]]
 
 
-StreamEvent = Annotated[Union[TokenStreamEvent, EndStreamEvent], Field(discriminator="event")]
+class RestartStreamEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    event: Literal["restart"] = "restart"
+    reason: str  # why the job runs again from the start
+
+
+StreamEvent = Annotated[Union[TokenStreamEvent, EndStreamEvent, RestartStreamEvent], Field(discriminator="event")]
 _EVENT = TypeAdapter(StreamEvent)
 
 
-def encode_event(event: Union[TokenStreamEvent, EndStreamEvent]) -> dict[str, str]:
+AnyStreamEvent = Union[TokenStreamEvent, EndStreamEvent, RestartStreamEvent]
+
+
+def encode_event(event: AnyStreamEvent) -> dict[str, str]:
     """The fields of the stream entry that carries `event`."""
     return {STREAM_FIELD: event.model_dump_json()}
 
 
-def parse_event(fields: dict[bytes, bytes]) -> Union[TokenStreamEvent, EndStreamEvent]:
+def parse_event(fields: dict[bytes, bytes]) -> AnyStreamEvent:
     """The event a stream entry (as redis-py returns its fields) carries."""
     return _EVENT.validate_json(fields[STREAM_FIELD.encode()])

@@ -69,6 +69,10 @@ def worker_key(worker_name: str) -> str:
 # A sorted set of worker names, scored with the Unix time of each one's last presence refresh.
 WORKERS_KEY = f"{PREFIX}workers"
 
+# A stream of fleet samples, one per interval, the last minutes of them: the gateway's /dashboard
+# charts (producer/fleet_history.py).
+HISTORY_KEY = f"{PREFIX}history"
+
 
 def control_stream(model: str) -> str:
     """The commands to the workers of one model (schemas/control.py), a Redis stream."""

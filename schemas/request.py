@@ -120,9 +120,10 @@ class GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-    # "raw": the model's own distribution (log-softmax of its logits). "processed": the distribution
-    # the token was drawn from (after logit_bias, penalties, temperature, top-p/min-p/top-k).
-    logprobs_mode: Literal["raw", "processed"] = "raw"
+    # "raw": the model's own distribution (log-softmax of its logits). "scaled": the same at the
+    # request's temperature, untruncated. "processed": the exact distribution the token was drawn from
+    # (after logit_bias, penalties, a constraint's mask, temperature, top-p/min-p/top-k, renormalised).
+    logprobs_mode: Literal["raw", "scaled", "processed"] = "raw"
     return_prompt_token_ids: bool = False
     stream: bool = False
     ignore_eos: bool = False

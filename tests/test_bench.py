@@ -211,8 +211,8 @@ def test_rl_scenario_shares_each_prompts_prefill_among_its_n_samples(tiny_model_
     prompts, n, prompt_tokens, new_tokens = 2, 3, 16, 4
     out = tmp_path / "rl"
     argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out), "--arms", "",
-            "--scenario", "rl", "--rl-prompts", str(prompts), "--rl-n", str(n), "--rl-prompt-tokens",
-            str(prompt_tokens), "--rl-new-tokens", str(new_tokens), "--warmup-tokens", "2"]
+            "--scenario", "rl", "--rl-parts", "samples", "--rl-prompts", str(prompts), "--rl-n", str(n),
+            "--rl-prompt-tokens", str(prompt_tokens), "--rl-new-tokens", str(new_tokens), "--warmup-tokens", "2"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

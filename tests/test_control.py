@@ -319,3 +319,23 @@ def test_the_cli_drives_the_control_plane(redis_url, version_dir):
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
+
+
+def test_a_job_sent_back_by_an_abort_restarts_its_stream(redis_url, version_dir):
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    worker = start_fake_worker(redis_url, name="restarter", env=ENV, step_delay_s=0.02)
+    try:
+        workers_live(conn, 1)
+        job_id = client.submit(long_request(140, 300, stream=True))
+        wait_for(lambda: conn.xlen(keys.stream_key(job_id)) > 5, what="tokens streamed")
+        assert client.publish_weights(ALIAS, 1, str(version_dir), "abort", timeout=30).ok
+        events = list(client.stream(job_id, timeout=60))
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+    kinds = [e["event"] for e in events]
+    assert kinds.count("restart") == 1 and kinds[-1] == "end"
+    after = events[kinds.index("restart") + 1:]
+    tokens = [t for e in after if e["event"] == "token" for t in e["token_ids"]]
+    assert tokens == client.result(job_id).choices[0].token_ids == expected(140, 300, [(0, 1)])

@@ -287,7 +287,8 @@ def test_generated_job_hashes_never_hurt_the_worker_or_the_good_jobs(redis_url):
     worker = start_fake_worker(redis_url, name="fuzzed-hashes", env=WORKER_ENV, step_delay_s=0.0)
     log = drain(worker)  # a warning per refused job: unread, a long run's would fill the pipe and block the worker
     try:
-        wait_for(lambda: conn.llen("rq:queue:mlxq") == 0, timeout=60, what="the worker to reach the queue")
+        warm_up = client.submit(GOOD_REQUEST)
+        client.wait(warm_up, timeout=60)  # the worker's modules loaded and one job run before RSS is read
         rss_early = rss_kb(worker.pid)
         enqueue()
         good.append(client.submit(GOOD_REQUEST))

@@ -177,6 +177,31 @@ def test_processed_logprobs_include_temperature_and_truncation(scheduler, model_
         assert choice.logprobs[j] == pytest.approx(float(expected[list(keep).index(token)]), abs=1e-3)
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_the_three_distributions_side_by_side_on_one_sampled_row(scheduler, model_and_tokenizer, seeded):
+    """raw: the model's own; scaled: at the temperature, untruncated (what RL trainers recompute);
+    processed: exactly what sampled the token (mlx-lm's top-p filter, as its sampler applies it, then
+    the temperature, renormalised), in float32."""
+    model, _ = model_and_tokenizer
+    base = {"prompt_token_ids": PROMPT, "max_tokens": 10, "temperature": 0.6, "top_p": 0.8, "ignore_eos": True,
+            "logprobs": True, **({"seed": 9} if seeded else {})}
+    results = run_all(scheduler, {mode: {**base, "logprobs_mode": mode} for mode in ("raw", "scaled", "processed")})
+    if seeded:  # the same tokens in each mode: the mode changes what is reported, not what is sampled
+        assert ids(results["raw"]) == ids(results["scaled"]) == ids(results["processed"])
+    for mode, result in results.items():
+        tokens = ids(result)
+        raw = teacher_forced_logprobs(model, PROMPT, tokens)
+        for j, token in enumerate(tokens):
+            if mode == "raw":
+                expected = raw[j][token]
+            elif mode == "scaled":
+                expected = log_softmax(raw[j] / 0.6)[token]
+            else:
+                filtered = np.array(truncate(mx.array(raw[j])[None], SamplingParams(top_p=0.8)))[0]
+                expected = log_softmax(filtered / 0.6)[token]
+            assert result.choices[0].logprobs[j] == pytest.approx(float(expected), abs=1e-4), (mode, j)
+
+
 SEEDED = {"prompt_token_ids": PROMPT, "max_tokens": 24, "temperature": 1.3, "top_p": 0.95, "seed": 1234,
           "ignore_eos": True}
 

@@ -49,7 +49,10 @@ log = logging.getLogger("mlxq.worker")
 # job objects, the request's validation), and starting hundreds at once held the running sequences'
 # next token back (docs/design-notes.md, "Admission pacing"). An idle worker takes all it has room for.
 ADMIT_PER_TURN_WHILE_DECODING = 64
-IDLE_WAIT_ROUND_S = 1  # an idle worker's blocking wait returns this often to see a stop request
+# An idle worker's blocking wait returns this often, to see a stop request and its control stream;
+# its RQ heartbeat goes out once in IDLE_BEATS_EVERY rounds.
+IDLE_WAIT_ROUND_S = 0.25
+IDLE_BEATS_EVERY = 4
 # A full worker has no job to take, so its round trip per turn would only look for cancel keys: it
 # does that this often instead.
 CANCEL_CHECK_INTERVAL_S = 0.05
@@ -98,7 +101,7 @@ class JobSource(Protocol):
 
     def poll(self, room: int, check_cancels: bool) -> Poll: ...
 
-    def wait(self, timeout_s: int) -> Optional[TakenJob]: ...
+    def wait(self, timeout_s: float) -> Optional[TakenJob]: ...
 
     def started(self, job_ids: list[str]) -> None: ...
 
@@ -250,7 +253,7 @@ class BatchLoop:
     def _wait_for_job(self, max_idle_time: Optional[int]) -> Optional[TakenJob]:
         """Block for one job, in rounds short enough to see a stop request; None once stopped or
         after `max_idle_time` seconds without a job."""
-        waited = 0
+        waited, rounds = 0.0, 0
         while not self._rq.stop_requested:
             round_s = IDLE_WAIT_ROUND_S if max_idle_time is None else min(IDLE_WAIT_ROUND_S, max_idle_time - waited)
             if round_s <= 0:
@@ -270,7 +273,9 @@ class BatchLoop:
             if taken is not None:
                 return taken
             waited += round_s
-            self._rq.idle(burst=False)
+            rounds += 1
+            if rounds % IDLE_BEATS_EVERY == 0:
+                self._rq.idle(burst=False)
         return None
 
     def _step(self) -> None:
@@ -483,10 +488,10 @@ class BatchLoop:
     def reset_prefix_cache(self) -> None:
         self.scheduler.engine.reset_prefix_cache()
 
-    def ack(self, command: ControlCommand, ok: bool, message: str) -> None:
+    def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         assert self._controller is not None
         channel, version = self._controller.channel, self.weight_version
-        self._bookkeeper.submit(lambda: channel.ack(command, ok, message, version))
+        self._bookkeeper.submit(lambda: channel.ack(command, ok, message, version, seconds))
 
     def _redis_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

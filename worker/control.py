@@ -65,8 +65,10 @@ class ControlChannel:
                 commands.append(command)
         return commands
 
-    def ack(self, command: ControlCommand, ok: bool, message: str, version: Optional[int]) -> None:
-        ack = ControlAck(worker=self._worker, ok=ok, message=message, weight_version=version, at=time.time())
+    def ack(self, command: ControlCommand, ok: bool, message: str, version: Optional[int],
+            seconds: Optional[float] = None) -> None:
+        ack = ControlAck(worker=self._worker, ok=ok, message=message, weight_version=version, at=time.time(),
+                         seconds=seconds)
         key = keys.ack_key(command.id)
         with self._connection.pipeline(transaction=False) as pipe:
             pipe.hset(key, self._worker, ack.model_dump_json())
@@ -104,7 +106,7 @@ class LoopControls(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
-    def ack(self, command: ControlCommand, ok: bool, message: str) -> None:
+    def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         """Acknowledge a command (written by the bookkeeping thread)."""
         ...
 
@@ -118,6 +120,7 @@ class Controller:
         self._fetching: Optional[ControlCommand] = None  # handed to the loader
         self._draining: Optional[FetchedVersion] = None  # fetched, waiting for running sequences to end
         self._next_read = 0.0
+        self._received: dict[str, float] = {}  # command id -> when it arrived here, until acknowledged
         latest = channel.latest_weights()
         if latest is not None and latest.version is not None and latest.version > version:
             log.info("catching up with version %d of the weights", latest.version)
@@ -153,26 +156,32 @@ class Controller:
             fetched, self._draining = self._draining, None
             self._swap(fetched, loop)
 
+    def _ack(self, loop: LoopControls, command: ControlCommand, ok: bool, message: str) -> None:
+        """Acknowledge, with the seconds from the command's arrival here to now."""
+        received = self._received.pop(command.id, None)
+        loop.ack(command, ok, message, None if received is None else time.monotonic() - received)
+
     def _apply(self, command: ControlCommand, loop: LoopControls) -> None:
+        self._received[command.id] = time.monotonic()
         if command.op == "weights":
             if command.version is None or command.version <= loop.weight_version:
-                loop.ack(command, True, f"already on version {loop.weight_version}")
+                self._ack(loop, command, True, f"already on version {loop.weight_version}")
                 return
             self._fetch(command)  # acknowledged once swapped in, or refused
         elif command.op == "pause":
             if command.mode == "abort":
                 loop.requeue_running()
             self.paused = command.mode or "keep"
-            loop.ack(command, True, f"paused ({self.paused})")
+            self._ack(loop, command, True, f"paused ({self.paused})")
         elif command.op == "resume":
             self.paused = None
-            loop.ack(command, True, "resumed")
+            self._ack(loop, command, True, "resumed")
         elif command.op == "abort":
             loop.cancel_running(command.job_id)
-            loop.ack(command, True, "aborted" + (f" job {command.job_id}" if command.job_id else " every job"))
+            self._ack(loop, command, True, "aborted" + (f" job {command.job_id}" if command.job_id else " every job"))
         elif command.op == "reset_prefix_cache":
             loop.reset_prefix_cache()
-            loop.ack(command, True, "prefix cache reset")
+            self._ack(loop, command, True, "prefix cache reset")
 
     def _fetch(self, command: ControlCommand) -> None:
         self._fetching = command
@@ -184,12 +193,12 @@ class Controller:
             self._fetching = None
         if fetched.error is not None:
             log.error("weights not swapped: %s", fetched.error)
-            loop.ack(command, False, fetched.error)
+            self._ack(loop, command, False, fetched.error)
             release(fetched)
             return
         assert command.version is not None
         if command.version <= loop.weight_version:  # a newer one came first
-            loop.ack(command, True, f"already on version {loop.weight_version}")
+            self._ack(loop, command, True, f"already on version {loop.weight_version}")
             release(fetched)
             return
         policy = command.policy or "drain"
@@ -210,10 +219,10 @@ class Controller:
             loop.swap_weights(fetched.files, command.version)
         except ValueError as exc:
             log.error("weights not swapped: version %d: %s", command.version, exc)
-            loop.ack(command, False, f"version {command.version}: {exc}")
+            self._ack(loop, command, False, f"version {command.version}: {exc}")
             return
         finally:
             release(fetched)
-        log.info("swapped in version %d of the weights (%s) in %.2f s", command.version, command.policy or "drain",
+        log.info("swapped in version %d of the weights (%s) in %.3f s", command.version, command.policy or "drain",
                  time.perf_counter() - started)
-        loop.ack(command, True, f"on version {command.version}")
+        self._ack(loop, command, True, f"on version {command.version}")

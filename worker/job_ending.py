@@ -30,7 +30,8 @@ from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
 from worker.intake import Unreadable
 from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
-from worker.publish import Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable
+from worker.publish import (Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable,
+                            restart_stream)
 from worker.settings import WorkerSettings
 
 
@@ -127,6 +128,8 @@ class JobEnding:
         """A job that has not ended back to its queue, to run again: `alone` after it was in the engine
         when a step failed; else because the control plane asked (weights swapped, a pause)."""
         def requeue() -> None:
+            if ending.streams:
+                restart_stream(self._connection, ending.job_id, "the job went back to its queue to run again")
             self._rq.requeue(ending, alone)
             self.done.put(ending)
 

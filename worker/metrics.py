@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -66,14 +66,22 @@ class WorkerMetrics(Collector):
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-        self._prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
-        self._generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed")
-        self._success = counter("vllm:request_success", "Requests that finished, by finish reason", "finished_reason")
-        self._failed = counter("mlxq:jobs_failed", "Jobs that failed, by error type", "error_type")
-        self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (from the job's start)")
-        self._e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency (from enqueue to result)")
-        self._queue = histogram("vllm:request_queue_time_seconds", "Time a job waited in its queue")
-        self._lag = histogram("mlxq:bookkeeping_lag_seconds", "From a job's end in the engine to its result key")
+        labels = self._labels
+        # Children bound once: the labels never change, and `labels()` per update costs microseconds.
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed").labels(**labels)
+        self._generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed").labels(**labels)
+        self._success_family = counter("vllm:request_success", "Requests that finished, by finish reason",
+                                       "finished_reason")
+        self._failed_family = counter("mlxq:jobs_failed", "Jobs that failed, by error type", "error_type")
+        self._success: dict[str, Any] = {}
+        self._failed: dict[str, Any] = {}
+        self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (from the job's start)"
+                               ).labels(**labels)
+        self._e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency (from enqueue to result)"
+                              ).labels(**labels)
+        self._queue = histogram("vllm:request_queue_time_seconds", "Time a job waited in its queue").labels(**labels)
+        self._lag = histogram("mlxq:bookkeeping_lag_seconds", "From a job's end in the engine to its result key"
+                              ).labels(**labels)
         self.registry.register(self)
         self._lock = threading.Lock()  # the bookkeeping thread's updates against each other
 
@@ -85,23 +93,28 @@ class WorkerMetrics(Collector):
 
     # --- the bookkeeping thread's side ---------------------------------------------------
     def ended(self, result: GenerationResult, lag_s: float) -> None:
-        labels = self._labels
         with self._lock:
-            self._lag.labels(**labels).observe(lag_s)
-            self._prompt_tokens.labels(**labels).inc(result.usage.prompt_tokens)
-            self._generation_tokens.labels(**labels).inc(result.usage.completion_tokens)
+            self._lag.observe(lag_s)
+            self._prompt_tokens.inc(result.usage.prompt_tokens)
+            self._generation_tokens.inc(result.usage.completion_tokens)
             if result.status == "failed" and result.error is not None:
-                self._failed.labels(**labels, error_type=result.error.type).inc()
+                self._child(self._failed, self._failed_family, "error_type", result.error.type).inc()
             else:
                 for choice in result.choices:
-                    self._success.labels(**labels, finished_reason=choice.finish_reason or "stop").inc()
+                    reason = choice.finish_reason or "stop"
+                    self._child(self._success, self._success_family, "finished_reason", reason).inc()
             timings = result.timings
             if timings.ttft_s is not None:
-                self._ttft.labels(**labels).observe(timings.ttft_s)
+                self._ttft.observe(timings.ttft_s)
             if timings.queue_s is not None:
-                self._queue.labels(**labels).observe(timings.queue_s)
+                self._queue.observe(timings.queue_s)
             if timings.enqueued_at is not None and timings.finished_at is not None:
-                self._e2e.labels(**labels).observe(timings.finished_at - timings.enqueued_at)
+                self._e2e.observe(timings.finished_at - timings.enqueued_at)
+
+    def _child(self, cache: dict[str, Any], family: Counter, label: str, value: str) -> Any:
+        if value not in cache:
+            cache[value] = family.labels(**self._labels, **{label: value})
+        return cache[value]
 
     # --- scrape time --------------------------------------------------------------------
     def collect(self) -> Iterator[object]:

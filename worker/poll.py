@@ -179,7 +179,7 @@ class Poller:
                  for index, raw_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
         return Poll(taken, {job_id.decode() for job_id in cancelled}, [int(i) for i in broken])
 
-    def wait(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str, timeout_s: int) -> Optional[TakenJob]:
+    def wait(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str, timeout_s: float) -> Optional[TakenJob]:
         """Block up to `timeout_s` for one job (an idle worker). With one queue the id moves to its
         intermediate list atomically (BLMOVE, crash-safe); with several, BLPOP takes it from the first
         that has one and it is put in that queue's intermediate list right after, as rq's own dequeue
@@ -229,7 +229,7 @@ class WorkerQueues:
         return poll._replace(taken=[t._replace(queue_index=indexes[t.queue_index]) for t in poll.taken],
                              broken_queues=[indexes[i] for i in poll.broken_queues])
 
-    def wait(self, timeout_s: int) -> Optional[TakenJob]:
+    def wait(self, timeout_s: float) -> Optional[TakenJob]:
         """Block up to `timeout_s` for one job. Where a queue key is not a list (the blocking pop
         refuses the whole call) poll instead, skipping it, and sleep the round out if nothing came."""
         indexes = self._open_queues()

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Optional
 
@@ -52,7 +52,7 @@ def child_settings(host: WorkerSettings, processes: int, cpu_count: int, split_b
     blas_threads = host.blas_threads
     if split_blas_threads:
         blas_threads = max(1, (host.blas_threads or cpu_count) // processes)
-    return [replace(host, max_num_seqs=share(host.max_num_seqs, processes, i),
+    return [host.replace(max_num_seqs=share(host.max_num_seqs, processes, i),
                     kv_budget_mb=share(kv_budget_mb, processes, i),
                     prefix_cache_mb=host.prefix_cache_mb // processes,
                     blas_threads=blas_threads, group=group,

@@ -14,7 +14,7 @@ from rq.utils import now, utcformat
 from schemas import GenerationResult, keys
 from schemas.result import no_output_result
 from schemas.command_batch import CommandBatch
-from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
+from schemas.events import EndStreamEvent, RestartStreamEvent, TokenStreamEvent, encode_event
 from worker.intake import Unreadable
 
 log = logging.getLogger("mlxq.worker")
@@ -74,6 +74,11 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
         if ttls.get(job_id):
             batch.expire(keys.stream_key(job_id), ttls[job_id])
     batch.execute()
+
+
+def restart_stream(connection: redis.Redis, job_id: str, reason: str) -> None:
+    """A streaming job goes back to its queue: what its stream holds so far is void."""
+    connection.xadd(keys.stream_key(job_id), encode_event(RestartStreamEvent(reason=reason)))
 
 
 def refuse_unreadable(connection: redis.Redis, refused: list[tuple[Unreadable, Queue]],

@@ -1,18 +1,39 @@
-"""WorkerSettings: every knob of a worker, read from `MLXQ_*` environment variables
-(the `mlxq worker` flags set the same fields)."""
+"""WorkerSettings: every knob of a worker, as a pydantic-settings model. `WorkerSettings.from_env()`
+reads the `MLXQ_*` environment variables and a `.env` file in the working directory (the variables
+win); the `mlxq worker` flags override both. Plain `WorkerSettings(...)` reads neither. Values are
+validated at start: an error names the variable (docs/operations.md, Configuration). The Redis URL
+is a secret: never shown by a repr, a log line or an error."""
 
 from __future__ import annotations
 
+import contextvars
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Annotated, Any, Optional
+
+from pydantic import SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from schemas import RequestLimits, keys
 from worker.images import ImagePolicy
 
+ENV_PREFIX = "MLXQ_"
+ENV_FILE = ".env"
+# Set only while `from_env` builds settings: plain construction reads no environment or .env file.
+_READ_ENVIRONMENT: contextvars.ContextVar[bool] = contextvars.ContextVar("mlxq_read_environment", default=False)
 
-@dataclass
-class WorkerSettings:
+
+class SettingsError(ValueError):
+    """A setting that does not validate; the message names the variable, never a secret's value."""
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=ENV_FILE, env_ignore_empty=True, extra="ignore")
+
+    # Redis, when not given by `--url` (MLXQ_REDIS_URL; a .env file may hold it): a secret.
+    redis_url: Optional[SecretStr] = None
+    # `mlxq worker --processes N`: worker processes on this host.
+    processes: int = 1
     model: Optional[str] = None  # path or hub id; MLXQ_MODEL
     alias: Optional[str] = None  # name requests use in `model`; default: model's last path component
     max_num_seqs: int = 32  # most sequences decoding at once
@@ -56,7 +77,7 @@ class WorkerSettings:
     image_fetch: bool = False  # fetch http(s) image URLs (off: such a request fails)
     image_fetch_timeout_s: float = ImagePolicy.fetch_timeout_s
     image_fetch_max_redirects: int = ImagePolicy.fetch_max_redirects
-    callback_allowlist: tuple[str, ...] = field(default_factory=tuple)  # RQ callback name prefixes allowed to run
+    callback_allowlist: Annotated[tuple[str, ...], NoDecode] = ()  # RQ callback name prefixes allowed to run
     # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
     metrics_port: Optional[int] = None
     # A failed job runs again at most this many times, whatever its Retry asks (never after a refusal).
@@ -64,38 +85,78 @@ class WorkerSettings:
     retry_backoff_s: float = 1.0  # pause before the first retry, doubled for each next one (at most 60 s)
     # Priorities, highest first (e.g. high,default,low): without explicit queues, the worker listens on each
     # priority's queues in turn (docs/producer.md). Empty: the contract's queues only.
-    priorities: tuple[str, ...] = field(default_factory=tuple)
+    priorities: Annotated[tuple[str, ...], NoDecode] = ()
 
     @classmethod
-    def from_env(cls, environ: Optional[dict[str, str]] = None, **overrides: Any) -> "WorkerSettings":
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f"MLXQ_{f.name.upper()}")
-            if raw is not None and raw != "":
-                values[f.name] = _parse(f.name, raw, f.type)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        settings = cls(**values)
-        settings.validate()
-        return settings
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        if _READ_ENVIRONMENT.get():
+            return init_settings, env_settings, dotenv_settings
+        return (init_settings,)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "WorkerSettings":
+        """Settings from the environment and `.env` (or from `environ` alone, when given), with
+        `overrides` (the flags; None: not given) on top. SettingsError names what does not validate."""
+        given = {name: value for name, value in overrides.items() if value is not None}
+        token = None
+        if environ is None:
+            token = _READ_ENVIRONMENT.set(True)
+        else:
+            given = {**{name: environ[env_name(name)] for name in cls.model_fields
+                        if environ.get(env_name(name)) not in (None, "")}, **given}
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise SettingsError(describe(exc)) from None
+        finally:
+            if token is not None:
+                _READ_ENVIRONMENT.reset(token)
 
     def to_env(self) -> dict[str, str]:
         """These settings as the `MLXQ_*` variables `from_env` reads back (unset fields left out)."""
         env = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool):
+            if isinstance(value, SecretStr):
+                text = value.get_secret_value()
+            elif isinstance(value, bool):
                 text = "1" if value else "0"
             elif isinstance(value, tuple):
                 text = ",".join(value)
             else:
                 text = str(value)
-            env[f"MLXQ_{f.name.upper()}"] = text
+            env[env_name(name)] = text
         return env
 
-    def validate(self) -> None:
+    def replace(self, **changes: Any) -> "WorkerSettings":
+        """A copy with `changes`, validated (dataclasses.replace's twin)."""
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
+
+    @field_validator("callback_allowlist", "priorities", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _checked(self) -> "WorkerSettings":
+        self.validate()
+        return self
+
+    @property
+    def redis_url_value(self) -> Optional[str]:
+        return self.redis_url.get_secret_value() if self.redis_url is not None else None
+
+    def validate(self) -> None:  # type: ignore[override]  # (pydantic's deprecated classmethod of that name)
+        if self.processes < 1:
+            raise ValueError(f"MLXQ_PROCESSES must be >= 1, got {self.processes}")
         for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
                      "prefill_batch_size", "prefill_step_size", "max_job_bytes", "max_images", "max_image_bytes",
                      "max_image_pixels"):
@@ -160,17 +221,22 @@ class WorkerSettings:
                            fetch_max_redirects=self.image_fetch_max_redirects)
 
 
-def _parse(name: str, raw: str, type_name: Any) -> Any:
-    type_name = str(type_name)
-    try:
-        if "bool" in type_name:
-            return raw.strip().lower() in {"1", "true", "yes", "on"}
-        if "tuple" in type_name:
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        if "float" in type_name:
-            return float(raw)
-        if "int" in type_name:
-            return int(raw)
-    except ValueError:
-        raise ValueError(f"MLXQ_{name.upper()}: cannot parse {raw!r} as {type_name}") from None
-    return raw
+
+def env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def describe(exc: ValidationError) -> str:
+    """The errors of `exc`, each naming its variable and flag; a secret's value is never shown."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        field = str(error["loc"][0]) if error.get("loc") else None
+        if field is None:
+            lines.append(message)  # a check across fields: its message names the variables
+            continue
+        secret = WorkerSettings.model_fields.get(field) is not None and \
+            WorkerSettings.model_fields[field].annotation in (SecretStr, Optional[SecretStr])
+        shown = "" if secret else f" (got {error.get('input')!r})"
+        lines.append(f"{env_name(field)} (--{field.replace('_', '-')}): {message}{shown}")
+    return "; ".join(lines)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from mlxq.bench.config import ARMS, SCENARIOS, BenchConfig
+from mlxq.bench.config import ARMS, RL_PARTS, SCENARIOS, BenchConfig
 
 __all__ = ["register", "config_from_args"]
 
@@ -94,6 +94,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="jobs/s offered in the sustained run (default: the target rate)")
     g.add_argument("--overhead-publish", type=int, default=256, help="results finishing in one step")
     g.add_argument("--overhead-step-ms", type=float, default=10.0, help="fake step cost for the publish test")
+    g.add_argument("--metrics-port", type=int, help="overhead: the worker serves Prometheus metrics on this port "
+                                                     "(mlxq worker --metrics-port), scraped every second")
     g.add_argument("--late-long", type=int, default=31)
     g.add_argument("--late-long-tokens", type=int, default=256)
     g.add_argument("--late-short-tokens", type=int, default=8)
@@ -102,6 +104,13 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--rl-n", type=int, default=8)
     g.add_argument("--rl-prompt-tokens", type=int, default=256)
     g.add_argument("--rl-new-tokens", type=int, default=64)
+    g.add_argument("--rl-parts", type=_list(str), default=RL_PARTS,
+                   help="rl: samples (n=8 vs independent), swap (a weight swap's cost per policy, on 1 and 2 "
+                        "workers: --workers), adapters (not built yet); default all")
+    g.add_argument("--rl-swap-sequences", type=int, default=64, help="rl swap: sequences decoding over the fleet (64)")
+    g.add_argument("--rl-swap-new-tokens", type=int, default=128, help="rl swap: new tokens per request, +- half (128)")
+    g.add_argument("--rl-swap-steady", type=float, default=3.0, help="rl swap: seconds of steady load around a swap (3)")
+    g.add_argument("--rl-swap-rounds", type=int, default=2, help="rl swap: swaps per policy and fleet size (2)")
     g.add_argument("--prefix-requests", type=int, default=64, help="prefix-cache: requests sent at once (64)")
     g.add_argument("--prefix-shared-tokens", type=int, default=512, help="prefix-cache: shared prefix length (512)")
     g.add_argument("--prefix-suffix-tokens", type=int, default=32, help="prefix-cache: each request's own tokens (32)")
@@ -136,9 +145,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overhead_jobs=args.overhead_jobs, overhead_tokens=args.overhead_tokens,
         overhead_offered_per_s=args.overhead_offered,
         overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
+        metrics_port=args.metrics_port,
         late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
         late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
-        rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens,
+        rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens, rl_parts=args.rl_parts,
+        rl_swap_sequences=args.rl_swap_sequences, rl_swap_new_tokens=args.rl_swap_new_tokens,
+        rl_swap_steady_s=args.rl_swap_steady, rl_swap_rounds=args.rl_swap_rounds,
         prefix_requests=args.prefix_requests, prefix_shared_tokens=args.prefix_shared_tokens,
         prefix_suffix_tokens=args.prefix_suffix_tokens, prefix_new_tokens=args.prefix_new_tokens,
         prefix_cache_mb=args.prefix_cache_mb, soak_jobs=args.soak_jobs,

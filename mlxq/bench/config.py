@@ -10,6 +10,9 @@ ARMS = ("A", "B", "C", "D", "E", "S", "K")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
              "gateway-blocking", "images")
 
+# --scenario rl: n samples vs independent requests, the cost of a weight swap, mixed adapters
+RL_PARTS = ("samples", "swap", "adapters")
+
 ARM_LABELS = {
     "A": "A: one job at a time (mlx-lm generate_step, model loaded once)",
     "B": "B: engine bound (mlx-lm BatchGenerator, requests known up front, no queue)",
@@ -55,6 +58,7 @@ class BenchConfig:
     overhead_offered_per_s: float = 3000.0  # the target: does one worker keep up?
     overhead_publish: int = 256
     overhead_step_ms: float = 10.0
+    metrics_port: Optional[int] = None  # overhead: the fake worker serves metrics here, scraped every second
     late_long: int = 31
     late_long_tokens: int = 256
     late_short_tokens: int = 8
@@ -63,6 +67,11 @@ class BenchConfig:
     rl_n: int = 8
     rl_prompt_tokens: int = 256
     rl_new_tokens: int = 64
+    rl_parts: tuple[str, ...] = RL_PARTS  # what --scenario rl runs (mlxq/bench/scenario_rl_swap.py)
+    rl_swap_sequences: int = 64  # the decoding load a weight swap lands on, over the fleet
+    rl_swap_new_tokens: int = 128  # each of its requests: this +- half of it
+    rl_swap_steady_s: float = 3.0  # steady load before and after each swap
+    rl_swap_rounds: int = 2  # each policy this many times per fleet size
     prefix_requests: int = 64
     prefix_shared_tokens: int = 512  # the system prompt every request starts with
     prefix_suffix_tokens: int = 32  # then each request's own tokens
@@ -103,6 +112,10 @@ class BenchConfig:
             raise ValueError("--concurrency and --workers take positive integers")
         if any(r <= 0 for r in self.rates):
             raise ValueError("--rates take positive numbers (requests per second)")
+        if not self.rl_parts or any(part not in RL_PARTS for part in self.rl_parts):
+            raise ValueError(f"--rl-parts: choose from {','.join(RL_PARTS)}")
+        if self.rl_swap_sequences < 1 or self.rl_swap_new_tokens < 2 or self.rl_swap_rounds < 1:
+            raise ValueError("--rl-swap-sequences and --rl-swap-rounds must be >= 1, --rl-swap-new-tokens >= 2")
         if self.image_requests < 1 or self.image_new_tokens < 1:
             raise ValueError("--image-requests and --image-new-tokens must be >= 1")
         if self.soak_engine not in ("model", "fake"):

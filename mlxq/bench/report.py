@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
-from mlxq.bench import scenario_gateway
+from mlxq.bench import scenario_gateway, scenario_rl_swap
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
@@ -232,7 +232,8 @@ def _overhead_line(o: dict[str, Any]) -> str:
             f"{p['burst_jobs']} jobs (their batch's plain steps {_f(p.get('burst_batch_step_p50_ms'))} ms), "
             f"{_f(p.get('publishing_step_ms'))} ms at most in the steps while their "
             f"results were published, {_f(p['admit_step_ms'])} ms at most while "
-            f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)")
+            f"they joined (fake step cost {p['fake_step_ms']:g} ms; medians of {len(p.get('rounds', []))} rounds)"
+            + (f"; worker metrics on, scraped {o['metrics']['scrapes']} times" if o.get("metrics") else ""))
 
 
 def _late_joiner_line(s: dict[str, Any]) -> str:
@@ -281,7 +282,7 @@ def _soak_line(s: dict[str, Any]) -> str:
 _SCENARIO_LINES = {
     "overhead": _overhead_line,
     "late-joiner": _late_joiner_line,
-    "rl": _rl_line,
+    "rl": lambda r: "\n".join(([_rl_line(r)] if "grouped" in r else []) + scenario_rl_swap.rl_lines(r)),
     "prefix-cache": _prefix_cache_line,
     "soak": _soak_line,
     "structured": structured_summary_line,

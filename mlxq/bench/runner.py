@@ -11,6 +11,8 @@ import sys
 import traceback
 from typing import Any, Optional
 
+from tqdm import tqdm
+
 from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
 from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
@@ -50,6 +52,7 @@ class Runner:
         self.argv = argv or sys.argv
         self.report: dict[str, Any] = {}
         self.records_path = cfg.out / "records.jsonl"
+        self.progress = tqdm(disable=True)  # run() sets the real one
 
     def run(self) -> int:
         import worker  # noqa: F401  (the BLAS preload must come before anything imports mlx)
@@ -93,8 +96,12 @@ class Runner:
         }
         print(f"mlxq bench: model {model}; {self.report['device']}; BLAS {self.blas.name}", flush=True)
         code = 0
+        # On a terminal (stderr), one bar over the run: each arm's workloads, then each scenario.
+        steps = (len(cfg.arms) * len(build_workloads(cfg, tokenizer)) * cfg.repeats if "throughput" in cfg.scenarios
+                 else 0) + sum(name != "throughput" for name in cfg.scenarios)
+        self.progress = tqdm(total=steps, desc="mlxq bench", unit="step", file=sys.stderr, disable=None, leave=False)
         try:
-            with ProcessSet(cfg.logs) as procs, existing_or_private(cfg.url) as url:
+            with self.progress, ProcessSet(cfg.logs) as procs, existing_or_private(cfg.url) as url:
                 self.report["redis_server"] = redis_server_version(url)
                 if "throughput" in cfg.scenarios:
                     self._throughput(procs, url)
@@ -182,6 +189,7 @@ class Runner:
         except ArmSkipped as exc:
             entry.update(status="skipped", reason=str(exc))
             print(f"   skipped: {exc}", flush=True)
+            self.progress.update(len(plan))
         except KeyboardInterrupt:
             raise
         except Exception as exc:
@@ -202,6 +210,7 @@ class Runner:
         return True
 
     def _record(self, arm: Arm, workload: Workload, outcome: Any, repeat: int) -> None:
+        self.progress.update()
         result: dict[str, Any] = {"arm": arm.key, "workload": workload.describe(), "repeat": repeat}
         if isinstance(outcome, BaseException):
             result.update(status="failed", error=f"{type(outcome).__name__}: {outcome}"[:2000])
@@ -223,7 +232,7 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import images, scenario_gateway, scenarios, soak, structured
+        from mlxq.bench import images, scenario_gateway, scenario_rl_swap, scenarios, soak, structured
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -242,7 +251,7 @@ class Runner:
         runs = {
             "overhead": lambda: scenarios.overhead(cfg, url, procs),
             "late-joiner": lambda: scenarios.late_joiner(cfg, self.tokenizer, make_cluster),
-            "rl": lambda: scenarios.rl(cfg, self.tokenizer, make_cluster),
+            "rl": lambda: scenario_rl_swap.rl(cfg, self.tokenizer, make_cluster, url, procs, self.model, self.blas.path),
             "prefix-cache": lambda: scenarios.prefix_cache(cfg, self.tokenizer, make_cluster),
             "soak": soak_run,
             "structured": lambda: structured.structured(cfg, self.model),
@@ -264,6 +273,7 @@ class Runner:
                 traceback.print_exc()
             finally:
                 procs.stop_all()
+                self.progress.update()
 
 
 def run_bench(cfg: BenchConfig, argv: Optional[list[str]] = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Optional, Protocol
 
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster, drive, payload
 from mlxq.bench.config import BenchConfig
+from mlxq.bench.metrics_scrape import MetricsScraper
 from mlxq.bench.procs import ProcessSet
 from mlxq.bench.stats import distribution, median, summarize
 from mlxq.bench.workloads import BenchRequest, Prompt, Tokenizer, Workload, all_at_once, make_prompts
@@ -37,7 +38,8 @@ def fake_cluster(cfg: BenchConfig, url: str, procs: ProcessSet, max_num_seqs: in
                  step_log: str) -> MlxqCluster:
     def argv(name: str, queues: list[str]) -> list[str]:
         return [sys.executable, "-m", "mlxq.bench.fake_worker", "--url", url, "--name", name,
-                "--max-num-seqs", str(max_num_seqs), "--step-ms", str(step_ms), "--step-log", step_log, *queues]
+                "--max-num-seqs", str(max_num_seqs), "--step-ms", str(step_ms), "--step-log", step_log,
+                *(["--metrics-port", str(cfg.metrics_port)] if cfg.metrics_port is not None else []), *queues]
 
     return MlxqCluster(url, "fake", 1, max_num_seqs, cfg.prefill_batch_size, procs, worker_argv=argv)
 
@@ -48,6 +50,14 @@ def _fake_jobs(count: int, max_tokens: int, offset: int = 0) -> list[BenchReques
 
 
 def overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
+    if cfg.metrics_port is None:
+        return _overhead(cfg, url, procs)
+    with MetricsScraper(cfg.metrics_port) as scraper:
+        result = _overhead(cfg, url, procs)
+    return {**result, "metrics": scraper.summary()}
+
+
+def _overhead(cfg: BenchConfig, url: str, procs: ProcessSet) -> dict[str, Any]:
     # Phase 1: jobs/s with a free engine: the queue's own ceiling.
     log1 = cfg.logs / "fake-steps-throughput.json"
     cluster = fake_cluster(cfg, url, procs, 256, 0.0, str(log1))

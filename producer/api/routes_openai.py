@@ -108,6 +108,11 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                 if event["event"] == "token":
                     yield json.dumps(writer.token(event))
                     continue
+                if event["event"] == "restart":  # what was sent cannot be taken back: say so, let the job run
+                    ended = True
+                    yield json.dumps(error_body(f"the job restarted ({event['reason']}); its result will be at "
+                                                f"/v1/jobs/{job_id}", "server_error", code="JobRestarted"))
+                    break
                 result = await gw.client.result(job_id)
                 ended = True
                 for chunk in writer.closing(result) if result is not None else []:

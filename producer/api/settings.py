@@ -42,6 +42,10 @@ class GatewaySettings(BaseSettings):
     tenant_max_in_flight: int = Field(1024, ge=1)  # a tenant's jobs submitted and not ended, at most
     # Tenants that may drive the control plane (/v1/control: weights, pause, abort; docs/rl.md), comma-separated.
     admin_tenants: tuple[str, ...] = ()
+    # /metrics and /dashboard (fleet numbers, no job's content) ask for an API key too (docs/operations.md).
+    ops_require_key: bool = False
+    history_interval_s: float = Field(5.0, gt=0)  # /dashboard: a fleet sample this often (one per fleet)
+    history_window_s: float = Field(900.0, ge=60)  # ... kept this long, in Redis
     result_ttl: int = Field(3600, ge=1)  # seconds a gateway job's result is kept
     request_timeout_s: float = Field(3600.0, gt=0)  # a blocking request waits this long at most
     models: Annotated[tuple[str, ...], NoDecode] = ()  # served names known even while no worker is live (503, not 404)

@@ -75,6 +75,7 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)
     context: Optional[mx.array] = None  # prompt and tokens fed so far, for its processors
     done: bool = False
+    version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
 
 
 @dataclass
@@ -179,6 +180,10 @@ class CompiledEngine:
         swap_into(self.model, files)  # all or nothing
         self._version = version
         self._prefix.clear()  # its caches hold the old weights' keys and values
+        # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
+        # weights: their first token must not read keys and values the old weights wrote.
+        for entry in self._waiting:
+            entry.cache, entry.cached = None, 0
 
     def reset_prefix_cache(self) -> None:
         self._prefix.clear()
@@ -315,7 +320,7 @@ class CompiledEngine:
             processors.insert(0, namer)
         return _Sequence(spec, guard, guard.sampler(sampler), processors, constraint, list(spec.prompt_token_ids),
                          custom, seeded=namer is not None,
-                         context=mx.array(spec.prompt_token_ids) if custom else None)
+                         context=mx.array(spec.prompt_token_ids) if custom else None, version=self._version)
 
     def _sampler_pool(self) -> SamplerPool:
         return SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
@@ -581,8 +586,8 @@ class CompiledEngine:
     def _keep_cache(self, seq: _Sequence) -> None:
         """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
         prefix cache."""
-        if not self._prefix.enabled or self._buffers is None:
-            return
+        if not self._prefix.enabled or self._buffers is None or seq.version != self._version:
+            return  # (a sequence made before a swap holds keys and values of older weights)
         held = seq.position  # the step in flight has fed its last token too
         tokens = (seq.prompt + seq.generated)[:held]
         if len(tokens) == held > len(seq.prompt):

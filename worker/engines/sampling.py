@@ -322,20 +322,27 @@ class RawLogits:
 
 
 def needs_raw_capture(spec: SequenceSpec, constrained: bool = False) -> bool:
-    """Whether a row's raw logits must be kept: it asked for raw logprobs and something (a bias, a
-    penalty, a constraint's mask) changes its logits before sampling."""
+    """Whether a row's raw logits must be kept: it asked for raw (or scaled) logprobs and something
+    (a bias, a penalty, a constraint's mask) changes its logits before sampling."""
     wants = spec.logprobs or spec.top_logprobs > 0
-    return wants and spec.logprobs_mode == "raw" and (constrained or has_processors(spec.sampling))
+    return wants and spec.logprobs_mode in ("raw", "scaled") and (constrained or has_processors(spec.sampling))
 
 
 def requested_distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: Optional[mx.array]) -> mx.array:
-    """The row's log-distribution the request asked to see (logprobs are after processors)."""
+    """The row's log-distribution the request asked to see (`logprobs` are after its processors):
+    `raw`, the model's own; `scaled`, the model's own at the row's temperature, untruncated (what RL
+    trainers usually recompute); `processed`, the exact distribution that sampled the token."""
     if spec.logprobs_mode == "processed":
         return processed_logprobs(logprobs, spec.sampling)
     if raw_logits is not None:
         raw = raw_logits.reshape(-1).astype(mx.float32)
-        return raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    return logprobs
+        raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    else:
+        raw = logprobs
+    if spec.logprobs_mode == "scaled" and not spec.sampling.is_greedy and spec.sampling.temperature != 1.0:
+        scaled = raw.astype(mx.float32) * (1.0 / spec.sampling.temperature)
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    return raw
 
 
 class LogprobGather:

@@ -159,6 +159,11 @@ class TextEngine:
         swap_into(self.model, files)  # all or nothing
         self._version = version
         self._prefix.clear()  # its caches hold the old weights' keys and values
+        # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
+        # weights: their first token must not read keys and values the old weights wrote.
+        for held in [*self._held, *self._to_prefill]:
+            if held.cache is not None:
+                held.prompt, held.cache, held.cached_tokens = held.cached_tokens + held.prompt, None, []
 
     def reset_prefix_cache(self) -> None:
         self._prefix.clear()
@@ -243,7 +248,7 @@ class TextEngine:
                       logits_processors(spec.sampling, len(spec.prompt_token_ids), capture, constraint)]
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        return _Row(spec, capture, guard, guard.sampler(sampler), processors, constraint)
+        return _Row(spec, capture, guard, guard.sampler(sampler), processors, constraint, version=self._version)
 
     def _mask_batch(self) -> MaskBatch:
         if self._masks is None:
@@ -440,7 +445,8 @@ class TextEngine:
             if spec.logprobs or spec.top_logprobs:
                 wanted.append((event, spec, requested_distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
-                self._keep_cache(spec, response.all_tokens, response.prompt_cache)
+                if live.version == self._version:  # else its cache holds keys and values of older weights
+                    self._keep_cache(spec, response.all_tokens, response.prompt_cache)
                 self._forget(spec.uid)
         if wanted:
             attach_logprobs(wanted)
@@ -505,6 +511,7 @@ class _Row:
     processors: list[Any]
     constraint: Optional[RowConstraint] = None
     emitted: bool = False  # it has produced a token
+    version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
 
 
 def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
