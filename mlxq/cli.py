@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
                    help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
+    p.add_argument("--decode-warmup-tokens", type=int, help=(
+        "the compiled decode step is compiled at start-up for sequences up to this many tokens "
+        "(MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
     p.add_argument("--metrics-port", type=int, help=(
         "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
