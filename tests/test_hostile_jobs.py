@@ -161,6 +161,8 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     }
     for job_id, fields in refused.items():
         plant(conn, job_id, fields)
+    # Asks rq to run it a million times more: it runs once.
+    plant(conn, "repeater", good_fields(repeats_left="1000000", repeat_intervals="[0]"))
     # Entries that identify nothing: removed, no result key.
     for raw in (b"\xff\xfe\xfd", b"", b"x" * 2000):
         conn.rpush("rq:queue:mlxq", raw)
@@ -181,7 +183,7 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     worker = start_fake_worker(redis_url, "broken", "mlxq", name="hostile", env=WORKER_ENV, step_delay_s=0.02)
     try:
         results = client.wait_many(good, timeout=60)
-        wait_for(lambda: all(result_of(conn, j) for j in [*expect, *refused, "planted-started", hopeless]),
+        wait_for(lambda: all(result_of(conn, j) for j in [*expect, *refused, "planted-started", hopeless, "repeater"]),
                  timeout=60, what="a result key for every identifiable hostile job")
         wait_for(lambda: result_of(conn, timing_out) is not None, timeout=60, what="the capped retries to end")
         wait_for(lambda: result_of(conn, "planted-intermediate") is not None, timeout=30,
@@ -203,6 +205,7 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     assert result_of(conn, "function-abort")["error"]["type"] == "FunctionNotAllowed"
     assert Webhooks.calls == []  # no URL a job names is ever called
     assert result_of(conn, "planted-intermediate")["error"]["type"] == "InvalidJob"
+    assert result_of(conn, "repeater")["status"] == "finished"
     assert result_of(conn, "planted-started")["error"]["type"] == "AbandonedJobError"
     assert not conn.hget("rq:job:planted-started", "failure_callback_name")  # stripped before rq's cleanup
     assert result_of(conn, hopeless)["error"]["type"] == "InvalidRequest"

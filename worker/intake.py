@@ -4,7 +4,7 @@ Any producer, in any language, may write an RQ job hash by hand, so every field 
 parses is checked here first, with the parser rq uses and a range rq does not check: a job hash
 becomes an rq `Job`, or an `Unreadable` that names the broken field. Nothing a producer writes can
 raise out of `read_job`. Job data is decompressed here with a bound (rq's own `zlib.decompress` has
-none) and webhooks are dropped: a worker never calls a URL a job names.
+none), webhooks are dropped (a worker never calls a URL a job names) and so are repeats.
 """
 
 from __future__ import annotations
@@ -180,6 +180,9 @@ def read_job(raw_id: bytes, fields: JobFields, connection: redis.Redis,
     except Exception as exc:  # a combination the checks above did not foresee
         return Unreadable(raw_id, job_id, "job", f"rq could not read this job hash: {type(exc).__name__}: {exc}")
     job.webhooks = []
+    # A generation job runs once: rq's Repeat would run it again after it finished, without end
+    # for a hash that asks for a million repeats.
+    job.repeats_left = None
     return job
 
 

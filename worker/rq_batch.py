@@ -76,13 +76,12 @@ class Success:
 def end_successes(worker: BaseWorker, successes: list[Success], registries: Registries,
                   pause: Callable[[], None] = lambda: None) -> list[Success]:
     """What `handle_job_success` writes, for every success in one atomic call, unless one of the
-    jobs has dependents (or repeats): those need rq's own path, which enqueues the dependents
-    under its own WATCH, so then all are handed back for `handle_job_success` one at a time.
-    `pause` is called before each job's writes are built and before the call."""
+    jobs has dependents: those need rq's own path, which enqueues the dependents under its own
+    WATCH, so then all are handed back for `handle_job_success` one at a time. (Jobs do not repeat:
+    worker/intake.py drops rq's repeats.) `pause` is called before each job's writes are built and
+    before the call."""
     if not successes:
         return []
-    if any(s.job.repeats_left for s in successes):
-        return successes
     batch = CommandBatch(worker.connection)
     for success in successes:
         pause()

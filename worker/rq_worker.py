@@ -367,7 +367,7 @@ class BatchWorker(SimpleWorker):
             successes.append(Success(job, ending.execution, return_value))
         left = {id(s.job) for s in end_successes(self, successes, self._registries, pause=pause)}
         for ending, success in zip(endings, successes):
-            if id(success.job) in left:  # rq's own path: dependents to enqueue, or repeats
+            if id(success.job) in left:  # rq's own path: dependents to enqueue
                 success.job._result = success.return_value
                 with self._as_current(ending.execution):
                     self.handle_job_success(job=success.job, queue=ending.queue,
