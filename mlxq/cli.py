@@ -80,7 +80,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     if args.vision:
         path = make_tiny_vision_model(args.path, shape=args.shape, seed=args.seed)
     else:
-        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed)
+        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
     print(path)
     return 0
 
@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
+    p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
+                   help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
+    p.add_argument("--decode-warmup-tokens", type=int, help=(
+        "the compiled decode step is compiled at start-up for sequences up to this many tokens "
+        "(MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
     p.add_argument("--metrics-port", type=int, help=(
         "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
@@ -170,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b (with --vision: tiny | small)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
     p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
     p.set_defaults(func=cmd_make_tiny_model)
 

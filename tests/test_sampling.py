@@ -1,5 +1,7 @@
 """Per-request sampling inside one batch, on the tiny real model, checked against references
-computed from the model's own distribution (teacher forcing), not against copied numbers."""
+computed from the model's own distribution (teacher forcing), not against copied numbers. The
+tests that do not depend on how an engine schedules its prefills run on both text engines: mlx-lm's
+BatchGenerator (TextEngine) and mlxq's compiled decode path (CompiledEngine)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from mlx_lm import load
 
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
 from worker.engines.base import SamplingParams
+from worker.engines.compiled import CompiledEngine
 from worker.engines.text import TextEngine
 from worker.engines.sampling import SeededSampler, mix_seed, truncate
 from worker.scheduler import BatchScheduler
@@ -24,10 +27,15 @@ def model_and_tokenizer(tiny_model_dir):
     return load(tiny_model_dir)
 
 
+@pytest.fixture(params=[TextEngine, CompiledEngine], ids=["batch-generator", "compiled"])
+def engine_class(request):
+    return request.param
+
+
 @pytest.fixture
-def scheduler(model_and_tokenizer):
+def scheduler(model_and_tokenizer, engine_class):
     model, tokenizer = model_and_tokenizer
-    return BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=48), max_num_seqs=48)
+    return BatchScheduler(engine_class(model, tokenizer, max_num_seqs=48), max_num_seqs=48)
 
 
 def ids(result, i=0):
@@ -198,7 +206,7 @@ SEEDED = {"prompt_token_ids": PROMPT, "max_tokens": 24, "temperature": 1.3, "top
           "ignore_eos": True}
 
 
-def test_seeded_request_gives_the_same_ids_alone_and_in_a_crowd(scheduler, model_and_tokenizer):
+def test_seeded_request_gives_the_same_ids_alone_and_in_a_crowd(scheduler, model_and_tokenizer, engine_class):
     alone = ids(run_all(scheduler, {"alone": SEEDED})["alone"])
     crowd = {f"s{i}": {"prompt_token_ids": [(i * 7 + k) % 500 + 3 for k in range(3 + i % 9)], "max_tokens": 30,
                        "temperature": [0, 0.8, 1.5][i % 3], "top_k": i % 5, **({"seed": i} if i % 2 else {}),
@@ -207,7 +215,7 @@ def test_seeded_request_gives_the_same_ids_alone_and_in_a_crowd(scheduler, model
     results = run_all(scheduler, {**crowd, "target": SEEDED})
     assert ids(results["target"]) == alone
     model, tokenizer = model_and_tokenizer
-    fresh = BatchScheduler(TextEngine(model, tokenizer))  # a new engine: nothing carried over
+    fresh = BatchScheduler(engine_class(model, tokenizer))  # a new engine: nothing carried over
     assert ids(run_all(fresh, {"again": SEEDED})["again"]) == alone
     other_seed = ids(run_all(fresh, {"other": {**SEEDED, "seed": 4321}})["other"])
     assert other_seed != alone
@@ -221,10 +229,11 @@ def seeded_crowd(count: int) -> dict[str, dict]:
             for i in range(count)}
 
 
-def test_a_batch_of_seeded_rows_is_sampled_in_one_call_and_each_row_as_alone(model_and_tokenizer, monkeypatch):
+def test_a_batch_of_seeded_rows_is_sampled_in_one_call_and_each_row_as_alone(model_and_tokenizer, monkeypatch,
+                                                                               engine_class):
     model, tokenizer = model_and_tokenizer
     requests = seeded_crowd(12)
-    alone = {job_id: ids(run_all(BatchScheduler(TextEngine(model, tokenizer)), {job_id: r})[job_id])
+    alone = {job_id: ids(run_all(BatchScheduler(engine_class(model, tokenizer)), {job_id: r})[job_id])
              for job_id, r in requests.items()}
     rows_per_call: list[int] = []
     sample = SeededSampler.__call__
@@ -234,7 +243,7 @@ def test_a_batch_of_seeded_rows_is_sampled_in_one_call_and_each_row_as_alone(mod
         return sample(self, logprobs)
 
     monkeypatch.setattr(SeededSampler, "__call__", counting)
-    together = run_all(BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=16), max_num_seqs=16), requests)
+    together = run_all(BatchScheduler(engine_class(model, tokenizer, max_num_seqs=16), max_num_seqs=16), requests)
     assert {job_id: ids(result) for job_id, result in together.items()} == alone
     assert max(rows_per_call) == 12, "the decode steps of 12 seeded rows should sample them in one call"
 
@@ -310,11 +319,11 @@ class CountingModel:
         return getattr(self._model, name)
 
 
-def test_n_choices_share_one_prefill(model_and_tokenizer):
+def test_n_choices_share_one_prefill(model_and_tokenizer, engine_class):
     model, tokenizer = model_and_tokenizer
     prompt = [(k * 29) % 500 + 3 for k in range(40)]
     counting = CountingModel(model)
-    scheduler = BatchScheduler(TextEngine(counting, tokenizer))
+    scheduler = BatchScheduler(engine_class(counting, tokenizer))
     greedy = run_all(scheduler, {"g": {"prompt_token_ids": prompt, "max_tokens": 8, "n": 4, "temperature": 0,
                                        "ignore_eos": True, "logprobs": True}})["g"]
     assert counting.prefill_tokens == len(prompt) - 1  # once, not 4 times

@@ -23,15 +23,18 @@ from schemas.constraints import MAX_JSON_SCHEMA_CHARS
 from tests.workers import start_worker, stop
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
+@pytest.fixture(scope="module", params=["batch-generator", "compiled"])
+def engine(tiny_model_dir, request):
+    """Both text engines: mlx-lm's BatchGenerator and mlxq's compiled decode path."""
     import worker  # noqa: F401
     from mlx_lm import load
 
+    from worker.engines.compiled import CompiledEngine
     from worker.engines.text import TextEngine
 
     model, tokenizer = load(tiny_model_dir)
-    return TextEngine(model, tokenizer, max_num_seqs=16)
+    engine_class = TextEngine if request.param == "batch-generator" else CompiledEngine
+    return engine_class(model, tokenizer, max_num_seqs=16)
 
 
 class _Recording:

@@ -80,16 +80,30 @@ def build_engine(settings: WorkerSettings) -> Any:
         return VisionEngine(model, tokenizer, max_num_seqs=settings.max_num_seqs,
                             prefill_batch_size=settings.prefill_batch_size,
                             prefill_step_size=settings.prefill_step_size, images=settings.image_policy)
+    return engine_for_model(settings, model, tokenizer)
+
+
+def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> Any:
+    """The text engine for a loaded model: mlxq's compiled decode path where it is exact (its decode
+    step compiled here, before any job), mlx-lm's BatchGenerator otherwise (worker/engines/decode_path.py)."""
+    from worker.engines.decode_path import choose_decode_path
+
+    path = choose_decode_path(model, settings.decode)
+    log.info("decode path: %s (%s)", path.name, path.reason)
+    options = dict(max_num_seqs=settings.max_num_seqs, prefill_batch_size=settings.prefill_batch_size,
+                   prefill_step_size=settings.prefill_step_size, prefix_cache_bytes=settings.prefix_cache_bytes)
+    if path.name == "compiled":
+        from worker.engines.compiled import CompiledEngine
+
+        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes, **options)
+        if settings.decode_warmup_tokens:
+            shapes, seconds = engine.warm_up(settings.decode_warmup_tokens)
+            log.info("decode step warm-up: %d shapes (up to %d slots x %d tokens) compiled in %.1f s",
+                     shapes, settings.max_num_seqs, settings.decode_warmup_tokens, seconds)
+        return engine
     from worker.engines.text import TextEngine
 
-    return TextEngine(
-        model,
-        tokenizer,
-        max_num_seqs=settings.max_num_seqs,
-        prefill_batch_size=settings.prefill_batch_size,
-        prefill_step_size=settings.prefill_step_size,
-        prefix_cache_bytes=settings.prefix_cache_bytes,
-    )
+    return TextEngine(model, tokenizer, **options)
 
 
 def is_vision_model(model: str) -> bool:

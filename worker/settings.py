@@ -56,6 +56,13 @@ class WorkerSettings(BaseSettings):
     group: Optional[str] = None
     engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
     fake_step_delay_s: float = 0.0
+    # How the mlx engine decodes: "auto" (mlxq's compiled engine where it is exact, else mlx-lm's
+    # BatchGenerator; the worker logs which and why), "compiled" (refuse to start where it is not
+    # exact), "batch-generator" (always mlx-lm's). See docs/engine.md.
+    decode: str = "auto"
+    # The compiled engine compiles its decode step at start-up for sequences up to this many tokens
+    # (every batch bucket); longer ones compile the first time they occur. 0: no warm-up.
+    decode_warmup_tokens: int = 512
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
     blas_threads: Optional[int] = None
@@ -161,6 +168,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_BLAS_THREADS must be >= 1, got {self.blas_threads}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"MLXQ_PREFIX_CACHE_MB must be >= 0 (0 turns the cache off), got {self.prefix_cache_mb}")
+        if self.decode not in ("auto", "compiled", "batch-generator"):
+            raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
+        if self.decode_warmup_tokens < 0:
+            raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:
             keys.check_priorities(self.priorities, "MLXQ_PRIORITIES")
         if self.default_max_tokens > self.max_tokens_limit:

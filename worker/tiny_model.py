@@ -2,7 +2,9 @@
 
 The directory has the layout of a hub model (config.json, model.safetensors, tokenizer
 files with a chat template), so it goes through the same `mlx_lm.load` path as real models;
-the vision one (`make_tiny_vision_model`, a qwen2_vl) through `mlx_vlm.load`.
+the vision one (`make_tiny_vision_model`, a qwen2_vl) through `mlx_vlm.load`. For text models,
+`arch` picks the architecture (mlx-lm's model class and the config fields it reads): llama by
+default, or one of ARCHITECTURES.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
+# mlx-lm model module and the config fields beyond the common ones, per architecture (`arch`).
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0}),
+    "mistral": ("llama", {"architectures": ["MistralForCausalLM"], "rope_theta": 10000.0}),
+    "qwen2": ("qwen2", {"architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0}),
+    "qwen3": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0}),
+    "gemma": ("gemma", {"architectures": ["GemmaForCausalLM"], "rope_theta": 10000.0}),
+    "gemma2": ("gemma2", {"architectures": ["Gemma2ForCausalLM"], "rope_theta": 10000.0,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                          "query_pre_attn_scalar": 16}),
+    # Every layer but each sliding_window_pattern-th attends to a sliding window (RotatingKVCache).
+    "gemma3_text": ("gemma3_text", {"architectures": ["Gemma3ForCausalLM"], "rope_theta": 1000000.0,
+                                    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 16,
+                                    "sliding_window": 8, "sliding_window_pattern": 2}),
+}
+
+
 def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS,
                      chat_template: str = CHAT_TEMPLATE):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -82,13 +101,20 @@ def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS
 
 
 def make_tiny_model(
-    path: str | Path, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0
+    path: str | Path, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0, arch: str = "llama",
+    num_key_value_heads: int | None = None,
 ) -> Path:
-    """Write a random-weight llama-architecture model to `path` and return it."""
+    """Write a random-weight model of architecture `arch` (llama unless given) to `path` and
+    return it. `num_key_value_heads` overrides the shape's (grouped-query attention or not)."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch: unknown architecture {arch!r} (one of {', '.join(ARCHITECTURES)})")
+    module_name, extra = ARCHITECTURES[arch]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
     dims = SHAPES[shape]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,24 +124,24 @@ def make_tiny_model(
     tokenizer.save_pretrained(str(out))
 
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
         "hidden_size": dims.hidden_size,
         "num_hidden_layers": dims.num_hidden_layers,
         "intermediate_size": dims.intermediate_size,
         "num_attention_heads": dims.num_attention_heads,
-        "num_key_value_heads": dims.num_key_value_heads,
+        "num_key_value_heads": num_key_value_heads or dims.num_key_value_heads,
+        "head_dim": dims.hidden_size // dims.num_attention_heads,
         "rms_norm_eps": 1e-5,
         "vocab_size": dims.vocab_size,
         "max_position_embeddings": 8192,
-        "rope_theta": 10000.0,
         "tie_word_embeddings": True,
+        **extra,
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         "torch_dtype": dtype,
     }
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -173,9 +173,9 @@ class EngineBoundArm(_BatchingArm):
 
 
 class SchedulerArm(_BatchingArm):
-    """mlxq's own BatchScheduler and TextEngine driven in this process: what the worker runs, with
-    no Redis, RQ or worker loop around it. Against B it prices mlxq's engine wrapper; against C,
-    the queue. It builds each ended job's result in its loop, which a worker leaves to its
+    """mlxq's own BatchScheduler and the engine a worker would pick (worker/loading.py) driven in this
+    process: what the worker runs, with no Redis, RQ or worker loop around it. Against B it prices
+    mlxq's engine wrapper; against C, the queue. It builds each ended job's result in its loop, which a worker leaves to its
     bookkeeping thread (~0.1 ms a result)."""
 
     key = "S"
@@ -197,14 +197,11 @@ class SchedulerArm(_BatchingArm):
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         from mlxq.bench.arm_mlxq import fill_from_result, payload
-        from worker.engines.text import TextEngine
+        from worker.loading import engine_for_model
         from worker.scheduler import BatchScheduler
 
         settings = self._settings()
-        engine = TextEngine(self.local.load(), self.local.tokenizer, max_num_seqs=settings.max_num_seqs,
-                            prefill_batch_size=settings.prefill_batch_size,
-                            prefill_step_size=settings.prefill_step_size,
-                            prefix_cache_bytes=settings.prefix_cache_bytes)
+        engine = engine_for_model(settings, self.local.load(), self.local.tokenizer)
         scheduler = BatchScheduler(engine, max_num_seqs=settings.max_num_seqs,
                                    default_max_tokens=settings.default_max_tokens, limits=settings.limits,
                                    kv_budget_bytes=settings.kv_budget_bytes)

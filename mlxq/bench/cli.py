@@ -20,8 +20,9 @@ Benchmark mlxq against its alternatives on one machine, with the same model and 
   C  mlxq end to end: producer -> Redis -> BatchWorker process(es) -> result keys (--workers)
   D  mlx_lm.server driven by concurrent streaming HTTP clients
   E  vllm-mlx BatchedEngine from a separate venv (--vllm-mlx-venv DIR [--create-venv])
-  S  mlxq's BatchScheduler + TextEngine in this process, no Redis or RQ: S/B prices mlxq's engine
-     wrapper, C/S the queue around it
+  S  mlxq's BatchScheduler + the engine a worker picks, in this process, no Redis or RQ: S/B prices
+     mlxq's engine wrapper, C/S the queue around it
+  K  mlxq's compiled decode engine alone in this process, fed as B is: K/B is the engine against mlx-lm's
 Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
 (--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, structured, images (image jobs
 alone, through mlx-vlm's batched generation and through mlxq), or all.
@@ -54,7 +55,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
     g = p.add_argument_group("what to run")
     g.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
-    g.add_argument("--arms", type=_list(str), default=ARMS, help="comma-separated subset of A,B,C,D,E,S (default all)")
+    g.add_argument("--arms", type=_list(str), default=ARMS, help="comma-separated subset of A,B,C,D,E,S,K (default all)")
     g.add_argument("--scenario", type=_scenarios, default=("throughput",),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}, or all (default throughput)")
     g.add_argument("--concurrency", type=_list(int), default=(1, 8, 32, 128), help="closed-loop clients (1,8,32,128)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-ARMS = ("A", "B", "C", "D", "E", "S")
+ARMS = ("A", "B", "C", "D", "E", "S", "K")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
              "gateway-blocking", "images")
 
@@ -19,7 +19,8 @@ ARM_LABELS = {
     "C": "C: mlxq end to end (producer -> Redis -> BatchWorker -> result keys)",
     "D": "D: mlx_lm.server (HTTP, continuous batching), concurrent streaming clients",
     "E": "E: vllm-mlx BatchedEngine, driven in process by concurrent asyncio clients",
-    "S": "S: mlxq's BatchScheduler and TextEngine in process (no Redis, RQ or worker loop)",
+    "S": "S: mlxq's BatchScheduler and the engine a worker picks, in process (no Redis, RQ or worker loop)",
+    "K": "K: mlxq's compiled decode engine alone, in process (as B: no scheduler, queue or worker loop)",
 }
 
 

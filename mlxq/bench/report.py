@@ -12,7 +12,7 @@ from mlxq.bench import scenario_gateway, scenario_rl_swap
 from mlxq.bench.stats import median, ratio
 
 TARGETS = {"C/B": 0.90, "C/A": 7.0, "C/D": 1.2, "C/E": 1.2}
-ARM_ORDER = ("A", "B", "S", "C1", "C2", "C3", "C4", "D", "E")
+ARM_ORDER = ("A", "B", "K", "S", "C1", "C2", "C3", "C4", "D", "E")
 
 
 def _order(arm: str) -> int:
@@ -62,6 +62,8 @@ def headline(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
     targets = {key: TARGETS[f"C/{key.split('/')[1]}"] for key in each}
     if "S" in arms:  # where C's gap to B lies: mlxq's engine wrapper (S/B) or the queue around it (C/S)
         each.update({"S/B": paired_ratios(report, label, "S", "B"), "C/S": paired_ratios(report, label, c_key, "S")})
+    if "K" in arms:  # mlxq's compiled decode engine alone against mlx-lm's BatchGenerator
+        each["K/B"] = paired_ratios(report, label, "K", "B")
     ratios = {key: median(values) for key, values in each.items()}
     return {
         "concurrency": concurrency,

@@ -22,7 +22,7 @@ from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
 from mlxq.redis_server import existing_or_private
 
-IN_PROCESS = ("A", "B", "S")  # arms that run in this process, on its one loaded model
+IN_PROCESS = ("A", "B", "S", "K")  # arms that run in this process, on its one loaded model
 
 
 def build_workloads(cfg: BenchConfig, tokenizer: Tokenizer) -> list[tuple[Workload, Workload]]:
@@ -138,6 +138,11 @@ class Runner:
                 arms.append(EngineBoundArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size))
             elif key == "S":
                 arms.append(SchedulerArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size))
+            elif key == "K":
+                from mlxq.bench.arm_engine import CompiledEngineArm
+
+                longest = cfg.prompt_tokens + cfg.new_tokens + cfg.new_tokens_spread
+                arms.append(CompiledEngineArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size, longest))
             elif key == "C":
                 arms += [MlxqArm(MlxqCluster(url, self.model, w, cfg.max_num_seqs, cfg.prefill_batch_size, procs,
                                              blas_path=blas_path), cfg.request_timeout_s) for w in cfg.workers]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
@@ -212,6 +212,38 @@ class PrefixCache:
             _discard(self._ending, entry.chain[-1], entry.key)
 
 
+# The cache a prompt starts from (None: empty), the tokens it holds, and whether it is the caller's
+# own copy (else the prefix cache keeps it, and it must be copied before it is changed).
+Start = tuple[Optional[Cache], int, bool]
+
+
+def plan_starts(prefix: PrefixCache, copies: dict[tuple[int, ...], int],
+                prefill: Callable[[list[int], Optional[Cache]], Cache]) -> dict[tuple[int, ...], Start]:
+    """For each prompt of one admission round (to run `copies` times), the cache it starts from:
+    the longest cached prefix, extended by `prefill(tokens, cache)` (in place; a fresh cache if
+    None) to the whole prompt but its last token when it runs more than once, or to the longest
+    prefix of at least `min_match` tokens it shares with another prompt of the round. Extended
+    prefixes are stored, so the next prompt sharing one starts from it."""
+    shared = shared_prefix_lengths(list(copies)) if prefix.enabled else {}
+    starts: dict[tuple[int, ...], Start] = {}
+    # Sorted: prompts sharing a prefix are neighbours, so the first one's prefill is the others' hit.
+    for prompt in sorted(copies):
+        if copies[prompt] > 1:
+            want = len(prompt) - 1
+        else:
+            want = shared.get(prompt, 0)
+            want = want if want >= prefix.min_match else 0
+        found = prefix.lookup(prompt)  # a copy: ours
+        cache, cached = found if found is not None else (None, 0)
+        owned = True
+        if want > cached:
+            cache = prefill(list(prompt[cached:want]), cache)
+            cached = want
+            owned = not prefix.store(prompt[:want], cache)
+        starts[prompt] = (cache, cached, owned)
+    return starts
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -219,6 +251,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """For each prompt, the longest prefix (but its last token) it shares with another of `prompts`.
+    In sorted order the longest common prefix of a prompt with any other is with a neighbour."""
+    ordered = sorted(prompts)
+    shared = dict.fromkeys(ordered, 0)
+    for a, b in zip(ordered, ordered[1:]):
+        n = common_prefix_length(a, b)
+        shared[a] = max(shared[a], min(n, len(a) - 1))
+        shared[b] = max(shared[b], min(n, len(b) - 1))
+    return shared
 
 
 def _discard(index: dict[int, set[int]], h: int, key: int) -> None:

@@ -345,24 +345,39 @@ def requested_distribution(spec: SequenceSpec, logprobs: mx.array, raw_logits: O
     return raw
 
 
+class LogprobGather:
+    """The chosen token's logprob and the top-k of every row that asked, built as one lazy graph:
+    `arrays` are to be evaluated (with a step, or at once), then `fill` writes them into events."""
+
+    def __init__(self, rows: mx.array, tokens: mx.array, top: list[int]) -> None:
+        """`rows` (n, vocab): the distributions; `tokens` (n,): the sampled ones; `top`: each row's k."""
+        self.top = top
+        self.chosen = mx.take_along_axis(rows, tokens.reshape(-1, 1), axis=-1)[:, 0]
+        self.arrays = [self.chosen]
+        k = max(top)
+        if k:
+            candidates = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+            candidate_vals = mx.take_along_axis(rows, candidates, axis=-1)
+            order = mx.argsort(-candidate_vals, axis=-1)
+            self.arrays += [mx.take_along_axis(candidates, order, axis=-1),
+                            mx.take_along_axis(candidate_vals, order, axis=-1)]
+
+    def fill(self, events: list[Optional[TokenEvent]]) -> None:
+        """`events[i]` is row i's event (None: it ended meanwhile)."""
+        chosen = self.arrays[0].tolist()
+        top_ids, top_vals = (self.arrays[1].tolist(), self.arrays[2].tolist()) if len(self.arrays) > 1 else ([], [])
+        for i, event in enumerate(events):
+            if event is None:
+                continue
+            event.logprob = float(chosen[i])
+            if self.top[i]:
+                event.top_logprobs = list(zip(top_ids[i][: self.top[i]], top_vals[i][: self.top[i]]))
+
+
 def attach_logprobs(wanted: list[tuple[TokenEvent, SequenceSpec, mx.array]]) -> None:
     """Gather the chosen token's logprob (and the top-k) for every row that asked, in one eval."""
-    rows = mx.stack([logprobs for _, _, logprobs in wanted])
-    tokens = mx.array([event.token for event, _, _ in wanted])
-    chosen = mx.take_along_axis(rows, tokens[:, None], axis=-1)[:, 0]
-    k = max(spec.top_logprobs for _, spec, _ in wanted)
-    if k:
-        candidates = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
-        candidate_vals = mx.take_along_axis(rows, candidates, axis=-1)
-        order = mx.argsort(-candidate_vals, axis=-1)
-        top_ids = mx.take_along_axis(candidates, order, axis=-1)
-        top_vals = mx.take_along_axis(candidate_vals, order, axis=-1)
-        mx.eval(chosen, top_ids, top_vals)
-        top_ids_list, top_vals_list = top_ids.tolist(), top_vals.tolist()
-    else:
-        mx.eval(chosen)
-    chosen_list = chosen.tolist()
-    for i, (event, spec, _) in enumerate(wanted):
-        event.logprob = float(chosen_list[i])
-        if spec.top_logprobs:
-            event.top_logprobs = list(zip(top_ids_list[i][: spec.top_logprobs], top_vals_list[i][: spec.top_logprobs]))
+    gather = LogprobGather(mx.stack([logprobs for _, _, logprobs in wanted]),
+                           mx.array([event.token for event, _, _ in wanted]),
+                           [spec.top_logprobs for _, spec, _ in wanted])
+    mx.eval(gather.arrays)
+    gather.fill([event for event, _, _ in wanted])

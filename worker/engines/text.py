@@ -32,14 +32,11 @@ from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
 from worker.engines.prefill_pacing import PrefillPacing
-from worker.engines.prefix_cache import PrefixCache, common_prefix_length, unsupported_reason
+from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.sampling import (RawLogits, RowGuard, SamplerPool, attach_logprobs, greedy, logits_processors,
                                      needs_raw_capture, repair_random_state, requested_distribution)
-
-
-# The KV cache a prompt starts from (None: empty), the tokens it holds, and whether it is the
-# caller's own copy (else the prefix cache keeps it, and it must be copied before use).
-_Start = tuple[Optional[list[Any]], int, bool]
+from worker.engines.text_model import (RequestRejected, measure_kv_bytes_per_token, model_context_length,  # noqa: F401
+                                       model_vocab_size, prepare_prompt, prompt_token_ids)
 
 
 # Joiners prefilled one by one at admission: each stalls the running batch for its own prefill (on
@@ -59,10 +56,6 @@ EAGER_REFILL_STEPS = 16
 JOINER_HOLD_STEPS = 4
 
 
-class RequestRejected(ValueError):
-    """The request cannot run on this model; the message names the field."""
-
-
 class TextEngine:
     def __init__(
         self,
@@ -77,7 +70,7 @@ class TextEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self._vocab_size = _model_vocab_size(model, tokenizer)
+        self._vocab_size = model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         self._generator_options = dict(
@@ -181,34 +174,10 @@ class TextEngine:
     def prepare(self, request: GenerationRequest) -> Prompt:
         """The prompt's token ids and, for a constrained request, its compiled constraint (cached
         per worker: docs/structured-output.md has the compile times)."""
-        token_ids = self.prompt_token_ids(request)
-        constraint = request.constraint
-        if constraint is None:
-            return Prompt(token_ids)
-        if request.ignore_eos:
-            raise RequestRejected(f"ignore_eos: cannot be combined with {constraint.field.split('.')[0]}, "
-                                  "which ends the text where the constraint allows EOS")
-        return Prompt(token_ids, inputs=self._constraints.compile(constraint))
+        return prepare_prompt(self.tokenizer, request, self._constraints)
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return list(self.tokenizer.encode(request.prompt))
-        assert request.messages is not None
-        if not getattr(self.tokenizer, "has_chat_template", False):
-            raise RequestRejected("messages: this model has no chat template; send `prompt` or `prompt_token_ids`")
-        messages = []
-        for i, message in enumerate(request.messages):
-            content = message.content
-            if not isinstance(content, str):
-                if any(part.type != "text" for part in content):
-                    raise RequestRejected(
-                        f"messages[{i}].content: image parts need a vision model; this worker serves a text model"
-                    )
-            messages.append(message.model_dump(exclude_none=True))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return prompt_token_ids(self.tokenizer, request)
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
@@ -232,7 +201,7 @@ class TextEngine:
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        starts = self._starts({prompt: len(group) for prompt, group in groups.items()})
+        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()}, self._prefill)
         for prompt, group in groups.items():
             cache, cached, owned = starts[prompt]
             rows = [self._row(spec) for spec in group]
@@ -247,32 +216,6 @@ class TextEngine:
             else:
                 self._insert_or_hold(joining, rows, [list(prompt[cached:]) for _ in rows],
                                      _handed_out(cache, len(rows), owned), [list(prompt[:cached]) for _ in rows])
-
-    def _starts(self, copies: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], _Start]:
-        """For each prompt (run `copies` times), the cache it starts from and the tokens it holds."""
-        shared = _shared_prefix_lengths(list(copies)) if self._prefix.enabled else {}
-        starts: dict[tuple[int, ...], _Start] = {}
-        # Sorted: prompts sharing a prefix are neighbours, so the first one's prefill is the others' hit.
-        for prompt in sorted(copies):
-            if copies[prompt] > 1:
-                want = len(prompt) - 1
-            else:
-                want = shared.get(prompt, 0)
-                want = want if want >= self._prefix.min_match else 0
-            starts[prompt] = self._start(list(prompt), want)
-        return starts
-
-    def _start(self, prompt: list[int], want: int) -> _Start:
-        """The cache a prompt starts from and how many of its tokens it holds: the longest cached
-        prefix, extended here to `want` tokens (stored for later prompts) when that is longer."""
-        found = self._prefix.lookup(prompt)  # a copy: ours
-        cache, cached = found if found is not None else (None, 0)
-        if want > cached:
-            cache = self._prefill(prompt[cached:want], cache)
-            cached = want
-            if self._prefix.store(prompt[:want], cache):
-                return cache, cached, False
-        return cache, cached, True
 
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
@@ -577,18 +520,6 @@ def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:
     return [cache if owned and i == 0 else copy.deepcopy(cache) for i in range(count)]
 
 
-def _shared_prefix_lengths(prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
-    """For each prompt, the longest prefix (but its last token) it shares with another of `prompts`.
-    In sorted order the longest common prefix of a prompt with any other is with a neighbour."""
-    ordered = sorted(prompts)
-    shared = dict.fromkeys(ordered, 0)
-    for a, b in zip(ordered, ordered[1:]):
-        n = common_prefix_length(a, b)
-        shared[a] = max(shared[a], min(n, len(a) - 1))
-        shared[b] = max(shared[b], min(n, len(b) - 1))
-    return shared
-
-
 def _note_constraint(row: "_Row", event: TokenEvent) -> None:
     """Tell a constrained row's matcher what it returned, and on its last token whether its text is complete."""
     if row.constraint is None:
@@ -596,33 +527,3 @@ def _note_constraint(row: "_Row", event: TokenEvent) -> None:
     row.constraint.observe(event.token)
     if event.finish_reason is not None:
         event.constraint_complete = row.constraint.ended(stopped_by_token=event.finish_reason == "stop")
-
-
-def measure_kv_bytes_per_token(model: Any) -> int:
-    """Run one token through a fresh cache and weigh its (batch, heads, time, dim) arrays per
-    time step: right for GQA and quantized caches alike. 0 when nothing grows per token."""
-    try:
-        cache = make_prompt_cache(model)
-        model(mx.array([[0]]), cache=cache)
-        arrays = [a for c in cache for a in _flatten(c.state) if isinstance(a, mx.array) and a.ndim == 4]
-        mx.eval(arrays)
-        return int(sum(a.nbytes // a.shape[2] for a in arrays))
-    except Exception:
-        return 0
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _flatten(item)]
-    return [value]
-
-
-def _model_vocab_size(model: Any, tokenizer: Any) -> int:
-    args = getattr(model, "args", None)
-    size: Optional[int] = getattr(args, "vocab_size", None)
-    return int(size) if size else len(tokenizer)
-
-
-def model_context_length(model: Any) -> Optional[int]:
-    length = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    return int(length) if isinstance(length, int) and length > 0 else None

@@ -1,0 +1,602 @@
+"""CompiledEngine: mlxq's own continuous-batching decode loop over shape-stable slot buffers.
+
+Every sequence owns a slot of preallocated per-layer KV buffers (worker/engines/slot_cache.py)
+and is written at its own position, so a decode step has the same shapes whatever the sequences'
+lengths: it is one `mx.compile`d call per (slots, length) bucket (worker/engines/decode_step.py).
+The next step is built and handed to the device (`mx.async_eval`) before the tokens of the one in
+flight are read back, so the host's work for step k+1 runs while the device computes step k; a
+step's tokens are therefore returned by the following `step()` call.
+
+Prompts are prefilled here, a prefill batch at a time, right-padded into their slots: every prompt
+token but the last, whose token enters the next decode step (as mlx-lm's `generate_step` does),
+which samples the first generated token. Sampling, logits processors, seeds, logprobs, the prefix
+cache and the n choices sharing one prefill are the text engine's (worker/engines/text.py):
+the same modules, the same per-row rules, in the order mlx-lm applies them.
+
+Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
+run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from schemas import GenerationRequest
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
+from worker.engines.counters import EngineCounters
+from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
+from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
+from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
+                                     repair_random_state, requested_distribution)
+from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
+from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
+
+log = logging.getLogger("mlxq.engine")
+
+# Reading back the step that samples the first tokens of sequences that join a decoding batch, in
+# the call that admits them, costs the overlap of that step with the host's next one; under
+# steady churn (sequences joining every step) that would be every step. At most EAGER_MAX such
+# calls at once; one more is allowed per EAGER_REFILL_STEPS decode steps. Other joiners get their
+# first token one call later.
+EAGER_MAX = 4
+EAGER_REFILL_STEPS = 16
+
+# Buffers are padded past what the sequences need to the next bucket; when a budget is set and the
+# padded shape would exceed it, lengths are rounded up to this many positions instead.
+EXACT_LENGTH_STEP = 64
+
+
+@dataclass
+class _Sequence:
+    """One sequence's own state: its spec, its sampler and logits processors (guarded: their failure
+    ends it alone), its constraint, its slot and what it has produced."""
+
+    spec: SequenceSpec
+    guard: RowGuard
+    sampler: Any
+    processors: list[Any]
+    constraint: Optional[RowConstraint]
+    prompt: list[int]
+    custom: bool  # it has processors that change its logits (beyond naming a seeded row)
+    seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
+    slot: int = -1
+    position: int = 0  # where its next input token's keys and values go: the tokens its slot holds
+    launches: int = 0  # decode steps it was in
+    generated: list[int] = field(default_factory=list)
+    context: Optional[mx.array] = None  # prompt and tokens fed so far, for its processors
+    done: bool = False
+    version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
+
+
+@dataclass
+class _Waiting:
+    seq: _Sequence
+    cache: Optional[list[Any]]  # mlx-lm caches of a prefix it starts from (read, never changed)
+    cached: int  # the prompt tokens that cache holds
+
+    @property
+    def rest(self) -> list[int]:
+        """The prompt tokens to prefill: all but those cached and the last."""
+        return self.seq.prompt[self.cached:-1]
+
+
+@dataclass
+class _Launched:
+    """A decode step handed to the device, read back by the next `step()`."""
+
+    tokens: mx.array  # (slots,)
+    rows: list[tuple[int, _Sequence]]  # (slot at launch, sequence) of every occupied slot
+    errors: list[Optional[str]]  # each row's own failure (processor, sampler) while building it
+    logprobs: Optional[LogprobGather]
+    wanting: list[int]  # positions in `rows` of the rows whose logprobs `logprobs` holds
+    weight_version: int  # of the weights it ran with
+
+
+class CompiledEngine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        prefix_cache_bytes: int = 0,
+        prefix_min_match: int = 16,
+        kv_budget_bytes: int = 0,
+        overlap: bool = True,
+    ) -> None:
+        self.model = model
+        self._overlap = overlap  # False: every step is read back in the call that launched it
+        self.tokenizer = tokenizer
+        self._vocab_size = model_vocab_size(model, tokenizer)
+        self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self._max_slots = max_num_seqs
+        self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
+        self._prefill_step_size = prefill_step_size
+        self._kv_budget = kv_budget_bytes
+        self._layout = KVLayout.of(model)
+        self._decode = DecodeStep(model, self._layout.grouped_mask)
+        self._samplers = self._sampler_pool()
+        self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._version = 0  # of the weights now (swap_weights)
+        self._counters = EngineCounters()
+        self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
+                                   disabled_reason=unsupported_reason(make_prompt_cache(model)))
+        self._no_tokens = mx.array([], dtype=mx.int32)
+        self._buffers: Optional[SlotBuffers] = None
+        self._slots: list[Optional[_Sequence]] = []
+        self._inputs: Optional[mx.array] = None  # (slots,): each slot's token for the next step
+        self._waiting: deque[_Waiting] = deque()
+        self._by_uid: dict[str, _Sequence] = {}
+        self._in_flight: Optional[_Launched] = None
+        self._eager_allowance = float(EAGER_MAX)
+
+    # --- the Engine protocol --------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def num_active(self) -> int:
+        return len(self._by_uid)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._layout.bytes_per_token
+
+    def kv_bytes_for(self, rows: int, tokens: int) -> int:
+        """The slot buffers' bytes when `rows` sequences of up to `tokens` tokens decode: what
+        admission should count (the buckets pad both)."""
+        slots, length = self._shape_for(rows, tokens)
+        return slots * length * self._layout.bytes_per_token
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return model_context_length(self.model)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def swap_weights(self, files: list[Path], version: int) -> None:
+        """The next step reads the new weights (they are the compiled step's inputs); the step in
+        flight ran with the old ones, and its tokens say so."""
+        swap_into(self.model, files)  # all or nothing
+        self._version = version
+        self._prefix.clear()  # its caches hold the old weights' keys and values
+        # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
+        # weights: their first token must not read keys and values the old weights wrote.
+        for entry in self._waiting:
+            entry.cache, entry.cached = None, 0
+
+    def reset_prefix_cache(self) -> None:
+        self._prefix.clear()
+
+    def parameter_spec(self) -> ParameterSpec:
+        return parameter_spec(self.model)
+
+    def prepare(self, request: GenerationRequest) -> Prompt:
+        return prepare_prompt(self.tokenizer, request, self._constraints)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def stats(self) -> EngineStats:
+        counters: dict[str, Any] = dict(self._counters.as_dict())
+        counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
+                        slot_buffer_bytes=self._buffers.nbytes if self._buffers else 0)
+        return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
+
+    def time_stats(self) -> dict[str, Any]:
+        return self._counters.as_dict()
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        return self._prefix.stats()
+
+    @property
+    def compiled_shapes(self) -> list[tuple[int, int]]:
+        """The (slots, length) shapes the decode step is compiled for, in the order compiled."""
+        return list(self._decode.shapes)
+
+    @property
+    def compile_records(self) -> list[CompileRecord]:
+        """How long each shape took to compile, and whether the warm-up or a running batch did it."""
+        return list(self._decode.shapes.values())
+
+    def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
+        """Compile the decode step for every slot bucket up to max_num_seqs (or those of `slots`)
+        at every length bucket up to `max_tokens`: how many shapes, and the seconds it took."""
+        buckets = self._slot_ladder() if slots is None else sorted({self._shape_for(n, 1)[0] for n in slots})
+        shapes = [(n, length) for n in buckets for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
+        return len(shapes), self._decode.warm_up(self._layout, shapes)
+
+    def add(self, specs: list[SequenceSpec]) -> None:
+        """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
+        one prefill of the prompt but its last token. With the prefix cache on, every prompt first
+        takes the longest cached prefix, and prompts of one `add` share their common prefixes'
+        prefills; with it off, nothing is shared across requests."""
+        if self._prefix.enabled:
+            self._add(specs)
+        else:
+            by_request: dict[str, list[SequenceSpec]] = {}
+            for spec in specs:
+                by_request.setdefault(spec.request_id, []).append(spec)
+            for request_specs in by_request.values():
+                self._add(request_specs)
+
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
+        return the tokens of the step handed over by the previous call. Sequences just admitted
+        get their first token in this call, while the eager allowance lasts: the step that samples
+        it is read back at once, which costs the overlap of one step."""
+        started = time.perf_counter()
+        admitted, prefill_s = self._admit()
+        self._fit()
+        previous, self._in_flight = self._in_flight, None
+        launched = self._launch() if any(self._slots) else None
+        events = self._collect(previous) if previous is not None else []
+        eager = admitted and previous is not None and self._eager_allowance >= 1
+        if launched is not None and not self._overlap:
+            events += self._collect(launched)
+            launched = None
+        elif launched is not None and (previous is None or eager):
+            self._eager_allowance -= eager
+            events += self._collect(launched)
+            launched = self._launch() if any(self._slots) else None
+        self._in_flight = launched
+        if not any(self._slots) and not self._waiting:  # idle: give the buffers' memory back
+            self._buffers, self._slots, self._inputs = None, [], None
+        self._counters.decode_tokens += sum(1 for e in events if e.error is None)
+        self._counters.decode_s += time.perf_counter() - started - prefill_s
+        return events
+
+    def remove(self, uids: list[str]) -> None:
+        gone = set()
+        for uid in uids:
+            seq = self._by_uid.get(uid)
+            if seq is not None:
+                gone.add(id(seq))
+                self._end(seq)
+        if gone:
+            self._waiting = deque(w for w in self._waiting if id(w.seq) not in gone)
+
+    def reset(self) -> None:
+        self._buffers = None
+        self._slots = []
+        self._inputs = None
+        self._waiting.clear()
+        self._by_uid.clear()
+        self._in_flight = None
+        self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._masks = None
+        self._samplers = self._sampler_pool()
+        repair_random_state()
+
+    # --- admission and prefill ------------------------------------------------------------
+    def _add(self, specs: list[SequenceSpec]) -> None:
+        groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
+        for spec in specs:
+            groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
+        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()},
+                             self._prefill_alone)
+        for prompt, group in groups.items():
+            cache, cached, _owned = starts[prompt]  # only read here: ownership does not matter
+            for spec in group:
+                seq = self._sequence(spec)
+                self._by_uid[spec.uid] = seq
+                self._waiting.append(_Waiting(seq, cache, cached))
+
+    def _sequence(self, spec: SequenceSpec) -> _Sequence:
+        """A sequence's own sampler and logits processors, each guarded so that its failure ends
+        that sequence alone (as the text engine's rows)."""
+        constraint = None
+        if isinstance(spec.inputs, CompiledConstraint):
+            constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
+        guard = RowGuard()
+        sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
+        processors = [guard.processor(p) for p in
+                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None, constraint)]
+        custom = bool(processors)
+        if namer is not None:  # unguarded: it must run even after another processor of the row failed
+            processors.insert(0, namer)
+        return _Sequence(spec, guard, guard.sampler(sampler), processors, constraint, list(spec.prompt_token_ids),
+                         custom, seeded=namer is not None,
+                         context=mx.array(spec.prompt_token_ids) if custom else None, version=self._version)
+
+    def _sampler_pool(self) -> SamplerPool:
+        return SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
+
+    def _mask_batch(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._vocab_size, 2 * self._max_slots)
+        return self._masks
+
+    def _fill_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.fill()
+
+    def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
+        """Run `tokens` through the model on top of `cache` (mlx-lm caches; fresh ones if None),
+        in place: a prefix several sequences start from."""
+        cache = make_prompt_cache(self.model) if cache is None else cache
+        started = time.perf_counter()
+        for start in range(0, len(tokens), self._prefill_step_size):
+            self.model(mx.array(tokens[start:start + self._prefill_step_size])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
+        return cache
+
+    def _admit(self) -> tuple[int, float]:
+        """Move waiting sequences into free slots, in order: those with nothing left to prefill,
+        and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
+        beyond the first). Returns how many, and the seconds spent prefilling."""
+        room = self._max_slots - sum(1 for s in self._slots if s is not None)
+        taken: list[_Waiting] = []
+        prefills = budget = 0
+        while self._waiting and len(taken) < room:
+            entry = self._waiting[0]
+            rest = len(entry.rest)
+            if rest:
+                if prefills >= self._prefill_batch_size or (prefills and budget + rest > self._prefill_step_size):
+                    break
+                prefills += 1
+                budget += rest
+            taken.append(self._waiting.popleft())
+        if not taken:
+            return 0, 0.0
+        started = time.perf_counter()
+        span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
+        self._reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
+        assert self._buffers is not None and self._inputs is not None
+        free = (i for i, s in enumerate(self._slots) if s is None)
+        for entry in taken:
+            entry.seq.slot = next(free)
+            self._slots[entry.seq.slot] = entry.seq
+            entry.seq.position = len(entry.seq.prompt) - 1
+        by_cache: dict[int, list[_Waiting]] = {}
+        for entry in taken:
+            if entry.cache is not None:
+                by_cache.setdefault(id(entry.cache), []).append(entry)
+        for entries in by_cache.values():
+            self._buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
+        prefilling = [e for e in taken if e.rest]
+        if prefilling:
+            self._prefill_slots(prefilling)
+        slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
+        self._inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=self._inputs.dtype)
+        if not prefilling:
+            return len(taken), 0.0
+        mx.eval(self._buffers.arrays())
+        seconds = time.perf_counter() - started
+        self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
+        return len(taken), seconds
+
+    def _prefill_slots(self, entries: list[_Waiting]) -> None:
+        """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
+        chunks of prefill_step_size positions); padding positions lie past each slot's position,
+        where the mask hides them until decoding overwrites them."""
+        assert self._buffers is not None
+        slots = [e.seq.slot for e in entries]
+        rests = [e.rest for e in entries]
+        width = max(len(r) for r in rests)
+        part = self._buffers.gather(slots, max(e.cached for e in entries) + width)
+        tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
+        for start in range(0, width, self._prefill_step_size):
+            if start:
+                mx.eval(part.arrays())
+            caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
+                                       self._layout.grouped_mask)
+            self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
+            part.absorb(caches)
+        self._buffers.scatter(slots, part)
+
+    # --- buffers --------------------------------------------------------------------------
+    def _slot_ladder(self) -> list[int]:
+        return sorted({min(b, self._max_slots) for b in ladder(self._max_slots)})
+
+    def _shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The buffer shape that holds `rows` sequences of `tokens` positions: both bucketed, or,
+        when that exceeds the KV budget, the rows exactly and the length in EXACT_LENGTH_STEPs."""
+        slots = min(bucket(rows), self._max_slots)
+        length = bucket(tokens, MIN_LENGTH_BUCKET)
+        if self._kv_budget and slots * length * self._layout.bytes_per_token > self._kv_budget:
+            slots, length = rows, -(-tokens // EXACT_LENGTH_STEP) * EXACT_LENGTH_STEP
+        return slots, length
+
+    def _needed_length(self) -> int:
+        """Positions the next step writes up to (each slot's position, plus one)."""
+        return max((s.position + 1 for s in self._slots if s is not None), default=1)
+
+    def _reserve(self, rows: int, tokens: int) -> None:
+        """Make room for `rows` more sequences of up to `tokens` positions."""
+        occupied = sum(1 for s in self._slots if s is not None)
+        need_rows, need_length = occupied + rows, max(tokens, self._needed_length())
+        if self._buffers is not None and need_rows <= len(self._slots) and need_length <= self._buffers.length:
+            return
+        self._resize(*self._shape_for(need_rows, need_length))
+
+    def _fit(self) -> None:
+        """Before a step: grow the buffers for the positions it writes; shrink them once the
+        sequences need half of them or less (the hysteresis keeps churn from resizing every step),
+        the slots only while nothing waits for one."""
+        if self._buffers is None:
+            return
+        occupied = sum(1 for s in self._slots if s is not None)
+        needed = self._needed_length()
+        slots, length = self._shape_for(occupied, needed)
+        target = (len(self._slots) if self._waiting or slots > len(self._slots) // 2 else slots,
+                  self._buffers.length if length > self._buffers.length // 2 and needed <= self._buffers.length
+                  else length)
+        if self._kv_budget and target[0] * target[1] * self._layout.bytes_per_token > self._kv_budget:
+            target = (slots, length)
+        if target != (len(self._slots), self._buffers.length):
+            self._resize(*target)
+
+    def _resize(self, slots: int, length: int) -> None:
+        """New buffers of `slots x length`; the occupied slots move to the first ones, in order."""
+        keep = [s for s in self._slots if s is not None]
+        if self._buffers is None:
+            self._buffers = SlotBuffers.allocate(self._layout, slots, length)
+        else:
+            self._buffers = self._buffers.resized(slots, length, [s.slot for s in keep])
+        inputs = mx.zeros((slots,), dtype=mx.uint32)
+        if keep and self._inputs is not None:
+            inputs[: len(keep)] = self._inputs[mx.array([s.slot for s in keep], dtype=mx.int32)]
+        self._inputs = inputs
+        for i, seq in enumerate(keep):
+            seq.slot = i
+        self._slots = keep + [None] * (slots - len(keep))
+
+    # --- decoding -------------------------------------------------------------------------
+    def _launch(self) -> _Launched:
+        assert self._buffers is not None and self._inputs is not None
+        occupied = [s for s in self._slots if s is not None]
+        positions = [0] * len(self._slots)
+        for seq in occupied:
+            positions[seq.slot] = seq.position
+        inputs = self._inputs
+        logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
+        tokens, gather, wanting = self._sample(logits, inputs, occupied)
+        errors = [seq.guard.error or (seq.constraint.error if seq.constraint is not None else None)
+                  for seq in occupied]
+        for seq in occupied:
+            seq.position += 1
+            seq.launches += 1
+        self._inputs = tokens
+        self._counters.decode_steps += 1
+        self._eager_allowance = min(EAGER_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
+        mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
+        return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting, self._version)
+
+    def _sample(self, logits: mx.array, inputs: mx.array, occupied: list[_Sequence]
+                ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
+        """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
+        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
+        self._samplers.seeded.begin()
+        if self._masks is not None:
+            self._masks.begin_step()
+        processed = logits
+        changed: list[tuple[int, mx.array]] = []
+        for seq in occupied:
+            if not seq.processors:
+                continue
+            context = self._no_tokens
+            if seq.custom:
+                assert seq.context is not None
+                if seq.launches:  # the token it is fed now joins its context
+                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
+                context = seq.context
+            row_logits = logits[seq.slot:seq.slot + 1]
+            for processor in seq.processors:
+                row_logits = processor(context, row_logits)
+            if seq.custom:
+                changed.append((seq.slot, row_logits))
+        if changed:
+            where = mx.array([slot for slot, _ in changed], dtype=mx.int32)[:, None]
+            rows = mx.concatenate([row for _, row in changed])
+            processed = mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+        tokens = self._draw(logprobs, occupied)
+        wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
+        if not wanting:
+            return tokens, None, wanting
+        specs = [occupied[i].spec for i in wanting]
+        slots = [occupied[i].slot for i in wanting]
+        index = mx.array(slots, dtype=mx.int32)
+        raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
+        if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
+            rows = logprobs[index]
+        else:
+            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                             for spec, slot, keep in zip(specs, slots, raw)])
+        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
+
+    def _draw(self, logprobs: mx.array, occupied: list[_Sequence]) -> mx.array:
+        """One token per slot: each group of rows that shares a sampler object is sampled in one
+        call. One shared, unseeded group samples every slot at once (free slots' tokens are never
+        read); the others sample their own rows, in slot order."""
+        groups: dict[int, tuple[Any, list[int], bool]] = {}
+        for seq in occupied:
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
+        base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
+        tokens = (base[0](logprobs) if base is not None else mx.zeros((len(self._slots),))).astype(mx.uint32)
+        for group in groups.values():
+            if group is base:
+                continue
+            sampler, slots, _ = group
+            index = mx.array(slots, dtype=mx.int32)
+            drawn = sampler(logprobs[index]).astype(mx.uint32)
+            tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
+        return tokens
+
+    def _collect(self, launched: _Launched) -> list[TokenEvent]:
+        """Read a launched step's tokens back and turn them into events; end the sequences that
+        stopped, hit their length or failed."""
+        tokens = launched.tokens.tolist()
+        events: list[TokenEvent] = []
+        wanted_events: list[Optional[TokenEvent]] = [None] * len(launched.wanting)
+        wanted_at = {row: i for i, row in enumerate(launched.wanting)}
+        for i, (slot, seq) in enumerate(launched.rows):
+            if seq.done:  # removed, or ended by an earlier step, while this one was in flight
+                continue
+            spec = seq.spec
+            if launched.errors[i] is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=launched.errors[i]))
+                self._end(seq)
+                continue
+            token = int(tokens[slot])
+            seq.generated.append(token)
+            finish = ("stop" if token in spec.stop_token_ids
+                      else "length" if len(seq.generated) >= spec.max_tokens else None)
+            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
+                               weight_version=launched.weight_version)
+            if seq.constraint is not None:  # its matcher follows what was returned
+                seq.constraint.observe(token)
+                if finish is not None:
+                    event.constraint_complete = seq.constraint.ended(stopped_by_token=finish == "stop")
+            events.append(event)
+            if i in wanted_at:
+                wanted_events[wanted_at[i]] = event
+            if finish is not None:
+                self._keep_cache(seq)
+                self._end(seq)
+        if launched.logprobs is not None:
+            launched.logprobs.fill(wanted_events)
+        return events
+
+    def _keep_cache(self, seq: _Sequence) -> None:
+        """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
+        prefix cache."""
+        if not self._prefix.enabled or self._buffers is None or seq.version != self._version:
+            return  # (a sequence made before a swap holds keys and values of older weights)
+        held = seq.position  # the step in flight has fed its last token too
+        tokens = (seq.prompt + seq.generated)[:held]
+        if len(tokens) == held > len(seq.prompt):
+            self._prefix.store(tokens, self._buffers.extract(seq.slot, held), speculative=True)
+
+    def _end(self, seq: _Sequence) -> None:
+        seq.done = True
+        if seq.constraint is not None:
+            seq.constraint.release()
+        self._by_uid.pop(seq.spec.uid, None)
+        if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None

@@ -1,0 +1,113 @@
+"""Which engine decodes a model: mlxq's compiled engine (worker/engines/compiled.py) where it is
+exact, mlx-lm's BatchGenerator (worker/engines/text.py) everywhere else.
+
+The compiled engine gives each layer a slot cache instead of mlx-lm's own (worker/engines/
+slot_cache.py). That is exact for a model whose every layer keeps a plain `KVCache` and whose
+attention uses the cache only through `offset`, `update_and_fetch` and the mask it makes: the
+architectures in COVERED, read and tested here. Sliding-window (`RotatingKVCache`), recurrent
+(`ArraysCache`, SSM) and hybrid caches, and architectures not in COVERED, take mlx-lm's path.
+A covered model is also probed once: two prompts of different lengths through slot buffers as
+one batch must give the next-token log-probabilities mlx-lm gives each alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from worker.engines.slot_cache import KVLayout, SlotBuffers
+
+log = logging.getLogger("mlxq.engine")
+
+# mlx-lm `model_type`s whose attention layers were read against the slot cache (mistral loads
+# through llama.py); each is tested as a tiny random model.
+COVERED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+DECODE_SETTINGS = ("auto", "compiled", "batch-generator")
+
+# Largest difference of next-token log-probabilities the probe accepts: float32 sums in another
+# order stay far below the first; bfloat16 and float16 round each activation to 8 or 11 bits.
+PROBE_TOLERANCE = {mx.float32: 1e-3}
+PROBE_TOLERANCE_LOW_PRECISION = 0.25
+PROBE_PROMPTS = ([11, 27, 5, 201, 42], [7, 19, 88, 3, 250, 61, 9, 14, 120])
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    name: str  # "compiled" | "batch-generator"
+    reason: str
+
+
+def choose_decode_path(model: Any, setting: str = "auto") -> DecodePath:
+    """The engine for `model` under MLXQ_DECODE=`setting` (auto | compiled | batch-generator).
+    `compiled` on a model the compiled engine cannot run exactly raises ValueError with the reason."""
+    if setting not in DECODE_SETTINGS:
+        raise ValueError(f"MLXQ_DECODE: unknown decode path {setting!r} ({' | '.join(DECODE_SETTINGS)})")
+    if setting == "batch-generator":
+        return DecodePath("batch-generator", "MLXQ_DECODE=batch-generator")
+    reason = compiled_unsupported_reason(model)
+    if reason is None:
+        return DecodePath("compiled", f"{_model_type(model)}: plain KV caches; the probe matched mlx-lm")
+    if setting == "compiled":
+        raise ValueError(f"MLXQ_DECODE=compiled: this model cannot use the compiled decode path: {reason}")
+    return DecodePath("batch-generator", reason)
+
+
+def compiled_unsupported_reason(model: Any) -> Optional[str]:
+    """Why the compiled engine would not be exact for `model`; None if it is."""
+    try:
+        cache = make_prompt_cache(model)
+    except Exception as exc:
+        return f"its caches could not be made ({type(exc).__name__}: {exc})"
+    others = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if others or not cache:
+        kinds = ", ".join(others) or "no"
+        return f"its layers keep {kinds} caches, not only plain KVCache (a sliding window, recurrent state or both)"
+    model_type = _model_type(model)
+    if model_type not in COVERED:
+        return f"architecture {model_type!r} is not one the compiled path covers ({', '.join(COVERED)})"
+    return _probe(model)
+
+
+def _model_type(model: Any) -> Optional[str]:
+    args = getattr(model, "args", None)
+    return getattr(args, "model_type", None) or getattr(model, "model_type", None)
+
+
+def _probe(model: Any) -> Optional[str]:
+    try:
+        batched = _next_token_logprobs_batched(model, PROBE_PROMPTS)
+        alone = [_next_token_logprobs_alone(model, prompt) for prompt in PROBE_PROMPTS]
+    except Exception as exc:
+        return f"the probe failed: {type(exc).__name__}: {exc}"
+    worst = max(float(mx.where(a == b, 0.0, mx.abs(b - a)).max()) for b, a in zip(batched, alone))  # -inf == -inf
+    tolerance = PROBE_TOLERANCE.get(alone[0].dtype, PROBE_TOLERANCE_LOW_PRECISION)
+    if not worst <= tolerance:
+        return f"the probe's next-token log-probabilities differ from mlx-lm's by {worst:.3g} (> {tolerance})"
+    return None
+
+
+def _next_token_logprobs_alone(model: Any, prompt: list[int]) -> mx.array:
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
+    return logits - mx.logsumexp(logits)
+
+
+def _next_token_logprobs_batched(model: Any, prompts: tuple[list[int], ...]) -> list[mx.array]:
+    """As the compiled engine runs them: every prompt but its last token prefilled into its slot,
+    right-padded, then one decode step of both slots at their own positions."""
+    layout = KVLayout.of(model)
+    width = max(len(p) for p in prompts) - 1
+    buffers = SlotBuffers.allocate(layout, len(prompts), width + 8)
+    caches = buffers.layer_caches(mx.zeros((len(prompts),), mx.int32), layout.grouped_mask)
+    model(mx.array([p[:-1] + [0] * (width - len(p) + 1) for p in prompts]), cache=caches)
+    buffers.absorb(caches)
+    caches = buffers.layer_caches(mx.array([len(p) - 1 for p in prompts], dtype=mx.int32), layout.grouped_mask)
+    logits = model(mx.array([p[-1] for p in prompts])[:, None], cache=caches)[:, -1]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [logprobs[i] for i in range(len(prompts))]
