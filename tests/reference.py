@@ -62,8 +62,8 @@ def vlm_alone(model, prompt, max_tokens: int, stop_ids: set[int] = frozenset(), 
 
     pixel_values, image_grid_thw = (None, None) if prompt.inputs is None else prompt.inputs.image_arrays()
     kwargs = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
-    steps = vlm_generate_step(mx.array([prompt.token_ids]), model, pixel_values, None, max_tokens=max_tokens, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
-                              **kwargs)
+    steps = vlm_generate_step(mx.array([prompt.token_ids]), model, pixel_values, None, max_tokens=max_tokens,
+                              sampler=sampler or (lambda x: mx.argmax(x, axis=-1)), **kwargs)
     tokens, distributions = [], []
     for token, logprobs in steps:
         tokens.append(int(token))

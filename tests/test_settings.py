@@ -4,15 +4,18 @@ the variable; and no secret (a Redis password) in any log line, --help, `mlxq in
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
 
 from mlxq.cli import build_parser
 from producer import Client
-from worker.settings import SettingsError, WorkerSettings
+from producer.api.settings import GatewaySettings
+from worker.settings import SettingsError, WorkerSettings, env_name
 from tests.workers import start_fake_worker, stop
 
 SECRET = "planted-Secret-7f3a9"
@@ -24,6 +27,30 @@ def test_every_setting_has_a_flag():
     missing = [name for name in WorkerSettings.model_fields if name not in dests and name != "redis_url"]
     assert missing == []
     assert "url" in dests  # redis_url's flag is --url
+
+
+def _documented_defaults() -> dict[str, str]:
+    text = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    return {m[1]: m[2].strip() for m in re.finditer(r"^\| `(MLXQ_[A-Z0-9_]+)` \| ([^|]+) \|", text, re.M)}
+
+
+def _default_shown(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_every_setting_is_documented_with_its_default():
+    documented = _documented_defaults()
+    fields = [(env_name(name), field.default) for name, field in WorkerSettings.model_fields.items()]
+    fields += [(field.validation_alias.choices[0] if field.validation_alias else f"MLXQ_API_{name.upper()}",
+                field.default) for name, field in GatewaySettings.model_fields.items() if name != "priorities"]
+    missing = [variable for variable, _ in fields if variable not in documented]
+    assert not missing, f"docs/configuration.md lacks {missing}"
+    wrong = {variable: (documented[variable], default) for variable, default in fields
+             if isinstance(default, (int, float)) and not isinstance(default, bool)
+             and documented[variable] != _default_shown(default)}
+    assert not wrong, f"docs/configuration.md shows other defaults (doc, code): {wrong}"
 
 
 def test_environment_dotenv_and_flags_in_that_order(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """WorkerSettings: every knob of a worker, as a pydantic-settings model. `WorkerSettings.from_env()`
 reads the `MLXQ_*` environment variables and a `.env` file in the working directory (the variables
 win); the `mlxq worker` flags override both. Plain `WorkerSettings(...)` reads neither. Values are
-validated at start: an error names the variable (docs/operations.md, Configuration). The Redis URL
+validated at start: an error names the variable (docs/configuration.md). The Redis URL
 is a secret: never shown by a repr, a log line or an error."""
 
 from __future__ import annotations

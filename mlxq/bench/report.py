@@ -161,7 +161,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {_arm_cell(e, repeats)} | {e['workload']['label']} | {_f(wall, 2)} | "
                 f"{_f(t.get('engine_prefill_s'), 2)} "
                 f"({t.get('engine_prefill_calls', 0):.0f}, {t.get('engine_own_prefills', 0):.0f}) | "
-                f"{_f(t.get('engine_decode_s'), 2)} ({steps:.0f}, {_f(1000 * t['engine_decode_s'] / steps if steps else None)}) | "
+                f"{_f(t.get('engine_decode_s'), 2)} "
+                f"({steps:.0f}, {_f(1000 * t['engine_decode_s'] / steps if steps else None)}) | "
                 f"{_f(_outside(t, wall), 2)} |")
         lines.append("")
     head = report.get("headline")
