@@ -33,8 +33,8 @@ _blas_choice: Optional[BlasChoice] = None
 
 
 def preload_blas(setting: str = "auto", platform: str = sys.platform) -> BlasChoice:
-    """Make MLX's CPU backend use an optimized BLAS on Linux (32x faster matmul than the
-    reference BLAS bundled in the mlx-cpu wheel, notes/mlx.md).
+    """Make MLX's CPU backend use an optimized BLAS on Linux: the reference BLAS bundled in the
+    mlx-cpu wheel is far slower at matmul (docs/design-notes.md, Linux CPU).
 
     Loading the library RTLD_GLOBAL before `mlx.core` is first imported makes its BLAS symbols
     win over the bundled ones when libmlx is bound. It must run before any `import mlx`.

@@ -7,12 +7,10 @@ a burst of 256 prompts in batches of 8 enters the batch in 96 calls rather than 
 every joiner waits a call longer.
 
 Holding the next batch gives the batch whose first tokens are due those tokens a prefill sooner,
-and costs every batch waiting behind it a decode step. So it holds while one prefill call outlasts
-the decode steps of all the waiting batches: on a 2-core CPU a batch of eight 64-token prompts took
-~1.3 s against ~0.2 s a step, and without the hold each batch's first tokens waited 4-7 s more. With
-a tiny model's prompts (a prefill call 13 ms, a step 3-20 ms), 256 in flight and every client sending
-4 requests in turn, holding always cost more decode calls than it saved: in process, mlxq made
-0.87-0.89 of mlx-lm's own throughput with it (643 calls), 0.97-1.03 with this rule (605; mlx-lm 582).
+and costs every batch waiting behind it a decode step. So it holds only while one prefill call
+outlasts the decode steps of all the waiting batches: where prefills are slow against steps, that
+saves seconds of first-token time; where they are quick, holding costs more decode calls than it
+saves (the measurements: docs/design-notes.md, Prefill pacing).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cach
 Cache = list[Any]  # one mlx-lm cache object per layer
 
 # Keeping a finished sequence's cache "in case" (a speculative store) copies its rows, which is pure
-# cost where prompts share nothing (on an H200 under churn, 3% of the worker's time). Once this many
+# cost where prompts share nothing (docs/design-notes.md, speculative stores). Once this many
 # speculative stores were kept with no lookup hitting since, only one in SPECULATIVE_SAMPLE is kept
 # (so a prefix that starts being shared still gets in), until a lookup hits again.
 SPECULATIVE_PROBATION = 256
@@ -122,8 +122,8 @@ class PrefixCache:
         for shorter in list(self._prefixes_of(key_tokens, chain)):  # the new entry serves all they served
             self._remove(shorter)
         # Materialize soon, so no pending graph keeps a whole batch's arrays alive; asynchronously,
-        # so that the decode step already queued behind it is not waited for (on an H200 a blocking
-        # eval here made every step that finished a sequence wait for the GPU).
+        # so that the decode step already queued behind it is not waited for (a blocking eval here
+        # makes every step that finishes a sequence wait for the GPU).
         mx.async_eval([c.state for c in cache])
         entry = _Entry(self._next_key, key_tokens, cache, nbytes, chain)
         self._next_key += 1

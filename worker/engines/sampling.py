@@ -115,9 +115,8 @@ class SeededRow:
 class SeededSampler:
     """The one sampler of every seeded row, so that mlx-lm samples a batch of them in one call.
 
-    With a sampler per row, mlx-lm sampled row by row, a dozen small array operations each: on an
-    H200 a decode step of 256 seeded rows took 54-65 ms against 8-9 ms unseeded (now ~16). Shared,
-    it gets a batch's log-probabilities in one call but not which rows they are, so each seeded row
+    With a sampler per row, mlx-lm samples row by row, a dozen small array operations each, which
+    made seeded steps several times slower than unseeded ones (docs/design-notes.md). Shared, it gets a batch's log-probabilities in one call but not which rows they are, so each seeded row
     also carries a processor that names it here: mlx-lm runs every row's processors, in batch order,
     before it samples them. A call takes as many names as it has rows, oldest first (a batch that
     mixes seeded rows with others is sampled row by row: one name a call).

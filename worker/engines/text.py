@@ -43,16 +43,15 @@ from worker.engines.text_model import (RequestRejected, measure_kv_bytes_per_tok
 # a GPU, a batch-1 prefill costs about a decode step of the whole batch). An occasional joiner gets
 # its first token in the step it joins; under steady churn (a full batch where sequences end every
 # step) most go to mlx-lm's batched prefill. At most EAGER_JOINERS_MAX at once; one more is allowed
-# per EAGER_REFILL_STEPS decode steps. On an H200 at 256 in flight under churn, one eager joiner
-# every step cost about a fifth of the throughput (docs/bench/h200/eager-sweep).
+# per EAGER_REFILL_STEPS decode steps: one eager joiner every step costs a large share of the
+# throughput under churn (docs/design-notes.md, Joiners prefilled at admission).
 EAGER_JOINERS_MAX = 4
 EAGER_REFILL_STEPS = 16
 
 # The other joiners of a decoding batch wait here until a prefill batch of them (mlx-lm's
 # prefill_batch_size) is waiting, or the oldest has waited JOINER_HOLD_STEPS decode steps. Handed
-# over as they come, they made one small prefill per step under churn, and every prefill call has
-# a large fixed cost (mlx-lm evaluates and clears MLX's buffer cache after each one): on an H200 at
-# 256 in flight with output lengths 128 +- 64, 406 prefill calls took a third of the run.
+# over as they come, they make one small prefill per step under churn, and every prefill call has
+# a large fixed cost (mlx-lm evaluates and clears MLX's buffer cache after each one; docs/design-notes.md).
 JOINER_HOLD_STEPS = 4
 
 
@@ -77,9 +76,8 @@ class TextEngine:
             sampler=greedy,
             completion_batch_size=max_num_seqs,
             # mlx-lm's own cap would also meter sequences that start from a full cache (the n choices
-            # of a request, joiners prefilled here), which need no prefill: 32 requests of n=8 then
-            # entered one a step, and on an H200 their 64 tokens took 3x as long as with the cap at 64.
-            # This engine meters the prompts that do need a prefill itself (_feed_prefill).
+            # of a request, joiners prefilled here), which need no prefill, so that they would enter
+            # one a step. This engine meters the prompts that do need a prefill itself (_feed_prefill).
             prefill_batch_size=max_num_seqs,
             prefill_step_size=prefill_step_size,
         )
