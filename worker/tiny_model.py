@@ -85,11 +85,16 @@ def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    # A small corpus yields fewer merges than asked: pad with unused tokens so that
-    # len(tokenizer) == vocab_size and every id the model can emit decodes.
+    # A small corpus yields fewer merges than asked: pad the vocabulary with unused entries so that
+    # len(tokenizer) == vocab_size and every id the model can emit decodes. Plain vocabulary entries,
+    # not added tokens: tokenizer consumers (llguidance) special-case added tokens one by one.
     missing = vocab_size - tokenizer.get_vocab_size()
     if missing > 0:
-        tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+        described = json.loads(tokenizer.to_str())
+        vocab = described["model"]["vocab"]
+        first = max(vocab.values()) + 1
+        vocab.update({f"<|extra_{i}|>": first + i for i in range(missing)})
+        tokenizer = Tokenizer.from_str(json.dumps(described))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|endoftext|>",

@@ -85,17 +85,21 @@ def _step_times(scheduler: Any, engine: _CountingEngine, requests: dict[str, dic
     return {"step_ms": times, "lengths": lengths}
 
 
-def structured(cfg: BenchConfig, model_path: str) -> dict[str, Any]:
+def structured(cfg: BenchConfig, model_path: str, decode: str = "auto") -> dict[str, Any]:
+    """`decode`: the worker's setting of that name; "auto" measures the engine a worker would pick."""
     import mlx.core as mx
     from mlx_lm import load
 
-    from worker.engines.text import TextEngine
+    from worker.loading import engine_for_model
     from worker.scheduler import BatchScheduler
+    from worker.settings import WorkerSettings
 
     rows = cfg.max_num_seqs
     model, tokenizer = load(model_path)
     # Every prompt in one prefill batch, so that all rows decode together for the whole window.
-    text_engine = TextEngine(model, tokenizer, max_num_seqs=rows, prefill_batch_size=rows)
+    settings = WorkerSettings(max_num_seqs=rows, prefill_batch_size=rows, prefix_cache_mb=0, decode=decode,
+                              decode_warmup_tokens=0)
+    text_engine = engine_for_model(settings, model, tokenizer)
     engine = _CountingEngine(text_engine)
     scheduler = BatchScheduler(engine, max_num_seqs=rows, default_max_tokens=cfg.new_tokens)  # type: ignore[arg-type]
     arms = {"free": 0, "half": rows // 2}
@@ -111,6 +115,7 @@ def structured(cfg: BenchConfig, model_path: str) -> dict[str, Any]:
             runs[name].append({"step_p50_ms": statistics.median(run["step_ms"]), "steps": len(run["step_ms"])})
     ratios = [h["step_p50_ms"] / f["step_p50_ms"] for h, f in zip(runs["half"], runs["free"])]
     return {"rows": rows, "constrained_rows": rows // 2, "new_tokens": cfg.new_tokens,
+            "engine": type(text_engine).__name__,
             "vocab_size": text_engine.vocab_size, "runs": runs, "half_over_free": ratios,
             "half_over_free_median": statistics.median(ratios), "check": _check(scheduler, rows)}
 
@@ -143,7 +148,8 @@ def _check(scheduler: Any, rows: int) -> dict[str, int]:
 def summary_line(s: dict[str, Any]) -> str:
     free = statistics.median(r["step_p50_ms"] for r in s["runs"]["free"])
     half = statistics.median(r["step_p50_ms"] for r in s["runs"]["half"])
-    return (f"- structured ({s['rows']} rows, {s['constrained_rows']} under a JSON schema, vocab {s['vocab_size']}): "
+    return (f"- structured ({s.get('engine', 'TextEngine')}, {s['rows']} rows, {s['constrained_rows']} under a JSON "
+            f"schema, vocab {s['vocab_size']}): "
             f"decode step {half:.2f} ms against {free:.2f} ms all free; half/free "
             f"{s['half_over_free_median']:.3f} (median of {len(s['half_over_free'])} repeats' ratios)")
 
@@ -156,6 +162,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode", default="auto", choices=("auto", "compiled", "batch-generator"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = BenchConfig(out=args.out, max_num_seqs=args.max_num_seqs, prompt_tokens=args.prompt_tokens,
@@ -163,7 +170,7 @@ def main() -> None:
     import mlx.core as mx
 
     report = {"command": "python -m mlxq.bench.structured " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
-              "device": str(mx.default_device()), "structured": structured(cfg, args.model)}
+              "device": str(mx.default_device()), "structured": structured(cfg, args.model, args.decode)}
     args.out.write_text(json.dumps(report, indent=1))
     print(summary_line(report["structured"]))
     print("check:", report["structured"]["check"])
