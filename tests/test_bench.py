@@ -175,11 +175,10 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert all(report["arms"][arm]["status"] == "ok" for arm in by_arm)
     ratios = report["headline"]["ratios"]
     assert ratios["C/B"] is not None and ratios["C/A"] is not None and ratios["C/D"] is None
-    # S splits C's gap to B: mlxq's engine wrapper (S/B) and the queue around it (C/S); no targets
+    # S splits C's gap to B: mlxq's engine wrapper (S/B) and the queue around it (C/S)
     assert ratios["S/B"] is not None and ratios["C/S"] is not None
     assert ratios["S/B"] * ratios["C/S"] == pytest.approx(ratios["C/B"])
-    head = report["headline"]
-    assert "S/B" not in head["targets"] and set(head["met"]) == set(head["targets"])
+    assert "targets" not in report["headline"] and "met" not in report["headline"]  # it reports, never judges
 
     overhead = report["scenarios"]["overhead"]
     assert overhead["throughput"]["completed"] == 150 and overhead["throughput"]["failed"] == 0
@@ -271,7 +270,7 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
 
     log: list[str] = []
     # B and C slow down together in repeat 2 (a noisy neighbour): C/B per repeat 0.8, 0.9, 0.5.
-    # Two workers (C2) and D: the extra worker count is held to C's targets against B, D and E.
+    # Two workers (C2) and D: the extra worker count is compared with B, D and E too.
     arms = [ScriptedArm("B", [1.0, 2.0, 1.0], log), ScriptedArm("C1", [1.25, 2.0 / 0.9, 2.0], log),
             ScriptedArm("C2", [1.0, 1.0, 1.0], log), ScriptedArm("D", [1.5, 1.0, 1.2], log)]
     cfg = BenchConfig(out=tmp_path, arms=("B", "C", "D"), concurrency=(4,), rates=(), repeats=3, workers=(1, 2))
@@ -290,9 +289,9 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
     assert head["ratios_each_repeat"]["C/B"] == pytest.approx([0.8, 0.9, 0.5])
     assert head["ratios"]["C/B"] == pytest.approx(0.8)  # the median of the paired ratios
     assert head["ratios_each_repeat"]["C2/D"] == pytest.approx([1.5, 1.0, 1.2])
-    assert head["ratios"]["C2/D"] == pytest.approx(1.2) and head["targets"]["C2/D"] == 1.2
-    assert head["met"]["C2/D"] is True and head["met"]["C2/B"] is True and head["met"]["C/D"] is False
-    assert head["ratios"]["C2/E"] is None and head["met"]["C2/E"] is None
+    assert head["ratios"]["C2/D"] == pytest.approx(1.2) and head["ratios"]["C2/B"] == pytest.approx(1.0)
+    assert head["ratios"]["C/D"] == pytest.approx(0.6)  # per repeat 1.2, 0.45, 0.6
+    assert head["ratios"]["C2/E"] is None  # E did not run
     b_runs = sorted(e["metrics"]["tokens_per_s"] for e in run.report["results"] if e["arm"] == "B")
     assert head["tokens_per_s"]["B"] == pytest.approx(b_runs[1])  # B's median run
     run.report.update(headline=head, model={"path": "m"}, machine={}, device="cpu", blas="x",

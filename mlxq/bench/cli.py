@@ -91,7 +91,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--overhead-jobs", type=int, default=2000)
     g.add_argument("--overhead-tokens", type=int, default=1)
     g.add_argument("--overhead-offered", type=float, default=3000.0,
-                   help="jobs/s offered in the sustained run (default: the target rate)")
+                   help="jobs/s offered in the sustained run (default 3000)")
     g.add_argument("--overhead-publish", type=int, default=256, help="results finishing in one step")
     g.add_argument("--overhead-step-ms", type=float, default=10.0, help="fake step cost for the publish test")
     g.add_argument("--metrics-port", type=int, help="overhead: the worker serves Prometheus metrics on this port "

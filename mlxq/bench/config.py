@@ -55,7 +55,7 @@ class BenchConfig:
     # scenario knobs
     overhead_jobs: int = 2000
     overhead_tokens: int = 1
-    overhead_offered_per_s: float = 3000.0  # the target: does one worker keep up?
+    overhead_offered_per_s: float = 3000.0  # jobs/s offered in the sustained run: does one worker keep up?
     overhead_publish: int = 256
     overhead_step_ms: float = 10.0
     metrics_port: Optional[int] = None  # overhead: the fake worker serves metrics here, scraped every second
