@@ -359,6 +359,23 @@ def test_an_idle_worker_stops_soon_after_a_warm_stop(redis_url):
     assert time.monotonic() - started < 10, "an idle worker must not wait long to stop"
 
 
+def test_a_worker_whose_redis_is_gone_still_stops_cleanly_on_sigterm():
+    """With Redis gone, the upkeep tasks (retries, sweeps, rq's maintenance) retried forever and held
+    the stop for its whole grace, and rq's deregistration raised at the very end (exit 1)."""
+    server = RedisServer().start()
+    try:
+        worker = start_fake_worker(server.url, name="orphan")
+        client = Client(server.url)
+        assert client.wait(client.submit(long_request(85, 2)), timeout=60).status == "finished"
+    finally:
+        server.stop()
+    time.sleep(4)  # the loop and the bookkeeping thread meet the dead connection
+    assert worker.poll() is None, "losing Redis must not stop a worker"
+    out = stop(worker, timeout=25)  # inside the 30 s grace the pending results get
+    assert worker.returncode == 0, out
+    assert "stopped without deregistering" in out and "Traceback" not in out
+
+
 def test_a_warm_stop_is_recorded_while_the_running_jobs_finish(redis_url):
     client = Client(redis_url)
     job_id = client.submit(long_request(90, 200))

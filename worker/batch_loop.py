@@ -488,14 +488,14 @@ class BatchLoop:
         now = self._clock()
         if now >= self._next_retry_check:
             self._next_retry_check = now + RETRY_CHECK_INTERVAL_S
-            self._bookkeeper.submit(self._rq.enqueue_due_retries)
+            self._bookkeeper.submit(self._rq.enqueue_due_retries, upkeep=True)
         if now - self._last_sweep > self._settings.sweep_interval_s:
             self._last_sweep = now
             running = frozenset(self._table)
-            self._bookkeeper.submit(lambda: self._rq.sweep(running))
+            self._bookkeeper.submit(lambda: self._rq.sweep(running), upkeep=True)
         if not self._table and now >= self._next_maintenance:
             self._next_maintenance = now + self._settings.sweep_interval_s
-            self._bookkeeper.submit(self._rq.run_maintenance)
+            self._bookkeeper.submit(self._rq.run_maintenance, upkeep=True)
 
     # --- the control plane's hands (worker/control.py LoopControls) --------------------------
     @property

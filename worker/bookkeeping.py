@@ -21,31 +21,36 @@ from worker.redis_health import REDIS_ERRORS, RedisHealth
 log = logging.getLogger("mlxq.worker")
 
 Task = Callable[[], None]
+# A task and whether it is upkeep (retries, sweeps, rq's maintenance), which a stopping worker drops.
+Queued = tuple[Task, bool]
 
 
 class Bookkeeper:
     def __init__(self, health: RedisHealth, gate: Optional[LoopGate] = None) -> None:
-        self._tasks: "queue.Queue[Optional[Task]]" = queue.Queue()
+        self._tasks: "queue.Queue[Optional[Queued]]" = queue.Queue()
         self._pending = 0
         self._lock = threading.Condition()
         self._health = health
         self._thread = threading.Thread(target=self._run, name="mlxq-bookkeeping", daemon=True)
         self.gate = gate or LoopGate()
-        self._held: deque[Task] = deque()  # submitted between two steps of the loop
+        self._held: deque[Queued] = deque()  # submitted between two steps of the loop
+        self._stopping = False
+        self._given_up = False  # stopped with tasks left that Redis never took
 
     def start(self) -> "Bookkeeper":
         self._thread.start()
         return self
 
-    def submit(self, task: Task) -> None:
+    def submit(self, task: Task, upkeep: bool = False) -> None:
         """Queue a task. Between two of the loop's steps it is held until the next step starts:
-        woken then, the thread would take the GIL from the loop's round trip just to wait at the gate."""
+        woken then, the thread would take the GIL from the loop's round trip just to wait at the gate.
+        An `upkeep` task is one a stopping worker may drop (a live worker does it again)."""
         with self._lock:
             self._pending += 1
         if self.gate.between_steps:
-            self._held.append(task)
+            self._held.append((task, upkeep))
         else:
-            self._tasks.put(task)
+            self._tasks.put((task, upkeep))
 
     def step_started(self, expected_s: Optional[float]) -> None:
         """The loop enters a step (LoopGate.step_started); held tasks go to the thread."""
@@ -75,30 +80,43 @@ class Bookkeeper:
             return self._lock.wait_for(lambda: self._pending == 0, timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish what was submitted (for at most `timeout` seconds), then end the thread."""
+        """Finish what was submitted (for at most `timeout` seconds), then end the thread. With Redis
+        away, what is left after that is dropped: those jobs stay in RQ's started registry, where the
+        abandoned-job sweep of a live worker retries or fails them."""
         if self._thread.ident is None:  # never started when the model failed to load
             return
-        self.wait_idle(timeout)
+        self._stopping = True
+        if not self.idle and not self._health.up:
+            log.warning("stopping with Redis unreachable: waiting up to %.0f s for it to take %d pending "
+                        "bookkeeping tasks", timeout, self._pending)
+        if not self.wait_idle(timeout):
+            log.error("%d bookkeeping tasks were not done (Redis unreachable); their jobs are left to the "
+                      "abandoned-job sweep", self._pending)
+            self._given_up = True
         self._tasks.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
-            if task is None:
+            queued = self._tasks.get()
+            if queued is None:
                 return
-            self.gate.wait()
-            self._run_until_done(task)
+            task, upkeep = queued
+            if not (upkeep and self._stopping):
+                self.gate.wait()
+                self._run_until_done(task, upkeep)
             with self._lock:
                 self._pending -= 1
                 self._lock.notify_all()
 
-    def _run_until_done(self, task: Task) -> None:
+    def _run_until_done(self, task: Task, upkeep: bool) -> None:
         while True:
             try:
                 task()
             except REDIS_ERRORS as exc:
                 self._health.lost(exc)
+                if self._given_up or (upkeep and self._stopping):
+                    return
                 self._health.pause()
                 continue
             except Exception:

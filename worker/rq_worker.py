@@ -45,7 +45,7 @@ from worker.metrics import WorkerMetrics, scheduler_gauges
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
 from worker.recovery import Housekeeping
-from worker.redis_health import RedisHealth
+from worker.redis_health import REDIS_ERRORS, RedisHealth
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
@@ -215,7 +215,11 @@ class BatchWorker(SimpleWorker):
             if self._presence is not None:
                 self._quietly(self._presence.withdraw)
             self.notice_stop()
-            self.teardown()
+            try:
+                self.teardown()
+            except REDIS_ERRORS as exc:
+                self.log.warning("Worker %s: stopped without deregistering (Redis unreachable: %s); its "
+                                 "entry expires with its heartbeat", self.name, exc)
         return taken > 0
 
     def _start_metrics(self) -> WorkerMetrics:
