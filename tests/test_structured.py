@@ -217,6 +217,9 @@ def _mixed() -> tuple[dict[str, dict], dict[str, dict]]:
                      "response_format": json_format(SCHEMA_B)},
         "schema-a-late": {"prompt": "again", "max_tokens": 30, "temperature": 0.7, "seed": 5, "stop": "}",
                           "response_format": json_format(SCHEMA_A)},
+        # Other processors before the mask (the compiled engine masks its constrained rows together).
+        "regex-penalised": {"prompt": "id:", "max_tokens": 10, "temperature": 0, "repetition_penalty": 1.3,
+                            "logit_bias": {"40": 3.0}, "guided_regex": "[a-f0-9]{4,8}"},
     }
     return first, joining
 
@@ -384,3 +387,24 @@ def test_the_gateway_passes_constraints_through_to_the_openai_client(redis_url, 
         assert choice.message.content.startswith("{")
     # six characters, then only EOS is allowed: it must end there
     assert regex.choices[0].finish_reason == "stop" and re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+
+
+def test_a_constrained_row_keeps_its_other_processors(engine):
+    """logit_bias runs before the mask: among the letters the grammar allows, the biased one wins."""
+    letters = {engine.token_text(tok): tok for tok in range(engine.vocab_size) if engine.token_text(tok) in ("a", "b")}
+    assert set(letters) == {"a", "b"}
+    for wanted in ("a", "b"):
+        payload = {"prompt": "x", "max_tokens": 6, "temperature": 0, "guided_regex": "[ab]{6}",
+                   "logit_bias": {str(letters[wanted]): 50.0}, "repetition_penalty": 1.1}
+        results, _ = run(engine, {"row": payload, "free": {"prompt": "y", "max_tokens": 4, "temperature": 0}})
+        assert results["row"].choices[0].text == wanted * 6
+
+
+def test_the_forward_pass_is_launched_before_the_masks_except_on_cuda():
+    from worker.engines.constraints import launches_early
+
+    assert launches_early(cuda_available=False, on_gpu=True)  # Metal
+    assert launches_early(cuda_available=False, on_gpu=False)  # CPU
+    assert launches_early(cuda_available=True, on_gpu=False)  # a CUDA build running on the CPU
+    assert not launches_early(cuda_available=True, on_gpu=True)
+    assert launches_early()  # this machine: MLX on the CPU

@@ -311,10 +311,14 @@ class CompiledEngine:
         constraint = None
         if isinstance(spec.inputs, CompiledConstraint):
             constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
+        # With deferred masks every constrained row of a step is masked in one operation (`_sample`);
+        # otherwise the constraint is the row's own last processor.
+        batched = constraint is not None and constraint.batched
         guard = RowGuard()
         sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
         processors = [guard.processor(p) for p in
-                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None, constraint)]
+                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None,
+                                        None if batched else constraint)]
         custom = bool(processors)
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
@@ -496,8 +500,10 @@ class CompiledEngine:
             self._masks.begin_step()
         processed = logits
         changed: list[tuple[int, mx.array]] = []
+        masked: list[tuple[RowConstraint, int, bool, Optional[mx.array]]] = []
         for seq in occupied:
-            if not seq.processors:
+            constrained = seq.constraint is not None and seq.constraint.batched
+            if not seq.processors and not constrained:
                 continue
             context = self._no_tokens
             if seq.custom:
@@ -505,15 +511,31 @@ class CompiledEngine:
                 if seq.launches:  # the token it is fed now joins its context
                     seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
                 context = seq.context
-            row_logits = logits[seq.slot:seq.slot + 1]
-            for processor in seq.processors:
-                row_logits = processor(context, row_logits)
-            if seq.custom:
+            row_logits = None
+            if seq.processors:
+                row_logits = logits[seq.slot:seq.slot + 1]
+                for processor in seq.processors:
+                    row_logits = processor(context, row_logits)
+            if constrained:
+                assert seq.constraint is not None
+                # After its first decode step, the token a row is fed is the one its matcher has not seen.
+                masked.append((seq.constraint, seq.slot, bool(seq.launches), row_logits))
+            elif seq.custom:
+                assert row_logits is not None
                 changed.append((seq.slot, row_logits))
         if changed:
-            where = mx.array([slot for slot, _ in changed], dtype=mx.int32)[:, None]
-            rows = mx.concatenate([row for _, row in changed])
-            processed = mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)
+            processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
+        if masked:
+            assert self._masks is not None
+            self._masks.launch(logits)  # the forward pass runs while the masks are computed
+            slots = [slot for _, slot, _, _ in masked]
+            if all(row is None for *_, row in masked):
+                block = logits[mx.array(slots, dtype=mx.int32)]
+            else:
+                block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, _, row in masked])
+            block = self._masks.masked_rows([(constraint, slot if new else None) for constraint, slot, new, _ in masked],
+                                            inputs, block)
+            processed = _put_rows(processed, slots, block)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
         tokens = self._draw(logprobs, occupied)
         wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
@@ -600,3 +622,9 @@ class CompiledEngine:
         self._by_uid.pop(seq.spec.uid, None)
         if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
+
+
+def _put_rows(logits: mx.array, slots: list[int], rows: mx.array) -> mx.array:
+    """`logits` with the rows at `slots` replaced by `rows`."""
+    where = mx.array(slots, dtype=mx.int32)[:, None]
+    return mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)

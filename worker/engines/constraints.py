@@ -141,6 +141,12 @@ class RowConstraint:
         self._batch.launch(logits)
         return self._batch.masked(self, tokens, logits)
 
+    @property
+    def batched(self) -> bool:
+        """Whether an engine may mask this row together with the others of its step
+        (`MaskBatch.masked_rows`) instead of calling it as the row's processor."""
+        return self._batch.deferred
+
     def unseen(self, tokens: mx.array) -> Optional[mx.array]:
         """The generated tokens in `tokens` (the prompt, then the output so far) not consumed yet: lazy."""
         count = tokens.shape[-1] - self._prompt_len - self._consumed
@@ -186,7 +192,7 @@ class MaskBatch:
     """The masks of an engine's constrained rows: a buffer of uint32 words, one row per slot."""
 
     def __init__(self, vocab_size: int, capacity: int, *, deferred: bool = True,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, early_launch: Optional[bool] = None) -> None:
         import llguidance
 
         self.vocab_size = vocab_size
@@ -198,8 +204,11 @@ class MaskBatch:
         self._free = list(range(capacity - 1, -1, -1))
         self._released: list[tuple[int, int]] = []  # (slot, step it was given back)
         self._step = 0
-        self._waiting: list[tuple[RowConstraint, Optional[mx.array]]] = []
+        # Rows waiting for `fill`: a group's rows, where each row's new tokens are in the group's
+        # tokens (a (start, stop) span), and those tokens (lazy).
+        self._waiting: list[tuple[list[RowConstraint], list[tuple[int, int]], Optional[mx.array]]] = []
         self._launched = False
+        self._early_launch = launches_early() if early_launch is None else early_launch
         self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
         self._apply = mx.compile(_apply_mask)
 
@@ -211,7 +220,7 @@ class MaskBatch:
 
     def launch(self, logits: mx.array) -> None:
         """Start the forward pass now, so that it runs while the masks are computed (once a step)."""
-        if not self._launched:
+        if not self._launched and self._early_launch:
             mx.async_eval(logits)
             self._launched = True
 
@@ -219,7 +228,8 @@ class MaskBatch:
         if row.slot is None:
             row.slot = self._take_slot()
         if self.deferred:
-            self._waiting.append((row, row.unseen(tokens)))
+            unseen = row.unseen(tokens)
+            self._waiting.append(([row], [(0, 0 if unseen is None else unseen.size)], unseen))
             words = self._buffer[row.slot : row.slot + 1]
         else:
             unseen = row.unseen(tokens)
@@ -230,6 +240,19 @@ class MaskBatch:
                 self._view[row.slot : row.slot + 1])
         return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
 
+    def masked_rows(self, rows: list[tuple[RowConstraint, Optional[int]]], fed: mx.array, logits: mx.array
+                    ) -> mx.array:
+        """`logits` (one row per constrained row of the step, in `rows`' order) masked in one
+        operation. `rows`: each row and where in `fed` (the step's input tokens, lazy) its one token
+        that its matcher has not seen is, if it has one; they wait for `fill`, as `masked`'s do."""
+        assert self.deferred and self._buffer is not None
+        for row, _ in rows:
+            if row.slot is None:
+                row.slot = self._take_slot()
+        spans = [(0, 0) if at is None else (at, at + 1) for _, at in rows]
+        self._waiting.append(([row for row, _ in rows], spans, fed))
+        return _apply_mask(self._buffer[mx.array([row.slot for row, _ in rows], dtype=mx.int32)], logits)
+
     def fill(self) -> None:
         """Advance every row waiting since the last fill by its new tokens (read in one evaluation:
         each read waits on the device) and compute their masks in parallel; before sampling. Never
@@ -238,18 +261,15 @@ class MaskBatch:
             return
         waiting, self._waiting = self._waiting, []
         self._launched = False
-        fresh = [unseen for _, unseen in waiting if unseen is not None]
-        values = mx.concatenate(fresh).tolist() if fresh else []
-        rows, at = [], 0
-        for row, unseen in waiting:
-            count = 0 if unseen is None else unseen.size
-            try:
-                row.advance(values[at : at + count])
-                rows.append(row)
-            except RuntimeError as exc:
-                row.error = str(exc)
-                self._view[row.slot] = 0xFFFFFFFF
-            at += count
+        rows = []
+        for (group, spans, _), values in zip(waiting, _read_tokens([tokens for _, _, tokens in waiting])):
+            for row, (start, stop) in zip(group, spans):
+                try:
+                    row.advance(values[start:stop])
+                    rows.append(row)
+                except RuntimeError as exc:
+                    row.error = str(exc)
+                    self._view[row.slot] = 0xFFFFFFFF
         self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows], self._view.ctypes.data,
                                                self._words * 4, self._capacity)
 
@@ -276,6 +296,18 @@ class MaskBatch:
         self._view[: self._capacity] = old
         self._free.extend(range(self._capacity * 2 - 1, self._capacity - 1, -1))
         self._capacity *= 2
+
+
+def launches_early(cuda_available: Optional[bool] = None, on_gpu: Optional[bool] = None) -> bool:
+    """Whether to hand the forward pass to the device before the masks are computed, so that the
+    two overlap. Not on MLX's CUDA backend: there `async_eval` waited for the step in flight, and
+    launching early made a constrained step slower (docs/structured-output.md)."""
+    if cuda_available is None:
+        cuda = getattr(mx, "cuda", None)
+        cuda_available = bool(cuda is not None and cuda.is_available())
+    if on_gpu is None:
+        on_gpu = mx.default_device() == mx.gpu
+    return not (cuda_available and on_gpu)
 
 
 def fenced(sampler: Callable[[mx.array], mx.array], before: Callable[[], None]) -> Callable[[mx.array], mx.array]:
@@ -308,10 +340,26 @@ _SHIFTS = mx.arange(32, dtype=mx.uint32)
 
 
 def _apply_mask(words: mx.array, logits: mx.array) -> mx.array:
-    """-inf where a token's bit in `words` (1, W) is clear; `logits` is (1, V)."""
+    """-inf where a token's bit in `words` (R, W) is clear; `logits` is (R, V)."""
     bits = (words[:, :, None] >> _SHIFTS) & 1
-    allowed = bits.reshape(1, -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[-1]].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
+
+
+def _read_tokens(arrays: list[Optional[mx.array]]) -> list[list[int]]:
+    """Each array's values, in one evaluation: a single array is read as it is (it may be ready
+    while the step's forward pass still runs), several are joined first (each read waits on the device)."""
+    present = [a for a in arrays if a is not None]
+    if len(present) == 1:
+        values = [present[0].tolist()]
+    else:
+        joined = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in present]).tolist() if present else []
+        values, at = [], 0
+        for a in present:
+            values.append(joined[at : at + a.size])
+            at += a.size
+    it = iter(values)
+    return [next(it) if a is not None else [] for a in arrays]
 
 
 def _first_lines(message: str, lines: int = 3) -> str:
