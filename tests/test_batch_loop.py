@@ -102,7 +102,7 @@ class FakeBookkeeper:
 
     idle = True
 
-    def submit(self, task) -> None:
+    def submit(self, task, upkeep: bool = False) -> None:
         task()
 
     def step_started(self, expected_s) -> None:

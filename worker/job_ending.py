@@ -3,7 +3,7 @@ hands it.
 
 Each hand-off becomes tasks on the bookkeeping thread (worker/bookkeeping.py), in order: the step's
 stream deltas, the results (built here, each once, then their result keys, stream ends and done
-nudges), then each job's end in RQ's terms (worker/rq_worker.py). A job's result key is always
+nudges), then each job's end in RQ's terms (worker/rq_jobs.py). A job's result key is always
 written before RQ marks it ended. While the gate is in force (worker/gate.py) the work goes a Redis
 call's worth at a time and waits at the gate between them. Once a job is fully ended its record
 goes back to the loop (`done`), which alone removes it from its table of running jobs.
@@ -86,7 +86,7 @@ class JobTally:
 
 
 class RQEnds(Protocol):
-    """A job's end in RQ's terms (BatchWorker), called on the bookkeeping thread."""
+    """A job's end in RQ's terms (worker/rq_jobs.py RQJobs), called on the bookkeeping thread."""
 
     def finish_successes(self, endings: Sequence[Ending], pause: Callable[[], None]) -> None: ...
 

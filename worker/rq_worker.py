@@ -1,8 +1,8 @@
 """BatchWorker: an RQ worker whose jobs run together in a continuous batch.
 
 An RQ `SimpleWorker` (no fork: the model stays loaded, and fork after MLX starts is unsafe on
-macOS). This class is RQ's side only: its hooks (signals, stop-job commands, maintenance), the
-start of a job in RQ's terms (for many jobs in one round trip) and its end in RQ's terms. The turns
+macOS). This class is RQ's side only: its hooks (signals, stop-job commands, maintenance) and the
+run's set-up and tear-down; a job's start and end in RQ's terms are worker/rq_jobs.py's. The turns
 themselves are the batch loop's (worker/batch_loop.py), the Redis side of ending jobs runs on the
 bookkeeping thread (worker/job_ending.py), heartbeats on the liveness thread (worker/liveness.py).
 It knows nothing of MLX; the scheduler knows nothing of Redis.
@@ -10,35 +10,29 @@ It knows nothing of MLX; the scheduler knows nothing of Redis.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import signal
 import threading
-from collections.abc import Sequence
-from datetime import datetime
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-from rq import Queue, Retry, SimpleWorker
+from rq import Queue, SimpleWorker
 from rq.command import parse_payload
 from rq.exceptions import StopRequested
-from rq.executions import Execution
-from rq.job import Job, JobStatus
-from rq.timeouts import JobTimeoutException, TimerDeathPenalty
+from rq.job import Job
 from rq.utils import now
 from rq.worker import WorkerStatus
 from rq.worker.base import DequeueStrategy
 
-from schemas import GenerationResult, keys
+from schemas import keys
 from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
-from worker.allowlist import ALLOWED_FUNCTIONS, callback_names, refusal
-from worker.batch_loop import BatchLoop, InFlight, StartedJob
+from worker.allowlist import ALLOWED_FUNCTIONS
+from worker.batch_loop import BatchLoop, StartedJob
 from worker.bookkeeping import Bookkeeper
 from worker.control import ControlChannel, Controller
-from worker.intake import Unreadable, read_job
-from worker.job_ending import Ending, JobEnding
+from worker.intake import Unreadable
+from worker.job_ending import JobEnding
 from worker.liveness import Liveness
 from worker.loading import ModelLoadError
 from worker.metrics import WorkerMetrics, scheduler_gauges
@@ -46,27 +40,11 @@ from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
 from worker.recovery import Housekeeping
 from worker.redis_health import REDIS_ERRORS, RedisHealth
-from worker.rq_batch import Registries, Success, create_execution, end_successes
+from worker.rq_batch import Registries
+from worker.rq_jobs import RQJobs
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
-
-SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
-
-
-def _wanted_version(job: Job) -> int:
-    """The lowest weight version a job's request may run on (`min_weight_version`), 0 if none."""
-    try:
-        request = job.kwargs.get("request")
-        wanted = request.get("min_weight_version") if isinstance(request, dict) else None
-    except Exception:  # not readable as a request: admission fails it, whatever its version
-        return 0
-    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0
-
-
-class JobFailed(Exception):
-    """Carries a failed GenerationResult's error into RQ's failure path (callbacks, exc_info)."""
-
 
 class BatchWorker(SimpleWorker):
     allowed_functions = ALLOWED_FUNCTIONS
@@ -90,10 +68,12 @@ class BatchWorker(SimpleWorker):
         self._health = RedisHealth(self.connection)
         self._bookkeeper = Bookkeeper(self._health)
         self._metrics = self._start_metrics() if self.settings.metrics_port is not None else None
-        self._ending = JobEnding(self.connection, self._bookkeeper, self, self.settings, self.name, self._metrics)
-        self._housekeeping = Housekeeping(self.connection, self.queues, self.settings, self._ending.refuse_now)
         self._poller = Poller(self.connection, self.name, self.settings.group, self.settings.heartbeat_ttl_s,
                               self.settings.max_job_bytes)
+        self._jobs = RQJobs(self, self._poller, self._registries, self.settings)
+        self._ending = JobEnding(self.connection, self._bookkeeper, self._jobs, self.settings, self.name,
+                                 self._metrics)
+        self._housekeeping = Housekeeping(self.connection, self.queues, self.settings, self._ending.refuse_now)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._loop: Optional[BatchLoop] = None
         self._queues: Optional[WorkerQueues] = None
@@ -190,6 +170,7 @@ class BatchWorker(SimpleWorker):
                                                kind="fake" if self.settings.engine == "fake" else "text")
             self._queues = WorkerQueues(self._poller, [(q.key, q.intermediate_queue.key) for q in self.queues],
                                         self.job_class.key_for(""))
+            self._jobs.queues = self._queues
             self._controller = self._control_plane(scheduler)
             loop = BatchLoop(scheduler, self._queues, self, self._bookkeeper, self._ending, self._health, self.settings,
                              keys.stats_key(self.name), watchdog=self._liveness.step, controller=self._controller,
@@ -275,72 +256,7 @@ class BatchWorker(SimpleWorker):
 
     def start_jobs(self, taken: list[TakenJob], weight_version: int
                    ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
-        """Read the jobs taken (worker/intake.py) and record the start of those that read, the RQ way
-        (execution, started registry, status, heartbeats: what `prepare_execution` and
-        `prepare_job_execution` write), all in one round trip. A job that asks for newer weights
-        than `weight_version` goes back to the head of its queue, which the worker then leaves alone
-        until its weights change."""
-        started: list[tuple[Job, Queue, list[str]]] = []
-        unreadable: list[tuple[Unreadable, Queue]] = []
-        too_new: list[tuple[Job, int]] = []
-        for item in taken:
-            queue = self.queues[item.queue_index]
-            read = read_job(item.raw_id, item.fields, self.connection, self.settings.max_job_bytes)
-            if isinstance(read, Unreadable):
-                unreadable.append((read, queue))
-            elif _wanted_version(read) > weight_version:
-                too_new.append((read, item.queue_index))
-            else:
-                assert isinstance(item.fields, dict)
-                started.append((read, queue, callback_names(item.fields)))
-        if too_new:
-            self._put_back(too_new)
-        if not started:
-            return [], unreadable
-        ttl = self.settings.heartbeat_ttl_s
-        batch = CommandBatch(self.connection)
-        executions, cancel_replies = [], []
-        for job, queue, _ in started:
-            executions.append(create_execution(job, ttl, batch, self.name, self._registries))
-            job.prepare_for_execution(self.name, pipeline=batch)  # status, started_at, heartbeat
-            batch.lrem(queue.intermediate_queue.key, 1, job.id)
-            batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-            batch.exists(keys.cancel_key(job.id))
-            cancel_replies.append(len(batch) - 1)
-        batch.sadd(self._poller.running_key, *(job.id for job, _, _ in started))
-        self.set_state(WorkerStatus.BUSY, pipeline=batch)
-        self.set_current_job_id(started[-1][0].id, pipeline=batch)
-        self.set_current_job_working_time(0, pipeline=batch)
-        self.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._poller.running_key, ttl)
-        replies = batch.execute()
-        assert replies is not None
-        return [self._started(job, queue, callbacks, execution, bool(replies[at]))
-                for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
-
-    def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
-        """Jobs for newer weights back to the head of their queues, in their order."""
-        batch = CommandBatch(self.connection)
-        for job, index in reversed(too_new):
-            queue = self.queues[index]
-            batch.lrem(queue.intermediate_queue.key, 1, job.id)
-            batch.lpush(queue.key, job.id)
-        self._poller.ended([job.id for job, _ in too_new])
-        batch.execute()
-        assert self._queues is not None
-        self._queues.hold(index for _, index in too_new)
-
-    def _started(self, job: Job, queue: Queue, callbacks: list[str], execution: Execution, cancelled: bool
-                 ) -> StartedJob:
-        refused = refusal(job, callbacks, self.settings.callback_allowlist)
-        inflight = InFlight(job, queue, execution, deadline=None)
-        if refused is None:
-            inflight.callbacks_allowed = True
-            inflight.payload = job.kwargs["request"]
-            inflight.solo = bool(job.meta.get(SOLO_META))
-        timeout = job.timeout if job.timeout is not None else self.queue_class.DEFAULT_TIMEOUT
-        enqueued_at = job.enqueued_at.timestamp() if isinstance(job.enqueued_at, datetime) else None
-        return StartedJob(inflight, enqueued_at, timeout, refused, cancelled)
+        return self._jobs.start_jobs(taken, weight_version)
 
     # The rest runs on the bookkeeping thread.
     def run_maintenance(self) -> None:
@@ -351,78 +267,6 @@ class BatchWorker(SimpleWorker):
 
     def enqueue_due_retries(self) -> None:
         self._housekeeping.enqueue_due_retries()
-
-    # --- a job's end in RQ's terms (worker/job_ending.py RQEnds) ----------------------------
-    def finish_successes(self, endings: Sequence[Ending], pause: Callable[[], None]) -> None:
-        """End finished RQ jobs the way `perform_job` would, after their result keys are written,
-        all in one transaction where rq allows it. rq's return value is the result key's own JSON
-        text, not a second encoding. Callbacks get a thread-safe timeout."""
-        successes = []
-        for ending in endings:
-            pause()
-            job = ending.job
-            job.ended_at = now()
-            return_value = ending.outcome.encoded()
-            try:
-                if job.success_callback:  # the callback gets the result as a dict
-                    job.execute_success_callback(TimerDeathPenalty, json.loads(return_value))
-            except Exception:
-                self.log.exception("Job %s: success callback failed", job.id)
-            successes.append(Success(job, ending.execution, return_value))
-        left = {id(s.job) for s in end_successes(self, successes, self._registries, pause=pause)}
-        for ending, success in zip(endings, successes):
-            if id(success.job) in left:  # rq's own path: dependents to enqueue
-                success.job._result = success.return_value
-                with self._as_current(ending.execution):
-                    self.handle_job_success(job=success.job, queue=ending.queue,
-                                            started_job_registry=ending.queue.started_job_registry)
-
-    def finish_failure(self, ending: Ending, result: GenerationResult) -> None:
-        """End a failed or cancelled RQ job the way `perform_job` would, after its result key is
-        written; a refused job's callbacks never run. Callbacks get a thread-safe timeout."""
-        job, queue = ending.job, ending.queue
-        job.ended_at = now()
-        with self._as_current(ending.execution):
-            if result.status == "cancelled":
-                self._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
-                if ending.callbacks_allowed:
-                    with contextlib.suppress(Exception):
-                        job.execute_stopped_callback(TimerDeathPenalty)
-                self.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
-                                        started_job_registry=queue.started_job_registry)
-                return
-            job._status = JobStatus.FAILED
-            error = result.error
-            exc: Exception = (
-                JobTimeoutException(error.message) if error and error.type == "JobTimeoutException"
-                else JobFailed(f"{error.type}: {error.message}" if error else "failed")
-            )
-            if ending.callbacks_allowed:
-                with contextlib.suppress(Exception):
-                    job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
-            self.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
-                                    started_job_registry=queue.started_job_registry)
-
-    def requeue(self, ending: Ending, alone: bool) -> None:
-        """Back to its queue without counting against its retries; `alone`: it runs alone next time."""
-        job = ending.job
-        job.meta[SOLO_META] = alone
-        job.save_meta()
-        self.connection.srem(self._poller.running_key, job.id)
-        job.ended_at = now()
-        with self._as_current(ending.execution):
-            self.handle_job_retry(job=job, queue=ending.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
-                                  started_job_registry=ending.queue.started_job_registry, execution=ending.execution)
-
-    @contextlib.contextmanager
-    def _as_current(self, execution: Execution) -> Iterator[None]:
-        """rq's handlers read the job's execution from `self.execution`; only the bookkeeping thread
-        calls them (maintenance included), one job at a time."""
-        self.execution = execution
-        try:
-            yield
-        finally:
-            self.execution = None
 
     # --- the liveness thread ---------------------------------------------------------------
     def _beat(self) -> None:
