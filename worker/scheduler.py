@@ -135,6 +135,7 @@ class BatchScheduler:
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
             self._check_model(request)
+            self._check_adapter(request)
             prompt = prepared if prepared is not None else self.engine.prepare(request)
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
@@ -182,6 +183,7 @@ class BatchScheduler:
                 choice_index=choice.index,
                 request_id=job_id,
                 inputs=prompt.inputs,
+                adapter=request.adapter,
             )
             for choice in output.choices
         ]
@@ -235,6 +237,12 @@ class BatchScheduler:
         if request.model and self.served_names and request.model not in self.served_names:
             raise InvalidRequestError(f"model: this worker serves {self.model_name!r}, not {request.model!r}",
                                       field="model")
+
+    def _check_adapter(self, request: GenerationRequest) -> None:
+        """An engine without `adapter_batching` serves no adapters: such a request fails, never runs on the base model."""
+        if request.adapter is not None and getattr(self.engine, "adapter_batching", None) is None:
+            reason = getattr(self.engine, "adapter_refusal", "this worker's engine serves no LoRA adapters")
+            raise InvalidRequestError(f"adapter: {request.adapter!r} cannot run here: {reason}", field="adapter")
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
