@@ -114,12 +114,49 @@ def test_an_adapter_the_worker_does_not_have_fails_its_request_naming_adapter(mo
         assert result is not None and result.status == "failed"
         assert result.error.type == "InvalidRequest"
         assert result.error.message.startswith("adapter:") and says in result.error.message, result.error.message
-    # Without MLXQ_ADAPTER_DIR the message says so; the mlx-lm BatchGenerator path refuses adapters.
-    bare = BatchScheduler(CompiledEngine(model, tokenizer, max_num_seqs=4), max_num_seqs=4)
-    assert "MLXQ_ADAPTER_DIR is not set" in bare.admit("y", {**body, "adapter": "alpha"}).error.message
-    text = BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=4), max_num_seqs=4)
-    refused = text.admit("z", {**body, "adapter": "alpha"})
-    assert refused.status == "failed" and refused.error.message.startswith("adapter:")
+    # Without MLXQ_ADAPTER_DIR the message says so, on either decode path.
+    for engine in (CompiledEngine(model, tokenizer, max_num_seqs=4), TextEngine(model, tokenizer, max_num_seqs=4)):
+        refused = BatchScheduler(engine, max_num_seqs=4).admit("y", {**body, "adapter": "alpha"})
+        assert refused.status == "failed" and "adapter: this worker has no adapter 'alpha'" in refused.error.message
+        assert "MLXQ_ADAPTER_DIR is not set" in refused.error.message
+
+
+def test_the_batch_generator_path_groups_adapters_and_each_request_equals_alone_fused(
+        tiny_model_dir, model_and_tokenizer, adapter_dir):
+    """mlx-lm's BatchGenerator runs every row alike: jobs of one adapter (or of the base model)
+    decode together, the next adapter's once the batch is empty; each equals its reference."""
+    model, tokenizer = model_and_tokenizer
+    engine = TextEngine(model, tokenizer, max_num_seqs=8, prefix_cache_bytes=64 << 20,
+                        adapters=AdapterCatalog(adapter_dir))
+    scheduler = BatchScheduler(engine, max_num_seqs=8)
+    names = ["alpha", "alpha", None, "beta", None, "team/gamma", "alpha"]
+    requests = {}
+    for i, name in enumerate(names):
+        body = {"prompt_token_ids": prompt_ids(i % 3, 5 + 4 * i), "max_tokens": 6 + i % 3, "temperature": 0,
+                "logprobs": True, "ignore_eos": True}
+        if name is not None:
+            body["adapter"] = name
+        requests[f"g{i}"] = body
+    for job_id, body in requests.items():
+        assert scheduler.admit(job_id, body) is None
+    results, groups = {}, []
+    while len(scheduler):
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
+        running = {job.request.adapter for job in scheduler._jobs.values() if job.in_engine}
+        assert len(running) <= 1
+        if running and (not groups or groups[-1] != running):
+            groups.append(running)
+    assert groups[:3] == [{"alpha"}, {None}, {"beta"}]  # in arrival order, one adapter at a time
+    for job_id, body in requests.items():
+        choice = results[job_id].choices[0]
+        if body.get("adapter") is None:
+            ref_tokens, ref_logprobs = greedy_alone(model, body["prompt_token_ids"], body["max_tokens"], set())
+        else:
+            ref_tokens, ref_logprobs = fused_alone(tiny_model_dir, adapter_dir / body["adapter"],
+                                                   body["prompt_token_ids"], body["max_tokens"])
+        assert choice.token_ids == ref_tokens, job_id
+        assert choice.logprobs == pytest.approx(ref_logprobs, abs=1e-3), job_id
 
 
 def test_residency_is_least_recently_used_first_out_under_the_cap_and_pinned_adapters_stay(

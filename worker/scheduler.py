@@ -200,6 +200,8 @@ class BatchScheduler:
         longest = max((j.kv_tokens for j in running), default=0)
         extra = 0  # the entering jobs' memory beyond their KV caches: they prefill together
         solo_running = any(j.solo for j in running)
+        # An engine that runs one adapter at a time takes the next adapter's jobs once the batch is empty.
+        grouped = getattr(self.engine, "adapter_batching", None) == "grouped"
         entering: list[SequenceSpec] = []
         while self._waiting:
             job = self._jobs.get(self._waiting[0])
@@ -207,6 +209,8 @@ class BatchScheduler:
                 self._waiting.popleft()
                 continue
             if running and (job.solo or solo_running or not self._fits(live, longest, extra, job)):
+                break
+            if grouped and running and job.request.adapter != running[0].request.adapter:
                 break
             self._waiting.popleft()
             job.in_engine = True

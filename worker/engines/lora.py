@@ -90,6 +90,10 @@ class LoraBank:
         self._stacks: dict[str, list[mx.array]] = {}
         self._stale = False  # the stacks do not reflect the residents
         self.loads = self.evictions = 0
+        for module in self._modules.values():  # layers an earlier bank of this model adapted answer to this one
+            site = getattr(module, "_mlxq_lora", None)
+            if isinstance(site, _Site):
+                site.state = self.state
 
     # --- residency ------------------------------------------------------------------------
     def check(self, name: str) -> AdapterSource:
@@ -174,9 +178,12 @@ class LoraBank:
     def _patch(self, weights: LoraWeights) -> None:
         for path in weights.layers:
             module = self._modules[path]
-            if not isinstance(getattr(module, "_mlxq_lora", None), _Site):
-                object.__setattr__(module, "_mlxq_lora", _Site(path, self.state))
-                module.__class__ = _lora_class(type(module))
+            site = getattr(module, "_mlxq_lora", None)
+            if isinstance(site, _Site):
+                site.state = self.state
+                continue
+            object.__setattr__(module, "_mlxq_lora", _Site(path, self.state))
+            module.__class__ = _lora_class(type(module))
 
     # --- the rows of the next model call --------------------------------------------------
     @contextmanager
