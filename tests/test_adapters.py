@@ -10,10 +10,9 @@ import json
 import pytest
 
 import worker  # noqa: F401  (OpenBLAS before MLX)
-from mlx.utils import tree_unflatten
 from mlx_lm import load
 
-from tests.reference import greedy_alone, run_all
+from tests.reference import fused_alone, greedy_alone, run_all
 from worker.adapters import AdapterCatalog
 from worker.engines.compiled import CompiledEngine
 from worker.engines.text import TextEngine
@@ -43,16 +42,6 @@ def adapter_dir(tmp_path_factory, model_and_tokenizer):
     for name, options in ADAPTERS.items():
         make_tiny_adapter(root / name, model_and_tokenizer[0], **options)
     return root
-
-
-def fused_alone(tiny_model_dir: str, adapter_path, prompt: list[int], max_tokens: int):
-    """The request alone through mlx-lm: the adapter loaded by mlx-lm, then fused into the weights
-    as `mlx_lm.fuse` does."""
-    model, _ = load(tiny_model_dir, adapter_path=str(adapter_path))
-    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
-    assert fused
-    model.update_modules(tree_unflatten(fused))
-    return greedy_alone(model, prompt, max_tokens, set())
 
 
 def prompt_ids(i: int, length: int) -> list[int]:
@@ -91,6 +80,7 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone_with_its_adapt
             ref_tokens, ref_logprobs = fused_alone(tiny_model_dir, adapter_dir / body["adapter"],
                                                    body["prompt_token_ids"], body["max_tokens"])
             differs += ref_tokens != base_tokens
+        assert result.adapter == body.get("adapter")
         for choice in result.choices:
             assert choice.token_ids == ref_tokens, job_id
             assert choice.logprobs == pytest.approx(ref_logprobs, abs=1e-3), job_id

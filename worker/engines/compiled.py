@@ -215,7 +215,7 @@ class CompiledEngine:
 
     def register_adapter(self, name: str, directory: Path) -> None:
         """A published adapter is ready in `directory`: requests naming it use it from now on."""
-        self._lora.catalog.register(name, directory)
+        self._lora.publish(name, directory)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))

@@ -118,6 +118,12 @@ class LoraBank:
             resident.pins = 0
         self._trim()
 
+    def publish(self, name: str, directory: Any) -> None:
+        """Serve the adapter in `directory` as `name` from now on, once it reads as an adapter of
+        this model (AdapterError, naming `adapter`, if not: the name keeps what it had)."""
+        read_adapter(AdapterSource(name, directory), self._modules)
+        self.catalog.register(name, directory)
+
     @property
     def resident_bytes(self) -> int:
         return sum(r.nbytes for r in self._resident.values())

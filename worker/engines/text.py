@@ -169,7 +169,7 @@ class TextEngine:
         return self._lora
 
     def register_adapter(self, name: str, directory: Path) -> None:
-        self._lora.catalog.register(name, directory)
+        self._lora.publish(name, directory)
 
     @property
     def weight_version(self) -> int:
