@@ -87,6 +87,12 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone_with_its_adapt
     assert differs >= 4  # the adapters do change the output
     stats = engine.stats().counters
     assert stats["adapters_resident"] == 3 and stats["adapter_loads"] == 3
+    # The prefix cache now holds the base model's run of that prompt: a later request for it under an
+    # adapter must not start from it.
+    assert engine.prefix_cache_stats()["entries"] > 0
+    later = run_all(scheduler, {"later": requests["n2"]})["later"]
+    ref_tokens, _ = fused_alone(tiny_model_dir, adapter_dir / "beta", requests["n2"]["prompt_token_ids"], 6)
+    assert [c.token_ids for c in later.choices] == [ref_tokens, ref_tokens]
 
 
 def test_an_adapter_the_worker_does_not_have_fails_its_request_naming_adapter(model_and_tokenizer, adapter_dir,
