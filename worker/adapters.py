@@ -49,7 +49,7 @@ class AdapterSource:
 @dataclass(frozen=True)
 class LoraWeights:
     """An adapter read into memory: per adapted module path, A (input_dims x rank) and B (rank x
-    output_dims), and the scale of their product."""
+    output_dims), float32 numpy arrays, and the scale of their product."""
 
     source: AdapterSource
     scale: float
@@ -111,6 +111,7 @@ def read_adapter(source: AdapterSource, modules: dict[str, Any]) -> LoraWeights:
     every tensor a `lora_a` / `lora_b` pair of a linear layer the model has, shapes matching it."""
     import mlx.core as mx
     import mlx.nn as nn
+    import numpy as np
 
     name = source.name
     config = _read_config(source)
@@ -148,8 +149,8 @@ def read_adapter(source: AdapterSource, modules: dict[str, Any]) -> LoraWeights:
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != inputs or b.shape[1] != outputs or a.shape[1] != b.shape[0]:
             raise AdapterError(f"adapter: {name!r}: {module_path!r} has lora_a {tuple(a.shape)} and lora_b "
                                f"{tuple(b.shape)}; the layer takes {inputs} inputs to {outputs} outputs")
-        layers[module_path] = (a, b)
-    mx.eval([array for pair in layers.values() for array in pair])
+        # Kept on the host in float32: the engine stacks them there (worker/engines/lora.py).
+        layers[module_path] = (np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
     return LoraWeights(source, float(parameters["scale"]), layers)
 
 

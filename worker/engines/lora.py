@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from worker.adapters import AdapterCatalog, AdapterError, AdapterSource, LoraWeights, linear_dims, read_adapter
 
@@ -209,30 +210,33 @@ class LoraBank:
 
     def _restack(self) -> None:
         """Stack every resident adapter's A and B per adapted layer, in slot order, padded to a
-        power-of-two number of slots (so residents coming and going seldom change a shape)."""
+        power-of-two number of slots (so residents coming and going seldom change a shape). Built
+        on the host (numpy: one copy to the device per matrix, not an MLX op per slot) as new
+        arrays, so a step in flight keeps the stacks it was launched with."""
         capacity = 1 << max(0, (len(self._slots) - 1).bit_length())
         by_slot = {r.slot: r.weights for r in self._resident.values()}
-        paths = sorted({path for w in by_slot.values() for path in w.layers})
+        ranks: dict[str, int] = {}
+        for weights in by_slot.values():
+            for path, (a, _) in weights.layers.items():
+                ranks[path] = max(ranks.get(path, 0), int(a.shape[1]))
         stacks: dict[str, list[mx.array]] = {}
-        for path in paths:
+        for path, rank in ranks.items():
             module = self._modules[path]
             inputs, outputs = linear_dims(module)
             dtype = module.scales.dtype if "scales" in module else module.weight.dtype
-            rank = max(w.layers[path][0].shape[1] for w in by_slot.values() if path in w.layers)
-            a_rows, b_rows = [], []
-            for slot in range(capacity):
-                weights = by_slot.get(slot)
-                pair = weights.layers.get(path) if weights is not None else None
-                if pair is None:
-                    a_rows.append(mx.zeros((inputs, rank), dtype=dtype))
-                    b_rows.append(mx.zeros((rank, outputs), dtype=dtype))
-                    continue
-                assert weights is not None
-                a, b = pair
-                pad = rank - a.shape[1]
-                a_rows.append(mx.pad(a.astype(dtype), [(0, 0), (0, pad)]))
-                b_rows.append(mx.pad((weights.scale * b).astype(dtype), [(0, pad), (0, 0)]))
-            stacks[path] = [mx.stack(a_rows), mx.stack(b_rows)]
+            a_stack = np.zeros((capacity, inputs, rank), dtype=np.float32)
+            b_stack = np.zeros((capacity, rank, outputs), dtype=np.float32)
+            for slot, weights in by_slot.items():
+                pair = weights.layers.get(path)
+                if pair is not None:
+                    a_stack[slot, :, :pair[0].shape[1]] = pair[0]
+                    b_stack[slot, :pair[1].shape[0], :] = weights.scale * pair[1]
+            stacks[path] = [_on_device(a_stack, dtype), _on_device(b_stack, dtype)]
         mx.eval(stacks)
         self._stacks = stacks
         self._stale = False
+
+
+def _on_device(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    out = mx.array(array)
+    return out if out.dtype == dtype else out.astype(dtype)
