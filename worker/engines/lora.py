@@ -83,7 +83,8 @@ class LoraBank:
     def __init__(self, model: Any, catalog: AdapterCatalog, max_bytes: int) -> None:
         self.catalog = catalog
         self.max_bytes = max_bytes
-        self._modules = dict(model.named_modules())
+        named = getattr(model, "named_modules", None)  # (a stand-in model of a test may have none)
+        self._modules: dict[str, Any] = dict(named()) if named is not None else {}
         # The compiled step's input: {"stacks": {path: [A, B]}, "index": (rows,) uint32}, or empty.
         self.state: dict[str, Any] = {}
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
