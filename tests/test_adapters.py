@@ -190,3 +190,14 @@ def test_residency_is_least_recently_used_first_out_under_the_cap_and_pinned_ada
     assert bank.resident_bytes <= cap and "beta" not in bank.resident_names()
     with pytest.raises(ValueError, match="adapter: 'beta' needs"):
         CompiledEngine(model, tokenizer, adapters=catalog, adapter_memory_bytes=cap // 4).adapters.check("beta")
+
+
+def test_an_engine_without_adapters_fails_adapter_requests_naming_adapter():
+    from worker.engines.fake import FakeEngine
+    from worker.engines.vision import VisionEngine
+
+    scheduler = BatchScheduler(FakeEngine(), max_num_seqs=4)
+    refused = scheduler.admit("f", {"prompt_token_ids": [1, 2], "max_tokens": 2, "adapter": "alpha"})
+    assert refused.status == "failed" and refused.error.type == "InvalidRequest"
+    assert refused.error.message == "adapter: 'alpha' cannot run here: this worker's engine serves no LoRA adapters"
+    assert not hasattr(VisionEngine, "adapter_batching") and "vision" in VisionEngine.adapter_refusal
