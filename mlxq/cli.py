@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
+    p.add_argument("--adapter-dir", help="folder whose subdirectories are LoRA adapters by name (MLXQ_ADAPTER_DIR)")
+    p.add_argument("--adapter-memory-mb", type=int,
+                   help="memory for resident LoRA adapters, least recently used out first (default 1024)")
     p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
                    help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
     p.add_argument("--decode-warmup-tokens", type=int, help=(

@@ -1,5 +1,5 @@
-"""CLI verbs of the control plane (docs/rl.md): `publish-weights`, `pause`, `resume`, `abort`,
-`reset-prefix-cache`. Each prints the outcome as JSON (who acknowledged, who refused and why, who did
+"""CLI verbs of the control plane (docs/rl.md): `publish-weights`, `publish-adapter`, `pause`, `resume`,
+`abort`, `reset-prefix-cache`. Each prints the outcome as JSON (who acknowledged, who refused and why, who did
 not answer) and exits 0 only if every live worker of the model applied the command."""
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--upload", action="store_true", help="stream the files through Redis (small models, adapters)")
     _common(p, lambda args, client: client.publish_weights(args.model, args.version, args.path, args.policy,
                                                            upload=args.upload, timeout=args.timeout))
+
+    p = subparsers.add_parser("publish-adapter", help="make a LoRA adapter servable by a model's workers",
+                              description="Make the LoRA adapter in PATH (adapter_config.json and "
+                              "adapters.safetensors, as mlx_lm.lora writes them) the adapter NAME on every live "
+                              "worker serving MODEL; requests name it in `adapter`.")
+    p.add_argument("model")
+    p.add_argument("name")
+    p.add_argument("path", help="the adapter's directory (the workers read it, unless --upload)")
+    p.add_argument("--upload", action="store_true", help="stream the files through Redis")
+    _common(p, lambda args, client: client.publish_adapter(args.model, args.name, args.path, upload=args.upload,
+                                                           timeout=args.timeout))
 
     p = subparsers.add_parser("pause", help="stop a model's workers taking and stepping jobs")
     p.add_argument("model")

@@ -23,7 +23,8 @@ from rq import Retry
 from rq.job import Job
 
 from producer.client import CANCEL_TTL, SAFETY_POLL_S
-from producer.control import AsyncControlCalls, abort_target, control_command, job_model, pause_command, weights_command
+from producer.control import (AsyncControlCalls, abort_target, adapter_command, control_command, job_model,
+                              pause_command, weights_command)
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
 from producer.wire import (
     NO_CONNECTION,
@@ -409,6 +410,14 @@ class AsyncClient:
         drain (running sequences finish on the old weights), abort (they go back to their queues),
         inflight (they go on under the new weights)."""
         return await self._control.send(*weights_command(model, version, path, policy, upload), timeout)
+
+    async def publish_adapter(self, model: str, name: str, path: str, *, upload: bool = False,
+                        timeout: float = 300) -> ControlOutcome:
+        """Make the LoRA adapter in `path` (a directory as `mlx_lm.lora` writes it: adapter_config.json
+        and adapters.safetensors) the adapter `name` on every worker serving `model`; requests name it
+        in `adapter`. The workers read `path` themselves, or with `upload` the files are streamed
+        through Redis in checksummed chunks. Publishing a name again replaces that adapter."""
+        return await self._control.send(*adapter_command(model, name, path, upload), timeout)
 
     async def pause(self, model: str, mode: PauseMode = "keep", *, timeout: float = 60) -> ControlOutcome:
         """Stop the model's workers taking jobs and stepping: `keep` freezes running sequences until

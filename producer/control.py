@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 import uuid
 import zlib
@@ -32,7 +33,7 @@ from schemas.control import (
 )
 from schemas.presence import WorkerPresence
 
-__all__ = ["AsyncControlCalls", "ControlCalls", "control_command", "weights_command"]
+__all__ = ["AsyncControlCalls", "ControlCalls", "adapter_command", "control_command", "weights_command"]
 
 STREAM_LENGTH = 1000  # commands kept on a model's control stream (approximately)
 BLOB_TTL_S = 24 * 3600  # weights streamed through Redis stay this long for workers to catch up
@@ -63,6 +64,39 @@ def weights_command(model: str, version: int, path: str, policy: WeightPolicy = 
         return control_command("weights", model, version=version, path=str(directory.resolve()), policy=policy), {}
     command_id = uuid.uuid4().hex
     prefix = f"{model}:{version}:{command_id}"
+    entries, chunks = _chunked(files, prefix)
+    command = ControlCommand(id=command_id, op="weights", model=model, issued_at=time.time(), version=version,
+                             blob_prefix=prefix, files=entries, policy=policy)
+    return command, chunks
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # as mlx_lm.lora writes them
+
+
+def adapter_command(model: str, name: str, path: str, upload: bool = False
+                    ) -> tuple[ControlCommand, dict[str, bytes]]:
+    """An adapter command and the Redis values it needs: none when the workers read `path`
+    themselves, its two files cut into chunks when `upload`."""
+    if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9._:/-]{1,256}$", name) or \
+            any(part in ("", ".", "..") for part in name.split("/")):
+        raise InvalidRequest(f"name: {name!r} is not an adapter name (letters, digits, . _ : / -, no empty, '.' "
+                             "or '..' path parts)", "name")
+    directory = Path(path)
+    missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]
+    if missing:
+        raise InvalidRequest(f"path: {path!r} is not an mlx-lm adapter directory (no {', '.join(missing)})", "path")
+    if not upload:
+        return control_command("adapter", model, adapter=name, path=str(directory.resolve())), {}
+    command_id = uuid.uuid4().hex
+    prefix = f"{model}:adapter:{command_id}"
+    entries, chunks = _chunked([directory / f for f in ADAPTER_FILES], prefix)
+    command = ControlCommand(id=command_id, op="adapter", model=model, issued_at=time.time(), adapter=name,
+                             blob_prefix=prefix, files=entries)
+    return command, chunks
+
+
+def _chunked(files: list[Path], prefix: str) -> tuple[list[WeightFile], dict[str, bytes]]:
+    """Each file's entry (size, checksum, chunk count) and its chunks under `prefix`."""
     chunks: dict[str, bytes] = {}
     entries = []
     for file in files:
@@ -72,9 +106,7 @@ def weights_command(model: str, version: int, path: str, policy: WeightPolicy = 
             chunks[keys.blob_key(prefix, file.name, index)] = piece
         entries.append(WeightFile(name=file.name, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
                                   chunks=len(pieces)))
-    command = ControlCommand(id=command_id, op="weights", model=model, issued_at=time.time(), version=version,
-                             blob_prefix=prefix, files=entries, policy=policy)
-    return command, chunks
+    return entries, chunks
 
 
 def serving(raw_entries: list[Optional[bytes]], model: str, now: float) -> set[str]:
@@ -106,6 +138,8 @@ def _publish_commands(pipe: Any, command: ControlCommand, chunks: dict[str, byte
         pipe.set(key, value, ex=BLOB_TTL_S)
     if command.op == "weights":
         pipe.set(keys.weights_key(command.model), command.model_dump_json())
+    elif command.op == "adapter":
+        pipe.hset(keys.adapters_key(command.model), str(command.adapter), command.model_dump_json())
     elif command.op == "pause":
         pipe.set(keys.paused_key(command.model), command.mode or "keep")
     elif command.op == "resume":

@@ -5,7 +5,8 @@ A command goes on the model's control stream (`mlxq:control:<model>`); every liv
 that model applies it between two engine steps and acknowledges it in `mlxq:ack:<command id>`
 (worker name -> ControlAck JSON). The publisher waits until every live worker of the model has
 acknowledged, or names those that did not in time. The latest weights command of a model is also
-kept in `mlxq:weights:<model>`, so a worker that starts, or comes back, catches up with it.
+kept in `mlxq:weights:<model>`, and every adapter published for it in `mlxq:adapters:<model>` (adapter
+name -> ControlCommand JSON), so a worker that starts, or comes back, catches up with them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 WeightPolicy = Literal["drain", "abort", "inflight"]
 PauseMode = Literal["keep", "abort"]
-ControlOp = Literal["weights", "pause", "resume", "abort", "reset_prefix_cache"]
+ControlOp = Literal["weights", "pause", "resume", "abort", "reset_prefix_cache", "adapter"]
 
 # Weights streamed through Redis go in chunks of at most this many bytes (a Redis value should stay
 # well under its 512 MB limit, and one call under a second on a slow link).
@@ -24,10 +25,11 @@ WEIGHT_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 class WeightFile(BaseModel):
-    """One safetensors file of a published version, as streamed through Redis."""
+    """One file of a published version (safetensors) or adapter (and its adapter_config.json), as
+    streamed through Redis."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9._-]+\.safetensors$")
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(safetensors|json)$")
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     chunks: int = Field(ge=1)
@@ -51,6 +53,8 @@ class ControlCommand(BaseModel):
     mode: Optional[PauseMode] = None
     # op "abort": one job (else every job the worker runs for this model).
     job_id: Optional[str] = None
+    # op "adapter": the LoRA adapter's name (its files: `path` or `blob_prefix` and `files`, as for weights).
+    adapter: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")
 
 
 class ControlAck(BaseModel):

@@ -89,6 +89,11 @@ def weights_key(model: str) -> str:
     return f"{PREFIX}weights:{model}"
 
 
+def adapters_key(model: str) -> str:
+    """Every adapter published for a model (a hash: adapter name -> ControlCommand JSON), for workers that catch up."""
+    return f"{PREFIX}adapters:{model}"
+
+
 def paused_key(model: str) -> str:
     """Set while a model's workers are paused (its value the pause mode), for workers that start then."""
     return f"{PREFIX}paused:{model}"

@@ -90,6 +90,7 @@ class GenerationResult(_Model):
     error: Optional[ErrorInfo] = None
     metadata: Optional[dict[str, str]] = None
     weight_version: Optional[int] = None  # the weights that produced it (the oldest, if choices differ)
+    adapter: Optional[str] = None  # the LoRA adapter that produced it (None: the base model)
 
 
 def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_at: float,

@@ -19,6 +19,20 @@ def greedy_alone(model, prompt_ids: list[int], max_tokens: int, stop_ids: set[in
     return tokens, logprobs
 
 
+def fused_alone(model_dir: str, adapter_path, prompt_ids: list[int], max_tokens: int,
+                stop_ids: set[int] = frozenset()) -> tuple[list[int], list[float]]:
+    """The request alone through mlx-lm with a LoRA adapter: loaded by mlx-lm (`load(...,
+    adapter_path=)`), then fused into the weights as `mlx_lm.fuse` does, then greedy."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm import load
+
+    model, _ = load(model_dir, adapter_path=str(adapter_path))
+    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
+    assert fused, "the adapter adapted no layer"
+    model.update_modules(tree_unflatten(fused))
+    return greedy_alone(model, prompt_ids, max_tokens, set(stop_ids))
+
+
 def teacher_forced_logits(model, prompt_ids: list[int], generated: list[int]):
     """The model's raw logits at each generated position, from one full forward pass:
     row j is what `generated[j]` was drawn from, before any processing."""

@@ -78,7 +78,10 @@ def test_the_rl_swap_bench_publishes_under_each_policy_to_a_decoding_worker(tiny
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rl = json.loads((out / "report.json").read_text())["scenarios"]["rl"]
-    assert "grouped" not in rl and rl["adapters"]["status"] == "not measured"
+    adapters = rl["adapters"]
+    assert adapters["status"] == "measured" and adapters["adapters"] == 3
+    assert adapters["base_tokens_per_s"] > 0 and adapters["mixed_tokens_per_s"] > 0 and adapters["ratio"] > 0
+    assert int(adapters["worker_adapter_counters"]["adapters_resident"]) == 3
     swap = rl["swap"]
     assert [(r["policy"], r["version"], r["ok"]) for r in swap["runs"]] == [
         ("drain", 1, True), ("abort", 2, True), ("inflight", 3, True)]
@@ -89,3 +92,4 @@ def test_the_rl_swap_bench_publishes_under_each_policy_to_a_decoding_worker(tiny
         assert (run["discarded_tokens"] > 0) == (run["policy"] == "abort"), run  # only abort throws work away
     assert swap["load_jobs"]["1"] > 8
     assert "RL weight swap" in (out / "table.md").read_text()
+    assert "RL mixed adapters" in (out / "table.md").read_text()

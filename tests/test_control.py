@@ -267,7 +267,7 @@ def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir):
     assert worker.returncode == 0, out
 
 
-def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, version_dir):
+def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, version_dir, tmp_path):
     import httpx
 
     from tests.gateway import key_entry, running_gateway
@@ -290,6 +290,17 @@ def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, 
                 answer = httpx.post(f"{base}/control/{ALIAS}/{op}", json={"timeout": 30},
                                     headers={"Authorization": "Bearer sk-trainer"}, timeout=60)
                 assert answer.status_code == 200 and answer.json()["acked"]["gw-rl"]["ok"], (op, answer.text)
+            # The fake engine serves no adapters: the worker refuses the adapter, naming `adapter`.
+            adapter = tmp_path / "lora"
+            adapter.mkdir()
+            (adapter / "adapter_config.json").write_text("{}")
+            (adapter / "adapters.safetensors").write_bytes(b"")
+            answer = httpx.post(f"{base}/control/{ALIAS}/adapter",
+                                json={"name": "a", "path": str(adapter), "upload": True, "timeout": 30},
+                                headers={"Authorization": "Bearer sk-trainer"}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            ack = answer.json()["acked"]["gw-rl"]
+            assert not ack["ok"] and ack["message"].startswith("adapter: 'a' cannot be served here"), ack
         assert Client(redis_url).wait(Client(redis_url).submit(long_request(130, 3)), 30).weight_version == 2
     finally:
         out = stop(worker)

@@ -526,6 +526,13 @@ class BatchLoop:
     def reset_prefix_cache(self) -> None:
         self.scheduler.engine.reset_prefix_cache()
 
+    def add_adapter(self, name: str, directory: Path) -> None:
+        engine = self.scheduler.engine
+        if getattr(engine, "adapter_batching", None) is None:
+            reason = getattr(engine, "adapter_refusal", "this worker's engine serves no LoRA adapters")
+            raise ValueError(f"adapter: {name!r} cannot be served here: {reason}")
+        engine.register_adapter(name, directory)
+
     def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         assert self._controller is not None
         channel, version = self._controller.channel, self.weight_version

@@ -55,6 +55,11 @@ class ControlChannel:
         raw = self._connection.get(self._weights_key)
         return None if raw is None else _parse(raw)
 
+    def published_adapters(self) -> list[ControlCommand]:
+        """Every adapter published for the model, for a worker that starts or comes back."""
+        raw = self._connection.hgetall(keys.adapters_key(self._model))
+        return [command for command in (_parse(value) for value in raw.values()) if command is not None]
+
     def read(self) -> list[ControlCommand]:
         entries = self._connection.xrange(self._stream, min=b"(" + self._last_id, count=64)
         commands = []
@@ -106,6 +111,11 @@ class LoopControls(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
+    def add_adapter(self, name: str, directory: Path) -> None:
+        """Serve the adapter in `directory` as `name` from now on (raises ValueError naming `adapter`
+        if the engine cannot: not a LoRA adapter of this model, or an engine without adapters)."""
+        ...
+
     def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         """Acknowledge a command (written by the bookkeeping thread)."""
         ...
@@ -125,6 +135,11 @@ class Controller:
         if latest is not None and latest.version is not None and latest.version > version:
             log.info("catching up with version %d of the weights", latest.version)
             self._fetch(latest)
+        # Published adapters are fetched before the worker takes a job: a job naming one must find it.
+        self._catching_up: set[str] = set()
+        for adapter in channel.published_adapters():
+            self._catching_up.add(adapter.id)
+            self._loader.submit(adapter)
 
     def stop(self) -> None:
         self._loader.stop()
@@ -132,7 +147,7 @@ class Controller:
     @property
     def admitting(self) -> bool:
         """Whether the loop may take new jobs: not while paused or draining for a swap."""
-        return self.paused is None and self._draining is None
+        return self.paused is None and self._draining is None and not self._catching_up
 
     @property
     def stepping(self) -> bool:
@@ -182,6 +197,8 @@ class Controller:
         elif command.op == "reset_prefix_cache":
             loop.reset_prefix_cache()
             self._ack(loop, command, True, "prefix cache reset")
+        elif command.op == "adapter":
+            self._loader.submit(command)  # acknowledged once fetched and checked, or refused
 
     def _fetch(self, command: ControlCommand) -> None:
         self._fetching = command
@@ -189,6 +206,9 @@ class Controller:
 
     def _fetched(self, fetched: FetchedVersion, loop: LoopControls) -> None:
         command = fetched.command
+        if command.op == "adapter":
+            self._adapter_fetched(fetched, loop)
+            return
         if self._fetching is not None and command.id == self._fetching.id:
             self._fetching = None
         if fetched.error is not None:
@@ -210,6 +230,21 @@ class Controller:
         if policy == "abort":
             loop.requeue_running()
         self._swap(fetched, loop)
+
+    def _adapter_fetched(self, fetched: FetchedVersion, loop: LoopControls) -> None:
+        command = fetched.command
+        self._catching_up.discard(command.id)
+        if fetched.error is None:
+            try:
+                loop.add_adapter(str(command.adapter), fetched.files[0])
+            except ValueError as exc:
+                fetched = FetchedVersion(command, fetched.files, str(exc))
+        if fetched.error is not None:
+            log.error("adapter not served: %s", fetched.error)
+            self._ack(loop, command, False, fetched.error)
+            return
+        log.info("serving adapter %s", command.adapter)
+        self._ack(loop, command, True, f"adapter {command.adapter!r} ready")
 
     def _swap(self, fetched: FetchedVersion, loop: LoopControls) -> None:
         command = fetched.command

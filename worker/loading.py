@@ -90,8 +90,11 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
 
     path = choose_decode_path(model, settings.decode)
     log.info("decode path: %s (%s)", path.name, path.reason)
+    from worker.adapters import AdapterCatalog
+
     options = dict(max_num_seqs=settings.max_num_seqs, prefill_batch_size=settings.prefill_batch_size,
-                   prefill_step_size=settings.prefill_step_size, prefix_cache_bytes=settings.prefix_cache_bytes)
+                   prefill_step_size=settings.prefill_step_size, prefix_cache_bytes=settings.prefix_cache_bytes,
+                   adapters=AdapterCatalog(settings.adapter_dir), adapter_memory_bytes=settings.adapter_memory_bytes)
     if path.name == "compiled":
         from worker.engines.compiled import CompiledEngine
 

@@ -214,7 +214,7 @@ class JobOutput:
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             timings=timings(self.enqueued_at, self.started_at, finished_at, self.first_token_at),
             worker=self._worker, error=error, metadata=request.metadata,
-            weight_version=min(versions) if versions else None)
+            weight_version=min(versions) if versions else None, adapter=request.adapter)
 
     def _constraint_complete(self, choice: ChoiceState) -> Optional[bool]:
         """None unconstrained; else whether the text is a complete match: the engine's word on the

@@ -135,6 +135,7 @@ class BatchScheduler:
         try:
             request = GenerationRequest.validate_payload(payload, self.limits)
             self._check_model(request)
+            self._check_adapter(request)
             prompt = prepared if prepared is not None else self.engine.prepare(request)
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
@@ -182,6 +183,7 @@ class BatchScheduler:
                 choice_index=choice.index,
                 request_id=job_id,
                 inputs=prompt.inputs,
+                adapter=request.adapter,
             )
             for choice in output.choices
         ]
@@ -198,6 +200,8 @@ class BatchScheduler:
         longest = max((j.kv_tokens for j in running), default=0)
         extra = 0  # the entering jobs' memory beyond their KV caches: they prefill together
         solo_running = any(j.solo for j in running)
+        # An engine that runs one adapter at a time takes the next adapter's jobs once the batch is empty.
+        grouped = getattr(self.engine, "adapter_batching", None) == "grouped"
         entering: list[SequenceSpec] = []
         while self._waiting:
             job = self._jobs.get(self._waiting[0])
@@ -205,6 +209,8 @@ class BatchScheduler:
                 self._waiting.popleft()
                 continue
             if running and (job.solo or solo_running or not self._fits(live, longest, extra, job)):
+                break
+            if grouped and running and job.request.adapter != running[0].request.adapter:
                 break
             self._waiting.popleft()
             job.in_engine = True
@@ -235,6 +241,12 @@ class BatchScheduler:
         if request.model and self.served_names and request.model not in self.served_names:
             raise InvalidRequestError(f"model: this worker serves {self.model_name!r}, not {request.model!r}",
                                       field="model")
+
+    def _check_adapter(self, request: GenerationRequest) -> None:
+        """An engine without `adapter_batching` serves no adapters: such a request fails, never runs on the base model."""
+        if request.adapter is not None and getattr(self.engine, "adapter_batching", None) is None:
+            reason = getattr(self.engine, "adapter_refusal", "this worker's engine serves no LoRA adapters")
+            raise InvalidRequestError(f"adapter: {request.adapter!r} cannot run here: {reason}", field="adapter")
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -52,6 +52,10 @@ class WorkerSettings(BaseSettings):
     # tokens of a 0.5B model or ~8k of an 8B one: a few long system prompts and recent conversations,
     # small next to the weights and the KV budget on the machines we target (16 GB and up).
     prefix_cache_mb: int = 1024
+    # LoRA adapters (docs/rl.md, "Adapters"): the folder whose subdirectories are adapters by name,
+    # and the memory resident adapters may take (least recently used out first).
+    adapter_dir: Optional[str] = None
+    adapter_memory_mb: int = 1024
     # Set by `mlxq worker --processes N` for its processes: they share waiting jobs out fairly.
     group: Optional[str] = None
     engine: str = "mlx"  # "mlx"; "fake" is a model-free deterministic engine for tests and queue benchmarks
@@ -168,6 +172,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_BLAS_THREADS must be >= 1, got {self.blas_threads}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"MLXQ_PREFIX_CACHE_MB must be >= 0 (0 turns the cache off), got {self.prefix_cache_mb}")
+        if self.adapter_memory_mb < 1:
+            raise ValueError(f"MLXQ_ADAPTER_MEMORY_MB must be >= 1, got {self.adapter_memory_mb}")
         if self.decode not in ("auto", "compiled", "batch-generator"):
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
         if self.decode_warmup_tokens < 0:
@@ -208,6 +214,10 @@ class WorkerSettings(BaseSettings):
     @property
     def prefix_cache_bytes(self) -> int:
         return self.prefix_cache_mb * 1024 * 1024
+
+    @property
+    def adapter_memory_bytes(self) -> int:
+        return self.adapter_memory_mb * 1024 * 1024
 
     @property
     def limits(self) -> RequestLimits:

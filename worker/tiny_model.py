@@ -257,3 +257,38 @@ def _vision_config(model_type: str, dims: VisionShape) -> dict[str, object]:
         return {**common, "embed_dim": dims.embed_dim, "hidden_size": dims.text.hidden_size, "mlp_ratio": 2}
     return {**common, "hidden_size": dims.embed_dim, "intermediate_size": 2 * dims.embed_dim,
             "out_hidden_size": dims.text.hidden_size, "window_size": 56, "fullatt_block_indexes": [dims.depth - 1]}
+
+
+def make_tiny_adapter(
+    path: str | Path, model: object, *, keys: tuple[str, ...] = ("self_attn.q_proj", "self_attn.v_proj"),
+    rank: int = 4, scale: float = 10.0, num_layers: int = -1, seed: int = 0, strength: float = 0.05,
+) -> Path:
+    """Write a random LoRA adapter for `model` (an mlx-lm model) to `path`, as `mlx_lm.lora` lays
+    one out: adapter_config.json and adapters.safetensors with `lora_a` / `lora_b` for the layers
+    named by `keys` in the last `num_layers` blocks (-1: all). B is not zero (as after training),
+    so the adapter changes the model's output; `strength` is the spread of its entries."""
+    import json
+
+    import mlx.core as mx
+
+    layers = list(model.layers)  # type: ignore[attr-defined]
+    count = len(layers) if num_layers < 0 else num_layers
+    prefix = next(name for name, module in model.named_modules()  # type: ignore[attr-defined]
+                  if module is layers[0]).rsplit(".", 1)[0]
+    key = mx.random.key(seed)
+    tensors = {}
+    for index in range(len(layers) - count, len(layers)):
+        modules = dict(layers[index].named_modules())
+        for name in keys:
+            outputs, inputs = modules[name].weight.shape
+            key, a_key, b_key = mx.random.split(key, 3)
+            bound = 1 / inputs ** 0.5
+            tensors[f"{prefix}.{index}.{name}.lora_a"] = mx.random.uniform(-bound, bound, (inputs, rank), key=a_key)
+            tensors[f"{prefix}.{index}.{name}.lora_b"] = strength * mx.random.normal((rank, outputs), key=b_key)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), tensors)
+    config = {"fine_tune_type": "lora", "num_layers": count,
+              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -141,6 +141,8 @@ class WeightLoader:
             self.ready.put(self._fetch(command))
 
     def _fetch(self, command: ControlCommand) -> FetchedVersion:
+        if command.op == "adapter":
+            return self._fetch_adapter(command)
         into = self._workdir / f"v{command.version}-{command.id}"
         shutil.rmtree(into, ignore_errors=True)
         into.mkdir(parents=True)
@@ -152,9 +154,26 @@ class WeightLoader:
             return FetchedVersion(command, [], f"version {command.version}: {exc}")
         return FetchedVersion(command, files)
 
+    def _fetch_adapter(self, command: ControlCommand) -> FetchedVersion:
+        """A published adapter's directory: its `path`, or its files assembled from Redis into a
+        folder of their own, kept while the worker runs (the engine reads them when a request
+        first names the adapter). The engine checks the adapter against the model."""
+        if command.path is not None:
+            return FetchedVersion(command, [Path(command.path)])
+        into = self._workdir / "adapters" / command.id
+        shutil.rmtree(into, ignore_errors=True)
+        into.mkdir(parents=True)
+        try:
+            fetch(self._connection, command, into)
+        except (WeightsError, OSError, redis.RedisError) as exc:
+            shutil.rmtree(into, ignore_errors=True)
+            return FetchedVersion(command, [], f"adapter {command.adapter!r}: {exc}")
+        return FetchedVersion(command, [into])
+
 
 def release(fetched: Union[FetchedVersion, None]) -> None:
-    """Remove a fetched version's copies once swapped in (or refused): files of a `path` stay."""
-    if fetched is not None and fetched.command.path is None:
+    """Remove a fetched version's copies once swapped in (or refused): files of a `path` stay, and
+    an adapter's stay while it is served."""
+    if fetched is not None and fetched.command.path is None and fetched.command.op != "adapter":
         for path in fetched.files:
             path.unlink(missing_ok=True)

@@ -113,6 +113,10 @@ class MlxqCluster:
                 if time.monotonic() > deadline:
                     raise
 
+    def results(self, ids: list[str], timeout: float) -> list[GenerationResult]:
+        """The results of `ids`, in order, once every one has ended (a worker that died raises)."""
+        return self._wait(ids, timeout)
+
     def warm(self, workload: Workload) -> None:
         """Run `workload`'s requests through every worker (each on its own queue) and wait."""
         assert self.client is not None

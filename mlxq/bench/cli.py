@@ -106,7 +106,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--rl-new-tokens", type=int, default=64)
     g.add_argument("--rl-parts", type=_list(str), default=RL_PARTS,
                    help="rl: samples (n=8 vs independent), swap (a weight swap's cost per policy, on 1 and 2 "
-                        "workers: --workers), adapters (not built yet); default all")
+                        "workers: --workers), adapters (mixed LoRA adapters against none, one worker: "
+                        "--rl-swap-sequences requests of --rl-swap-new-tokens); default all")
     g.add_argument("--rl-swap-sequences", type=int, default=64, help="rl swap: sequences decoding over the fleet (64)")
     g.add_argument("--rl-swap-new-tokens", type=int, default=128, help="rl swap: new tokens per request, +- half (128)")
     g.add_argument("--rl-swap-steady", type=float, default=3.0, help="rl swap: seconds of steady load around a swap (3)")

@@ -11,8 +11,7 @@ around the swap against its ordinary step interval, the tokens the fleet did not
 recovered against its rate just before, the tokens thrown away (an `abort`'s first attempts), and
 the swap's own duration from the worker's log line.
 
-Mixed-adapter throughput belongs to the same scenario but LoRA adapters are not built:
-`mixed_adapters` says so in the report, and is where that measurement goes.
+Mixed-adapter throughput, the scenario's `adapters` part, is mlxq/bench/scenario_rl_adapters.py.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from mlxq.bench import scenarios
 from mlxq.bench.arm_mlxq import JOB_TIMEOUT_S, MlxqCluster
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet
+from mlxq.bench.scenario_rl_adapters import adapter_lines, mixed_adapters
 from mlxq.bench.stats import distribution, median
 from mlxq.bench.workloads import Tokenizer, make_prompts
 from producer import Client
@@ -286,7 +286,7 @@ def rl(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: scenarios.ClusterFa
     if "swap" in cfg.rl_parts:
         out["swap"] = weight_swap(cfg, url, procs, model, blas_path, tokenizer)
     if "adapters" in cfg.rl_parts:
-        out["adapters"] = mixed_adapters(cfg)
+        out["adapters"] = mixed_adapters(cfg, url, procs, model, blas_path, tokenizer)
     return out
 
 
@@ -341,18 +341,11 @@ def summarize_swaps(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str,
     return out
 
 
-def mixed_adapters(cfg: BenchConfig) -> dict[str, Any]:
-    """Throughput of requests for several LoRA adapters decoding in one batch, against the same
-    requests without adapters. LoRA adapters per request (issue 25, item 3) are not built: this is
-    where that measurement goes once `adapter` is served, and the report says it was not run."""
-    return {"status": "not measured", "reason": "LoRA adapters per request are not built yet"}
-
-
 def rl_lines(r: dict[str, Any]) -> list[str]:
     """table.md's lines for the swap and adapter parts of the rl scenario."""
     lines = swap_table(r["swap"]) if "swap" in r else []
     if "adapters" in r:
-        lines.append(f"- RL mixed-adapter throughput: {r['adapters']['status']} ({r['adapters']['reason']})")
+        lines += adapter_lines(r["adapters"])
     return lines
 
 

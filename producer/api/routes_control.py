@@ -1,5 +1,5 @@
 """The control plane over HTTP (docs/rl.md), for tenants named in MLXQ_API_ADMIN_TENANTS only:
-`POST /v1/control/{model}/weights`, `/pause`, `/resume`, `/abort`, `/reset_prefix_cache`. Each answers
+`POST /v1/control/{model}/weights`, `/adapter`, `/pause`, `/resume`, `/abort`, `/reset_prefix_cache`. Each answers
 once every live worker of the model has applied the command (or after `timeout` seconds), with who
 acknowledged, who refused and why, and who did not answer."""
 
@@ -33,6 +33,12 @@ class WeightsBody(_Body):
     upload: bool = False  # stream the files through Redis (the gateway reads `path`)
 
 
+class AdapterBody(_Body):
+    name: str  # the adapter's name (may hold '/': in the body, not the path)
+    path: str
+    upload: bool = False  # stream the files through Redis (the gateway reads `path`)
+
+
 class PauseBody(_Body):
     mode: PauseMode = "keep"
 
@@ -53,6 +59,13 @@ async def publish_weights(model: str, body: WeightsBody, gw: Gateway = Depends(g
     _admin(tenant, gw)
     return await gw.client.publish_weights(model, body.version, body.path, body.policy, upload=body.upload,
                                            timeout=body.timeout)
+
+
+@router.post("/{model}/adapter", response_model=ControlOutcome, responses=RESPONSES)
+async def publish_adapter(model: str, body: AdapterBody, gw: Gateway = Depends(gateway),
+                          tenant: Tenant = Depends(current_tenant)) -> ControlOutcome:
+    _admin(tenant, gw)
+    return await gw.client.publish_adapter(model, body.name, body.path, upload=body.upload, timeout=body.timeout)
 
 
 @router.post("/{model}/pause", response_model=ControlOutcome, responses=RESPONSES)

@@ -85,6 +85,7 @@ class SequenceSpec:
     choice_index: int = 0
     request_id: str = ""  # the request (job) it is a choice of
     inputs: Any = None  # Prompt.inputs of the request: the engine's own
+    adapter: Optional[str] = None  # the request's LoRA adapter, by name (None: the base model)
 
 
 @dataclass

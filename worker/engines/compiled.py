@@ -30,10 +30,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
+from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
+from worker.engines.lora import LoraBank
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
                                      repair_random_state, requested_distribution)
@@ -76,6 +78,8 @@ class _Sequence:
     context: Optional[mx.array] = None  # prompt and tokens fed so far, for its processors
     done: bool = False
     version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
+    adapter: Optional[str] = None  # the resident key of its LoRA adapter (held until it ends)
+    adapter_slot: int = 0  # that adapter's slot in the LoRA stacks (0: the base model)
 
 
 @dataclass
@@ -115,8 +119,12 @@ class CompiledEngine:
         prefix_min_match: int = 16,
         kv_budget_bytes: int = 0,
         overlap: bool = True,
+        adapters: Optional[AdapterCatalog] = None,
+        adapter_memory_bytes: int = 0,
     ) -> None:
         self.model = model
+        # LoRA adapters per row (worker/engines/lora.py): its state is an input of the compiled step.
+        self._lora = LoraBank(model, adapters or AdapterCatalog(), adapter_memory_bytes)
         self._overlap = overlap  # False: every step is read back in the call that launched it
         self.tokenizer = tokenizer
         self._vocab_size = model_vocab_size(model, tokenizer)
@@ -126,7 +134,7 @@ class CompiledEngine:
         self._prefill_step_size = prefill_step_size
         self._kv_budget = kv_budget_bytes
         self._layout = KVLayout.of(model)
-        self._decode = DecodeStep(model, self._layout.grouped_mask)
+        self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
         self._samplers = self._sampler_pool()
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
         self._masks: Optional[MaskBatch] = None  # made with the first constrained row
@@ -142,6 +150,7 @@ class CompiledEngine:
         self._by_uid: dict[str, _Sequence] = {}
         self._in_flight: Optional[_Launched] = None
         self._eager_allowance = float(EAGER_MAX)
+        self._refused: list[TokenEvent] = []  # sequences whose adapter could not be had when added
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -192,7 +201,21 @@ class CompiledEngine:
         return parameter_spec(self.model)
 
     def prepare(self, request: GenerationRequest) -> Prompt:
-        return prepare_prompt(self.tokenizer, request, self._constraints)
+        prompt = prepare_prompt(self.tokenizer, request, self._constraints)
+        if request.adapter is not None:
+            self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
+        return prompt
+
+    # Rows of different adapters (and base rows) decode in one step.
+    adapter_batching = "rows"
+
+    @property
+    def adapters(self) -> LoraBank:
+        return self._lora
+
+    def register_adapter(self, name: str, directory: Path) -> None:
+        """A published adapter is ready in `directory`: requests naming it use it from now on."""
+        self._lora.publish(name, directory)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -203,7 +226,7 @@ class CompiledEngine:
     def stats(self) -> EngineStats:
         counters: dict[str, Any] = dict(self._counters.as_dict())
         counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
-                        slot_buffer_bytes=self._buffers.nbytes if self._buffers else 0)
+                        slot_buffer_bytes=self._buffers.nbytes if self._buffers else 0, **self._lora.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
     def time_stats(self) -> dict[str, Any]:
@@ -249,11 +272,12 @@ class CompiledEngine:
         get their first token in this call, while the eager allowance lasts: the step that samples
         it is read back at once, which costs the overlap of one step."""
         started = time.perf_counter()
+        refused, self._refused = self._refused, []
         admitted, prefill_s = self._admit()
         self._fit()
         previous, self._in_flight = self._in_flight, None
         launched = self._launch() if any(self._slots) else None
-        events = self._collect(previous) if previous is not None else []
+        events = refused + (self._collect(previous) if previous is not None else [])
         eager = admitted and previous is not None and self._eager_allowance >= 1
         if launched is not None and not self._overlap:
             events += self._collect(launched)
@@ -287,21 +311,45 @@ class CompiledEngine:
         self._by_uid.clear()
         self._in_flight = None
         self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._lora.unpin_all()
+        self._refused = []
         self._masks = None
         self._samplers = self._sampler_pool()
         repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
     def _add(self, specs: list[SequenceSpec]) -> None:
+        by_adapter: dict[Optional[str], list[SequenceSpec]] = {}
+        for spec in specs:
+            by_adapter.setdefault(spec.adapter, []).append(spec)
+        for adapter, adapter_specs in by_adapter.items():
+            if adapter is None:
+                self._add_group(adapter_specs, self._prefix, 0)
+                continue
+            try:
+                key, slot = self._lora.pin(adapter)
+            except AdapterError as exc:
+                self._refused += [TokenEvent(uid=s.uid, token=-1, index=s.choice_index, error=str(exc))
+                                  for s in adapter_specs]
+                continue
+            for _ in adapter_specs[1:]:
+                self._lora.pin(adapter)  # one hold per sequence
+            # The prefix cache holds the base model's keys and values only: an adapter's sequences
+            # share their own prefills (a request's n choices), nothing across requests.
+            self._add_group(adapter_specs, PrefixCache(0), slot, key)
+
+    def _add_group(self, specs: list[SequenceSpec], prefix: PrefixCache, slot: int,
+                   adapter: Optional[str] = None) -> None:
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()},
-                             self._prefill_alone)
+        starts = plan_starts(prefix, {prompt: len(group) for prompt, group in groups.items()},
+                             lambda tokens, cache: self._prefill_alone(tokens, cache, slot))
         for prompt, group in groups.items():
             cache, cached, _owned = starts[prompt]  # only read here: ownership does not matter
             for spec in group:
                 seq = self._sequence(spec)
+                seq.adapter, seq.adapter_slot = adapter, slot
                 self._by_uid[spec.uid] = seq
                 self._waiting.append(_Waiting(seq, cache, cached))
 
@@ -338,13 +386,15 @@ class CompiledEngine:
         if self._masks is not None:
             self._masks.fill()
 
-    def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
-        """Run `tokens` through the model on top of `cache` (mlx-lm caches; fresh ones if None),
-        in place: a prefix several sequences start from."""
+    def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None, adapter_slot: int = 0
+                       ) -> list[Any]:
+        """Run `tokens` through the model (under the adapter in `adapter_slot`) on top of `cache`
+        (mlx-lm caches; fresh ones if None), in place: a prefix several sequences start from."""
         cache = make_prompt_cache(self.model) if cache is None else cache
         started = time.perf_counter()
         for start in range(0, len(tokens), self._prefill_step_size):
-            self.model(mx.array(tokens[start:start + self._prefill_step_size])[None], cache=cache)
+            with self._lora.rows([adapter_slot]):
+                self.model(mx.array(tokens[start:start + self._prefill_step_size])[None], cache=cache)
             mx.eval([c.state for c in cache])
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         return cache
@@ -409,7 +459,8 @@ class CompiledEngine:
                 mx.eval(part.arrays())
             caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
                                        self._layout.grouped_mask)
-            self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
+            with self._lora.rows([e.seq.adapter_slot for e in entries]):
+                self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
             part.absorb(caches)
         self._buffers.scatter(slots, part)
 
@@ -478,7 +529,11 @@ class CompiledEngine:
         for seq in occupied:
             positions[seq.slot] = seq.position
         inputs = self._inputs
-        logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
+        adapter_slots = [0] * len(self._slots)
+        for seq in occupied:
+            adapter_slots[seq.slot] = seq.adapter_slot
+        with self._lora.rows(adapter_slots):
+            logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
         tokens, gather, wanting = self._sample(logits, inputs, occupied)
         errors = [seq.guard.error or (seq.constraint.error if seq.constraint is not None else None)
                   for seq in occupied]
@@ -608,7 +663,7 @@ class CompiledEngine:
     def _keep_cache(self, seq: _Sequence) -> None:
         """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
         prefix cache."""
-        if not self._prefix.enabled or self._buffers is None or seq.version != self._version:
+        if not self._prefix.enabled or self._buffers is None or seq.version != self._version or seq.adapter:
             return  # (a sequence made before a swap holds keys and values of older weights)
         held = seq.position  # the step in flight has fed its last token too
         tokens = (seq.prompt + seq.generated)[:held]
@@ -616,6 +671,8 @@ class CompiledEngine:
             self._prefix.store(tokens, self._buffers.extract(seq.slot, held), speculative=True)
 
     def _end(self, seq: _Sequence) -> None:
+        if seq.adapter is not None and not seq.done:
+            self._lora.unpin(seq.adapter)
         seq.done = True
         if seq.constraint is not None:
             seq.constraint.release()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import mlx.core as mx
 
@@ -54,10 +54,13 @@ class DecodeStep:
     """`step(tokens, positions, buffers) -> logits`: one token of every slot through the model,
     the buffers updated in place (the caller's `SlotBuffers` takes the new arrays)."""
 
-    def __init__(self, model: Any, grouped_mask: bool = False) -> None:
+    def __init__(self, model: Any, grouped_mask: bool = False, extra_inputs: Optional[dict[str, Any]] = None
+                 ) -> None:
+        """`extra_inputs`: a dict the model reads while it runs (the LoRA stacks and rows,
+        worker/engines/lora.py), an input of every call as the weights are."""
         self.model = model
         self.grouped_mask = grouped_mask
-        self._compiled = mx.compile(self._decode, inputs=[model])
+        self._compiled = mx.compile(self._decode, inputs=[model] if extra_inputs is None else [model, extra_inputs])
         self.shapes: dict[tuple[int, int], CompileRecord] = {}
 
     def _decode(self, tokens: mx.array, positions: mx.array, arrays: list[mx.array]) -> tuple[mx.array, list[mx.array]]:

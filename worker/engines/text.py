@@ -27,10 +27,12 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
+from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.counters import EngineCounters
+from worker.engines.lora import LoraBank
 from worker.engines.prefill_pacing import PrefillPacing
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.sampling import (RawLogits, RowGuard, SamplerPool, attach_logprobs, greedy, logits_processors,
@@ -66,8 +68,15 @@ class TextEngine:
         prefill_step_size: int = 2048,
         prefix_cache_bytes: int = 0,
         prefix_min_match: int = 16,
+        adapters: Optional[AdapterCatalog] = None,
+        adapter_memory_bytes: int = 0,
     ) -> None:
         self.model = model
+        # LoRA adapters, one at a time (mlx-lm's batch runs every row alike): the scheduler admits
+        # only sequences of the adapter (or the base model) the engine holds (adapter_batching).
+        self._lora = LoraBank(model, adapters or AdapterCatalog(), adapter_memory_bytes)
+        self._group_slot = 0  # the slot of the adapter the live sequences run with (0: the base model)
+        self._pinned: dict[str, str] = {}  # sequence uid -> the resident key of its adapter
         self.tokenizer = tokenizer
         self._vocab_size = model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -137,6 +146,9 @@ class TextEngine:
         self._awaiting_first.clear()
         self._masks = None
         self._prefix.clear()  # after a failed step nothing it made is trusted
+        self._lora.unpin_all()
+        self._pinned.clear()
+        self._group_slot = 0
         self._samplers = SamplerPool()
         repair_random_state()
 
@@ -147,7 +159,17 @@ class TextEngine:
         return self._counters.as_dict()
 
     def stats(self) -> EngineStats:
-        return EngineStats(counters=self.time_stats(), prefix_cache=self.prefix_cache_stats())
+        return EngineStats(counters={**self.time_stats(), **self._lora.stats()}, prefix_cache=self.prefix_cache_stats())
+
+    # One adapter at a time: the scheduler groups requests by adapter.
+    adapter_batching = "grouped"
+
+    @property
+    def adapters(self) -> LoraBank:
+        return self._lora
+
+    def register_adapter(self, name: str, directory: Path) -> None:
+        self._lora.publish(name, directory)
 
     @property
     def weight_version(self) -> int:
@@ -172,7 +194,10 @@ class TextEngine:
     def prepare(self, request: GenerationRequest) -> Prompt:
         """The prompt's token ids and, for a constrained request, its compiled constraint (cached
         per worker: docs/structured-output.md has the compile times)."""
-        return prepare_prompt(self.tokenizer, request, self._constraints)
+        prompt = prepare_prompt(self.tokenizer, request, self._constraints)
+        if request.adapter is not None:
+            self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
+        return prompt
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         return prompt_token_ids(self.tokenizer, request)
@@ -186,20 +211,51 @@ class TextEngine:
         # A batch is decoding (not just prefilling a burst that came over two steps): these join it.
         joining = any(row.emitted for row in self._live.values())
         self._eager_tokens = self._prefill_step_size
-        if self._prefix.enabled:
+        specs = self._pin_adapters(specs)
+        if not specs:
+            return
+        if specs[0].adapter is not None:  # the prefix cache holds the base model's keys and values only
+            for request_specs in _by_request(specs).values():
+                self._add(request_specs, joining, PrefixCache(0))
+        elif self._prefix.enabled:
             self._add(specs, joining)
         else:
-            by_request: dict[str, list[SequenceSpec]] = {}
-            for spec in specs:
-                by_request.setdefault(spec.request_id, []).append(spec)
-            for request_specs in by_request.values():
+            for request_specs in _by_request(specs).values():
                 self._add(request_specs, joining)
 
-    def _add(self, specs: list[SequenceSpec], joining: bool) -> None:
+    def _pin_adapters(self, specs: list[SequenceSpec]) -> list[SequenceSpec]:
+        """Hold each sequence's adapter; those whose adapter cannot be had, or is not the one the
+        live sequences run with, end with an error (by the next step)."""
+        kept = []
+        for spec in specs:
+            try:
+                if spec.adapter is None:
+                    slot = 0
+                else:
+                    key, slot = self._lora.pin(spec.adapter)
+                    self._pinned[spec.uid] = key
+                if (self._live or self._held or self._to_prefill or kept) and slot != self._group_slot:
+                    raise AdapterError(f"adapter: {spec.adapter!r} cannot join a batch of another adapter "
+                                       "on this decode path")
+            except AdapterError as exc:
+                self._unpin(spec.uid)
+                self._early.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=str(exc)))
+                continue
+            self._group_slot = slot
+            kept.append(spec)
+        return kept
+
+    def _unpin(self, uid: str) -> None:
+        key = self._pinned.pop(uid, None)
+        if key is not None:
+            self._lora.unpin(key)
+
+    def _add(self, specs: list[SequenceSpec], joining: bool, prefix: Optional[PrefixCache] = None) -> None:
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        starts = plan_starts(self._prefix, {prompt: len(group) for prompt, group in groups.items()}, self._prefill)
+        starts = plan_starts(prefix or self._prefix, {prompt: len(group) for prompt, group in groups.items()},
+                             self._prefill)
         for prompt, group in groups.items():
             cache, cached, owned = starts[prompt]
             rows = [self._row(spec) for spec in group]
@@ -227,7 +283,9 @@ class TextEngine:
         started = time.perf_counter()
         with mx.stream(self._generator.stream):
             for start in range(0, len(tokens), self._prefill_step_size):
-                logits = self.model(mx.array(tokens[start : start + self._prefill_step_size])[None], cache=cache)
+                with self._lora.rows([self._group_slot]):
+                    logits = self.model(mx.array(tokens[start : start + self._prefill_step_size])[None],
+                                        cache=cache)
                 mx.eval([c.state for c in cache])
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         assert logits is not None
@@ -411,7 +469,7 @@ class TextEngine:
         # mlx-lm returns the tokens its previous call sampled while it launches the next forward pass:
         # after a swap, one more call's tokens come from the old weights.
         sampled_with, self._launched_with = self._launched_with, self._version
-        with self._generator.stats() as window:
+        with self._generator.stats() as window, self._lora.rows([self._group_slot]):
             progress, responses = self._generator.next()
         for prompt in progress:
             if prompt.end_of_prompt and prompt.uid in self._prefilling:
@@ -453,7 +511,7 @@ class TextEngine:
     def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
         """Offer a finished sequence's cache (its prompt and output) to the prefix cache, if it
         holds what we think: the prompt first, one cached position per token."""
-        if not self._prefix.enabled or tokens is None or cache is None:
+        if not self._prefix.enabled or tokens is None or cache is None or spec.adapter is not None:
             return
         prompt = spec.prompt_token_ids
         if len(tokens) > len(prompt) and tokens[: len(prompt)] == prompt:
@@ -477,6 +535,7 @@ class TextEngine:
         return str(self.tokenizer.decode([token_id]))
 
     def _forget(self, uid: str) -> None:
+        self._unpin(uid)
         engine_uid = self._engine_uid.pop(uid, None)
         if engine_uid is not None:
             row = self._live.pop(engine_uid, None)
@@ -510,6 +569,13 @@ class _Row:
     constraint: Optional[RowConstraint] = None
     emitted: bool = False  # it has produced a token
     version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
+
+
+def _by_request(specs: list[SequenceSpec]) -> dict[str, list[SequenceSpec]]:
+    by_request: dict[str, list[SequenceSpec]] = {}
+    for spec in specs:
+        by_request.setdefault(spec.request_id, []).append(spec)
+    return by_request
 
 
 def _handed_out(cache: list[Any], count: int, owned: bool) -> list[list[Any]]:

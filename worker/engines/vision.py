@@ -116,6 +116,9 @@ class _Row:
 
 
 class VisionEngine:
+    # No `adapter_batching`: the scheduler fails requests that name an adapter, with this reason.
+    adapter_refusal = "the vision engine (mlx-vlm) serves no LoRA adapters"
+
     def __init__(
         self,
         model: Any,
