@@ -32,13 +32,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
-from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
+from worker.engines.constraints import ConstraintCompiler, RowConstraint
 from worker.engines.counters import EngineCounters
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
 from worker.engines.lora import LoraBank
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
-from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
-                                     repair_random_state, requested_distribution)
+from worker.engines.row_sampling import RowSampling
+from worker.engines.sampling import LogprobGather, RowGuard, repair_random_state
 from worker.engines.slot_cache import KVLayout, SlotBuffers
 from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
@@ -135,14 +135,12 @@ class CompiledEngine:
         self._kv_budget = kv_budget_bytes
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
-        self._samplers = self._sampler_pool()
+        self._sampling = RowSampling(self._vocab_size, self._max_slots)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
-        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
         self._version = 0  # of the weights now (swap_weights)
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
-        self._no_tokens = mx.array([], dtype=mx.int32)
         self._buffers: Optional[SlotBuffers] = None
         self._slots: list[Optional[_Sequence]] = []
         self._inputs: Optional[mx.array] = None  # (slots,): each slot's token for the next step
@@ -313,8 +311,7 @@ class CompiledEngine:
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
         self._refused = []
-        self._masks = None
-        self._samplers = self._sampler_pool()
+        self._sampling = RowSampling(self._vocab_size, self._max_slots)
         repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
@@ -354,37 +351,11 @@ class CompiledEngine:
                 self._waiting.append(_Waiting(seq, cache, cached))
 
     def _sequence(self, spec: SequenceSpec) -> _Sequence:
-        """A sequence's own sampler and logits processors, each guarded so that its failure ends
-        that sequence alone (as the text engine's rows)."""
-        constraint = None
-        if isinstance(spec.inputs, CompiledConstraint):
-            constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
-        # With deferred masks every constrained row of a step is masked in one operation (`_sample`);
-        # otherwise the constraint is the row's own last processor.
-        batched = constraint is not None and constraint.batched
-        guard = RowGuard()
-        sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
-        processors = [guard.processor(p) for p in
-                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None,
-                                        None if batched else constraint)]
-        custom = bool(processors)
-        if namer is not None:  # unguarded: it must run even after another processor of the row failed
-            processors.insert(0, namer)
-        return _Sequence(spec, guard, guard.sampler(sampler), processors, constraint, list(spec.prompt_token_ids),
-                         custom, seeded=namer is not None,
-                         context=mx.array(spec.prompt_token_ids) if custom else None, version=self._version)
-
-    def _sampler_pool(self) -> SamplerPool:
-        return SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
-
-    def _mask_batch(self) -> MaskBatch:
-        if self._masks is None:
-            self._masks = MaskBatch(self._vocab_size, 2 * self._max_slots)
-        return self._masks
-
-    def _fill_masks(self) -> None:
-        if self._masks is not None:
-            self._masks.fill()
+        """A sequence's own sampler and logits processors (worker/engines/row_sampling.py)."""
+        row = self._sampling.row(spec)
+        return _Sequence(spec, row.guard, row.sampler, row.processors, row.constraint, list(spec.prompt_token_ids),
+                         row.custom, seeded=row.seeded,
+                         context=mx.array(spec.prompt_token_ids) if row.custom else None, version=self._version)
 
     def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None, adapter_slot: int = 0
                        ) -> list[Any]:
@@ -534,7 +505,7 @@ class CompiledEngine:
             adapter_slots[seq.slot] = seq.adapter_slot
         with self._lora.rows(adapter_slots):
             logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
-        tokens, gather, wanting = self._sample(logits, inputs, occupied)
+        tokens, gather, wanting = self._sampling.sample(logits, inputs, occupied, len(self._slots))
         errors = [seq.guard.error or (seq.constraint.error if seq.constraint is not None else None)
                   for seq in occupied]
         for seq in occupied:
@@ -545,85 +516,6 @@ class CompiledEngine:
         self._eager_allowance = min(EAGER_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
         mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
         return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting, self._version)
-
-    def _sample(self, logits: mx.array, inputs: mx.array, occupied: list[_Sequence]
-                ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
-        """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
-        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
-        self._samplers.seeded.begin()
-        if self._masks is not None:
-            self._masks.begin_step()
-        processed = logits
-        changed: list[tuple[int, mx.array]] = []
-        masked: list[tuple[RowConstraint, int, bool, Optional[mx.array]]] = []
-        for seq in occupied:
-            constrained = seq.constraint is not None and seq.constraint.batched
-            if not seq.processors and not constrained:
-                continue
-            context = self._no_tokens
-            if seq.custom:
-                assert seq.context is not None
-                if seq.launches:  # the token it is fed now joins its context
-                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
-                context = seq.context
-            row_logits = None
-            if seq.processors:
-                row_logits = logits[seq.slot:seq.slot + 1]
-                for processor in seq.processors:
-                    row_logits = processor(context, row_logits)
-            if constrained:
-                assert seq.constraint is not None
-                # After its first decode step, the token a row is fed is the one its matcher has not seen.
-                masked.append((seq.constraint, seq.slot, bool(seq.launches), row_logits))
-            elif seq.custom:
-                assert row_logits is not None
-                changed.append((seq.slot, row_logits))
-        if changed:
-            processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
-        if masked:
-            assert self._masks is not None
-            self._masks.launch(logits)  # the forward pass runs while the masks are computed
-            slots = [slot for _, slot, _, _ in masked]
-            if all(row is None for *_, row in masked):
-                block = logits[mx.array(slots, dtype=mx.int32)]
-            else:
-                block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, _, row in masked])
-            block = self._masks.masked_rows([(constraint, slot if new else None) for constraint, slot, new, _ in masked],
-                                            inputs, block)
-            processed = _put_rows(processed, slots, block)
-        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
-        tokens = self._draw(logprobs, occupied)
-        wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
-        if not wanting:
-            return tokens, None, wanting
-        specs = [occupied[i].spec for i in wanting]
-        slots = [occupied[i].slot for i in wanting]
-        index = mx.array(slots, dtype=mx.int32)
-        raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
-        if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
-            rows = logprobs[index]
-        else:
-            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
-                             for spec, slot, keep in zip(specs, slots, raw)])
-        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
-
-    def _draw(self, logprobs: mx.array, occupied: list[_Sequence]) -> mx.array:
-        """One token per slot: each group of rows that shares a sampler object is sampled in one
-        call. One shared, unseeded group samples every slot at once (free slots' tokens are never
-        read); the others sample their own rows, in slot order."""
-        groups: dict[int, tuple[Any, list[int], bool]] = {}
-        for seq in occupied:
-            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
-        base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
-        tokens = (base[0](logprobs) if base is not None else mx.zeros((len(self._slots),))).astype(mx.uint32)
-        for group in groups.values():
-            if group is base:
-                continue
-            sampler, slots, _ = group
-            index = mx.array(slots, dtype=mx.int32)
-            drawn = sampler(logprobs[index]).astype(mx.uint32)
-            tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
-        return tokens
 
     def _collect(self, launched: _Launched) -> list[TokenEvent]:
         """Read a launched step's tokens back and turn them into events; end the sequences that
@@ -679,9 +571,3 @@ class CompiledEngine:
         self._by_uid.pop(seq.spec.uid, None)
         if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
-
-
-def _put_rows(logits: mx.array, slots: list[int], rows: mx.array) -> mx.array:
-    """`logits` with the rows at `slots` replaced by `rows`."""
-    where = mx.array(slots, dtype=mx.int32)[:, None]
-    return mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)

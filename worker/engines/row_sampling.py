@@ -1,0 +1,156 @@
+"""One decode step's sampling for the compiled engine's rows (worker/engines/compiled.py).
+
+Each row's logits processors (logit_bias, penalties), then the structured-output masks of every
+constrained row in one operation (worker/engines/constraints.py `MaskBatch.masked_rows`), the
+log-softmax, the samplers (rows that share one sampler object in one call) and the logprobs the
+rows asked for: mlx-lm's order, with the text engine's per-row rules (worker/engines/sampling.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import mlx.core as mx
+
+from worker.engines.base import SequenceSpec
+from worker.engines.constraints import CompiledConstraint, MaskBatch, RowConstraint, fenced
+from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
+                                     requested_distribution)
+
+if TYPE_CHECKING:
+    from worker.engines.compiled import _Sequence
+
+
+@dataclass
+class SampledRow:
+    """What a sequence samples with: its guard, sampler and processors, its constraint."""
+
+    guard: RowGuard
+    sampler: Any
+    processors: list[Any]
+    constraint: Optional[RowConstraint]
+    custom: bool  # it has processors that change its logits (beyond naming a seeded row)
+    seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
+
+
+class RowSampling:
+    def __init__(self, vocab_size: int, max_slots: int) -> None:
+        self._vocab_size = vocab_size
+        self._max_slots = max_slots
+        self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self._no_tokens = mx.array([], dtype=mx.int32)
+
+    def row(self, spec: SequenceSpec) -> SampledRow:
+        """A sequence's sampler and processors, each guarded so that its failure ends that sequence
+        alone (as the text engine's rows)."""
+        constraint = None
+        if isinstance(spec.inputs, CompiledConstraint):
+            constraint = RowConstraint(spec.inputs, len(spec.prompt_token_ids), self._mask_batch())
+        # With deferred masks every constrained row of a step is masked in one operation (`sample`);
+        # otherwise the constraint is the row's own last processor.
+        batched = constraint is not None and constraint.batched
+        guard = RowGuard()
+        sampler, namer = self._samplers.get(spec.sampling, spec.choice_index)
+        processors = [guard.processor(p) for p in
+                      logits_processors(spec.sampling, len(spec.prompt_token_ids), None,
+                                        None if batched else constraint)]
+        custom = bool(processors)
+        if namer is not None:  # unguarded: it must run even after another processor of the row failed
+            processors.insert(0, namer)
+        return SampledRow(guard, guard.sampler(sampler), processors, constraint, custom, seeded=namer is not None)
+
+    def _mask_batch(self) -> MaskBatch:
+        if self._masks is None:
+            self._masks = MaskBatch(self._vocab_size, 2 * self._max_slots)
+        return self._masks
+
+    def _fill_masks(self) -> None:
+        if self._masks is not None:
+            self._masks.fill()
+
+    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["_Sequence"], slot_count: int
+               ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
+        """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
+        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
+        self._samplers.seeded.begin()
+        if self._masks is not None:
+            self._masks.begin_step()
+        processed = logits
+        changed: list[tuple[int, mx.array]] = []
+        masked: list[tuple[RowConstraint, int, bool, Optional[mx.array]]] = []
+        for seq in occupied:
+            constrained = seq.constraint is not None and seq.constraint.batched
+            if not seq.processors and not constrained:
+                continue
+            context = self._no_tokens
+            if seq.custom:
+                assert seq.context is not None
+                if seq.launches:  # the token it is fed now joins its context
+                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
+                context = seq.context
+            row_logits = None
+            if seq.processors:
+                row_logits = logits[seq.slot:seq.slot + 1]
+                for processor in seq.processors:
+                    row_logits = processor(context, row_logits)
+            if constrained:
+                assert seq.constraint is not None
+                # After its first decode step, the token a row is fed is the one its matcher has not seen.
+                masked.append((seq.constraint, seq.slot, bool(seq.launches), row_logits))
+            elif seq.custom:
+                assert row_logits is not None
+                changed.append((seq.slot, row_logits))
+        if changed:
+            processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
+        if masked:
+            assert self._masks is not None
+            self._masks.launch(logits)  # the forward pass runs while the masks are computed
+            slots = [slot for _, slot, _, _ in masked]
+            if all(row is None for *_, row in masked):
+                block = logits[mx.array(slots, dtype=mx.int32)]
+            else:
+                block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, _, row in masked])
+            block = self._masks.masked_rows([(constraint, slot if new else None) for constraint, slot, new, _ in masked],
+                                            inputs, block)
+            processed = _put_rows(processed, slots, block)
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+        tokens = self._draw(logprobs, occupied, slot_count)
+        wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
+        if not wanting:
+            return tokens, None, wanting
+        specs = [occupied[i].spec for i in wanting]
+        slots = [occupied[i].slot for i in wanting]
+        index = mx.array(slots, dtype=mx.int32)
+        raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
+        if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
+            rows = logprobs[index]
+        else:
+            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                             for spec, slot, keep in zip(specs, slots, raw)])
+        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
+
+    def _draw(self, logprobs: mx.array, occupied: Sequence["_Sequence"], slot_count: int) -> mx.array:
+        """One token per slot: each group of rows that shares a sampler object is sampled in one
+        call. One shared, unseeded group samples every slot at once (free slots' tokens are never
+        read); the others sample their own rows, in slot order."""
+        groups: dict[int, tuple[Any, list[int], bool]] = {}
+        for seq in occupied:
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
+        base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
+        tokens = (base[0](logprobs) if base is not None else mx.zeros((slot_count,))).astype(mx.uint32)
+        for group in groups.values():
+            if group is base:
+                continue
+            sampler, slots, _ = group
+            index = mx.array(slots, dtype=mx.int32)
+            drawn = sampler(logprobs[index]).astype(mx.uint32)
+            tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
+        return tokens
+
+
+def _put_rows(logits: mx.array, slots: list[int], rows: mx.array) -> mx.array:
+    """`logits` with the rows at `slots` replaced by `rows`."""
+    where = mx.array(slots, dtype=mx.int32)[:, None]
+    return mx.put_along_axis(logits, mx.broadcast_to(where, rows.shape), rows, axis=0)
