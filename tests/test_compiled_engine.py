@@ -15,7 +15,7 @@ import worker  # noqa: F401  (OpenBLAS before MLX)
 from mlx_lm import load
 
 from tests.reference import greedy_alone, run_all
-from worker.engines import compiled, row_sampling
+from worker.engines import compiled, step_sampling
 from worker.engines.compiled import CompiledEngine
 from worker.engines.decode_path import choose_decode_path
 from worker.engines.decode_step import bucket, ladder
@@ -145,7 +145,7 @@ def test_both_engines_give_the_same_sampled_ids_and_logprobs_for_seeded_rows(mod
 
 def test_a_row_whose_processor_fails_ends_alone(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    real = row_sampling.logits_processors
+    real = step_sampling.logits_processors
 
     def failing_for_one(params, prompt_len, capture=None, constraint=None):
         processors = real(params, prompt_len, capture, constraint)
@@ -157,7 +157,7 @@ def test_a_row_whose_processor_fails_ends_alone(model_and_tokenizer, monkeypatch
             processors.append(broken)
         return processors
 
-    monkeypatch.setattr(row_sampling, "logits_processors", failing_for_one)
+    monkeypatch.setattr(step_sampling, "logits_processors", failing_for_one)
     requests = {f"ok{i}": {"prompt_token_ids": prompt_ids(i, 6), "max_tokens": 8, "temperature": 0, "logprobs": True,
                            "ignore_eos": True} for i in range(3)}
     scheduler = BatchScheduler(CompiledEngine(model, tokenizer))

@@ -37,7 +37,7 @@ from worker.engines.counters import EngineCounters
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
 from worker.engines.lora import LoraBank
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
-from worker.engines.row_sampling import RowSampling
+from worker.engines.step_sampling import StepSampler
 from worker.engines.sampling import LogprobGather, RowGuard, repair_random_state
 from worker.engines.slot_cache import KVLayout, SlotBuffers
 from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
@@ -135,7 +135,7 @@ class CompiledEngine:
         self._kv_budget = kv_budget_bytes
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
-        self._sampling = RowSampling(self._vocab_size, self._max_slots)
+        self._sampling = StepSampler(self._vocab_size, self._max_slots)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
         self._version = 0  # of the weights now (swap_weights)
         self._counters = EngineCounters()
@@ -311,7 +311,7 @@ class CompiledEngine:
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
         self._refused = []
-        self._sampling = RowSampling(self._vocab_size, self._max_slots)
+        self._sampling = StepSampler(self._vocab_size, self._max_slots)
         repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
@@ -351,7 +351,7 @@ class CompiledEngine:
                 self._waiting.append(_Waiting(seq, cache, cached))
 
     def _sequence(self, spec: SequenceSpec) -> _Sequence:
-        """A sequence's own sampler and logits processors (worker/engines/row_sampling.py)."""
+        """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""
         row = self._sampling.row(spec)
         return _Sequence(spec, row.guard, row.sampler, row.processors, row.constraint, list(spec.prompt_token_ids),
                          row.custom, seeded=row.seeded,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SampledRow:
+class SequenceSampling:
     """What a sequence samples with: its guard, sampler and processors, its constraint."""
 
     guard: RowGuard
@@ -34,7 +34,7 @@ class SampledRow:
     seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
 
 
-class RowSampling:
+class StepSampler:
     def __init__(self, vocab_size: int, max_slots: int) -> None:
         self._vocab_size = vocab_size
         self._max_slots = max_slots
@@ -42,7 +42,7 @@ class RowSampling:
         self._masks: Optional[MaskBatch] = None  # made with the first constrained row
         self._no_tokens = mx.array([], dtype=mx.int32)
 
-    def row(self, spec: SequenceSpec) -> SampledRow:
+    def row(self, spec: SequenceSpec) -> SequenceSampling:
         """A sequence's sampler and processors, each guarded so that its failure ends that sequence
         alone (as the text engine's rows)."""
         constraint = None
@@ -59,7 +59,7 @@ class RowSampling:
         custom = bool(processors)
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        return SampledRow(guard, guard.sampler(sampler), processors, constraint, custom, seeded=namer is not None)
+        return SequenceSampling(guard, guard.sampler(sampler), processors, constraint, custom, seeded=namer is not None)
 
     def _mask_batch(self) -> MaskBatch:
         if self._masks is None:
