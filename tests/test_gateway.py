@@ -217,7 +217,8 @@ def test_limits_and_routing(stack: Stack, tmp_path: Any) -> None:
         with pytest.raises(openai.RateLimitError) as deep:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"})
         assert deep.value.body["code"] == "queue_full"
-        high = client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "high"}})
+        high = client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"},
+                           options={"params": {"priority": "high"}})
         assert stack.conn.lrange("rq:queue:mlxq:ghost@high", 0, -1) == [high["id"].encode()]
         with pytest.raises(openai.RateLimitError) as busy:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "high"}})

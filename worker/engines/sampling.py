@@ -116,7 +116,8 @@ class SeededSampler:
     """The one sampler of every seeded row, so that mlx-lm samples a batch of them in one call.
 
     With a sampler per row, mlx-lm samples row by row, a dozen small array operations each, which
-    made seeded steps several times slower than unseeded ones (docs/design-notes.md). Shared, it gets a batch's log-probabilities in one call but not which rows they are, so each seeded row
+    made seeded steps several times slower than unseeded ones (docs/design-notes.md). Shared, it gets a
+batch's log-probabilities in one call but not which rows they are, so each seeded row
     also carries a processor that names it here: mlx-lm runs every row's processors, in batch order,
     before it samples them. A call takes as many names as it has rows, oldest first (a batch that
     mixes seeded rows with others is sampled row by row: one name a call).
