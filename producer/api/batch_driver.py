@@ -93,7 +93,12 @@ class BatchDriver:
 
     async def advance_all(self) -> None:
         for raw in await self._connection.smembers(api_keys.ACTIVE_BATCHES):
-            await self.advance(raw.decode())
+            try:
+                await self.advance(raw.decode())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one batch that cannot advance must not hold the others back
+                log.exception("batch driver: batch %s could not advance; retrying", raw.decode())
 
     async def advance(self, batch_id: str) -> None:
         lease = api_keys.batch_lease(batch_id)
