@@ -17,7 +17,7 @@ from rq.job import Job
 
 import producer
 from producer import AsyncClient, Client, GenerationResult, JobNotFound, StreamExpired, WaitTimeout
-from schemas import keys
+from schemas import TopLogprob, keys
 from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
 from tests.clients import client, kind, make_client, new_client  # noqa: F401  (fixtures)
 
@@ -100,6 +100,53 @@ def test_a_job_without_a_stream_yields_its_result(client: Any, redis_conn: redis
     # resuming after the first made-up event yields the rest, once
     assert [e["event"] for e in client.stream(job_id, timeout=5, last_event_id="0-1")] == ["token", "end"]
     assert list(client.stream(job_id, timeout=5, last_event_id="0-3")) == []
+
+
+def test_token_events_carry_logprobs_when_asked(client: Any, redis_conn: redis.Redis) -> None:
+    """The logprob fields are in an entry only when it has them, so a stream without logprobs reads as
+    it always did; with them, a reader gets them per token, as the result's choice has them."""
+    plain = encode_event(TokenStreamEvent(index=0, token_ids=[1], text="a"))
+    assert plain == {"data": '{"event":"token","index":0,"token_ids":[1],"text":"a"}'}
+    job_id = client.submit({"prompt": "x", "stream": True, "logprobs": True, "top_logprobs": 1})
+    tops = [[TopLogprob(token_id=104, token="h", logprob=-0.5)], [TopLogprob(token_id=1, token="?", logprob=-0.1)]]
+    redis_conn.xadd(keys.stream_key(job_id), encode_event(TokenStreamEvent(
+        index=0, token_ids=[104, 105], text="hi", logprobs=[-0.5, -2.0], top_logprobs=tops)))
+    end(redis_conn, job_id, ["hi"])
+    token, last = list(client.stream(job_id, timeout=30))
+    assert token == {"event": "token", "index": 0, "token_ids": [104, 105], "text": "hi", "logprobs": [-0.5, -2.0],
+                     "top_logprobs": [[{"token_id": 104, "token": "h", "logprob": -0.5}],
+                                      [{"token_id": 1, "token": "?", "logprob": -0.1}]]}
+    assert last["event"] == "end"
+
+
+def test_streamed_chunks_carry_their_own_logprobs() -> None:
+    """The gateway's chunks: each token chunk with its tokens' logprobs in OpenAI's shape, the finish
+    chunk without; from events that carry none (an older worker), all of them with the finish chunk."""
+    from producer.openai_requests import ChatCompletionRequest, CompletionRequest
+    from producer.openai_responses import ChunkWriter
+
+    tops = [[{"token_id": 104, "token": "h", "logprob": -0.5}], [{"token_id": 7, "token": "!", "logprob": -0.1}]]
+    event = {"event": "token", "index": 0, "token_ids": [104, 105], "text": "hi", "logprobs": [-0.5, -2.0],
+             "top_logprobs": tops}
+    result = GenerationResult(id="j", status="finished", choices=[  # type: ignore[list-item]
+        {"index": 0, "text": "hi", "token_ids": [104, 105], "logprobs": [-0.5, -2.0], "top_logprobs": tops,
+         "finish_reason": "length"}])
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=True,  # type: ignore[list-item]
+                                 logprobs=True, top_logprobs=1)
+    writer = ChunkWriter(chat, "j", 0)
+    content = writer.token(event)["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], [t["token"] for t in c["top_logprobs"]]) for c in content] == [
+        ("h", -0.5, ["h"]), ("token_id:105", -2.0, ["!"])]
+    assert writer.closing(result)[0]["choices"][0]["logprobs"] is None
+    older = ChunkWriter(chat, "j", 0)
+    assert older.token({k: v for k, v in event.items() if "logprobs" not in k})["choices"][0]["logprobs"] is None
+    assert older.closing(result)[0]["choices"][0]["logprobs"]["content"] == content
+
+    completion = ChunkWriter(CompletionRequest(model="m", prompt="x", stream=True, logprobs=1), "j", 0)
+    halves = [completion.token({**event, "token_ids": ids, "logprobs": lps, "top_logprobs": [top]})
+              for ids, lps, top in zip([[104], [105]], [[-0.5], [-2.0]], tops)]
+    assert [h["choices"][0]["logprobs"]["text_offset"] for h in halves] == [[0], [1]]
+    assert [h["choices"][0]["logprobs"]["tokens"] for h in halves] == [["h"], ["token_id:105"]]
 
 
 def test_stream_ends_on_cancel_and_on_rq_failure(client: Any, redis_conn: redis.Redis) -> None:
