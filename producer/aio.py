@@ -56,7 +56,11 @@ from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
-__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "execute_batch"]
+__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "MAX_CONNECTIONS", "execute_batch"]
+
+# Connections an AsyncClient that opened its own may hold at once (a `max_connections` in the URL wins);
+# past them, a command waits for one to be free.
+MAX_CONNECTIONS = 1024
 
 
 async def execute_batch(
@@ -186,7 +190,9 @@ class DoneListener:
 class AsyncClient:
     """An asyncio mlxq producer: `Client`'s methods as coroutines, with the same arguments.
 
-    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0. Pass `connection` to share
+    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0; the client's pool holds up to
+    MAX_CONNECTIONS connections (each stream being read holds one while it waits) and a command past
+    them waits for one rather than failing. Pass `connection` to share
     an existing redis.asyncio.Redis instead (not decode_responses=True); the client closes only
     a connection it opened. Use `async with AsyncClient(...) as client:` or `await client.close()`.
     """
@@ -204,7 +210,10 @@ class AsyncClient:
         if connection is None:
             self.url = resolve_url(url)
             try:
-                connection = aioredis.Redis.from_url(self.url)
+                # A pool that waits for a free connection rather than failing: redis-py's default pool
+                # raises past 100 connections, and every blocking stream read holds one.
+                connection = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+                    self.url, max_connections=MAX_CONNECTIONS, timeout=None))
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True

@@ -218,3 +218,26 @@ def test_blocking_reads_outlast_the_socket_timeout(redis_url: str, redis_conn: r
     for kind_ in clients:
         assert got[(kind_, "wait")] == "finished", got
         assert [e["event"] for e in got[(kind_, "stream")]] == ["token", "end"], got
+
+
+def test_many_streams_at_once_on_one_async_client(redis_url: str, redis_conn: redis.Redis) -> None:
+    """More streams read at once than redis-py's default pool has connections (100): each blocking read
+    holds one, and the client's pool waits for a free one rather than failing."""
+    import asyncio
+
+    async def main() -> list[list[dict[str, Any]]]:
+        async with AsyncClient(redis_url) as client:
+            ids = await client.submit_many([{"prompt": "x", "stream": True}] * 150)
+            readers = [asyncio.ensure_future(_read_all(client, job_id)) for job_id in ids]
+            await asyncio.sleep(0.5)  # every reader is in its blocking read
+            for job_id in ids:
+                emit(redis_conn, job_id, 0, [104], "h")
+                end(redis_conn, job_id, ["h"])
+            return list(await asyncio.gather(*readers))
+
+    streams = asyncio.run(main())
+    assert all([e["event"] for e in events] == ["token", "end"] for events in streams)
+
+
+async def _read_all(client: AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    return [event async for event in client.stream(job_id, timeout=30)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -48,6 +49,12 @@ def announce(url: str, name: str, alias: str, queues: list[str]) -> None:
     conn.set(keys.worker_key(name), presence.model_dump_json(), ex=PRESENCE_TTL_S)
     conn.zadd(keys.WORKERS_KEY, {name: now})
     conn.close()
+
+
+def quiet_http_client() -> None:
+    """httpx logs every request at INFO, which the CLI's logging prints: a line per request would be
+    the bench client's cost, not the gateway's."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def start_gateway(url: str, procs: ProcessSet) -> tuple[Any, str]:
@@ -94,6 +101,7 @@ async def _producer_streams(url: str, bodies: list[dict[str, Any]], queue: str, 
 async def _gateway_streams(base: str, bodies: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
     import httpx
 
+    quiet_http_client()
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
         t0 = time.perf_counter()
@@ -205,6 +213,7 @@ async def _producer_blocking(url: str, total: int, concurrency: int) -> tuple[fl
 async def _gateway_blocking(base: str, total: int, concurrency: int) -> tuple[float, list[float], int]:
     import httpx
 
+    quiet_http_client()
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as http:
         async def send(i: int) -> None:
