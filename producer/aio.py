@@ -139,6 +139,10 @@ class DoneListener:
             self._pubsub = pubsub
             self._task = asyncio.get_running_loop().create_task(self._run(), name="mlxq-done-listener")
 
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
     def add(self, job_ids: Iterable[str], wake: _Wake) -> None:
         for job_id in job_ids:
             self._waits.setdefault(job_id, set()).add(wake)
@@ -345,10 +349,13 @@ class AsyncClient:
                     results[state.job_id] = found
                     pending.discard(state.job_id)
 
-        await settle(ids)  # fast path: already done, no subscription needed
-        if not pending:
-            return {job_id: results[job_id] for job_id in ids}
-        await self._listener.start()
+        if not self._listener.started:
+            await settle(ids)  # fast path: already done, no subscription needed
+            if not pending:
+                return {job_id: results[job_id] for job_id in ids}
+            await self._listener.start()
+        # Registered before the read below, so a job that ends between them wakes this wait; once the
+        # subscription exists that one read is also the fast path (a round trip less per wait).
         wake = _Wake()
         self._listener.add(ids, wake)
         try:

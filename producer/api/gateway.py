@@ -88,8 +88,10 @@ def gateway(request: Request) -> Gateway:
 _bearer = HTTPBearer(auto_error=False, description="An API key of the gateway (MLXQ_API_KEYS)")
 
 
-def current_tenant(request: Request,
-                   credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> Tenant:
+async def current_tenant(request: Request,
+                         credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> Tenant:
+    # A coroutine, though it awaits nothing: FastAPI runs a plain function's dependency in a thread pool,
+    # a hand-off per request that cost more than the check itself.
     header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
     return gateway(request).auth.tenant(header)
 
