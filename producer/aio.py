@@ -462,6 +462,11 @@ class AsyncClient:
     async def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
         key = keys.stream_key(cursor.job_id)
         with broker_errors():
+            if cursor.live:  # one round trip per event while the stream flows; its job's state after a silence
+                batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
+                                                    count=STREAM_BATCH)
+                if batch:
+                    return cursor.from_entries(batch[0][1])
             for _ in range(2):  # an end event can arrive between the first read and the state's
                 batch = await self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
                 if batch:
@@ -471,6 +476,8 @@ class AsyncClient:
                     break
             else:
                 return cursor.from_result(settled, bool(await self.connection.exists(key)))
+            if cursor.live:
+                return []  # it waited its slice already
             batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
                                                 count=STREAM_BATCH)
             return cursor.from_entries(batch[0][1]) if batch else []

@@ -404,6 +404,12 @@ class StreamCursor:
         self.ended = False
 
     @property
+    def live(self) -> bool:
+        """Entries of the job's own stream were yielded: it exists, so a reader waits on it first
+        and asks after the job's state only once it has been silent."""
+        return self.last_event_id != STREAM_START and self._synthetic_position is None
+
+    @property
     def _synthetic_position(self) -> int | None:
         """How many result-made events were yielded, or None once real entries were."""
         major, _, minor = self.last_event_id.partition("-")

@@ -168,6 +168,8 @@ def test_jobs_endpoints(stack: Stack) -> None:
     client = stack.client()
     job = client.post("/jobs", cast_to=object, body={"prompt": "abc", "model": "fake", "max_tokens": 5, "stream": True})
     assert job["object"] == "mlxq.job" and job["status"] == "queued"
+    # a gateway job may run as long as a request may wait, not RQ's default 180 s
+    assert stack.conn.hget(f"rq:job:{job['id']}", "timeout") == b"3600"
     got = events(client, job["id"])
     assert [event for _, event, _ in got] == ["token"] * 5 + ["end"]
     assert got[-1][2] == {"event": "end", "status": "finished", "finish_reasons": ["length"]}

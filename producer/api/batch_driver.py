@@ -256,7 +256,7 @@ class BatchDriver:
         if not valid:
             await self._write(state, errors, position)
             return
-        options = job_options(result_ttl=settings.batch_result_ttl)
+        options = job_options(timeout=settings.job_timeout_s, result_ttl=settings.batch_result_ttl)
         planned = plan_jobs([line.request for *_, line in valid], None, options, priority=settings.batch_priority,
                             job_ids=[job_id for job_id, *_ in valid])
         batch = CommandBatch(NO_CONNECTION)

@@ -66,7 +66,8 @@ class Gateway:
         job_id = f"{tenant.tag}-{uuid.uuid4().hex}"
         await self.admission.admit_one(tenant, job_id, queue)
         try:
-            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl)
+            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl,
+                                     timeout=self.settings.job_timeout_s)
         except BaseException:
             await self.admission.release(tenant, [job_id])
             raise
