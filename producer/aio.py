@@ -57,7 +57,11 @@ from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
-__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "execute_batch"]
+__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "MAX_CONNECTIONS", "execute_batch"]
+
+# Connections an AsyncClient that opened its own may hold at once (a `max_connections` in the URL wins);
+# past them, a command waits for one to be free.
+MAX_CONNECTIONS = 1024
 
 
 async def execute_batch(
@@ -136,6 +140,10 @@ class DoneListener:
             self._pubsub = pubsub
             self._task = asyncio.get_running_loop().create_task(self._run(), name="mlxq-done-listener")
 
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
     def add(self, job_ids: Iterable[str], wake: _Wake) -> None:
         for job_id in job_ids:
             self._waits.setdefault(job_id, set()).add(wake)
@@ -187,7 +195,9 @@ class DoneListener:
 class AsyncClient:
     """An asyncio mlxq producer: `Client`'s methods as coroutines, with the same arguments.
 
-    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0. Pass `connection` to share
+    `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0; the client's pool holds up to
+    MAX_CONNECTIONS connections (each stream being read holds one while it waits) and a command past
+    them waits for one rather than failing. Pass `connection` to share
     an existing redis.asyncio.Redis instead (not decode_responses=True); the client closes only
     a connection it opened. Use `async with AsyncClient(...) as client:` or `await client.close()`.
     """
@@ -205,7 +215,10 @@ class AsyncClient:
         if connection is None:
             self.url = resolve_url(url)
             try:
-                connection = aioredis.Redis.from_url(self.url)
+                # A pool that waits for a free connection rather than failing: redis-py's default pool
+                # raises past 100 connections, and every blocking stream read holds one.
+                connection = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+                    self.url, max_connections=MAX_CONNECTIONS, timeout=None))
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True
@@ -337,10 +350,13 @@ class AsyncClient:
                     results[state.job_id] = found
                     pending.discard(state.job_id)
 
-        await settle(ids)  # fast path: already done, no subscription needed
-        if not pending:
-            return {job_id: results[job_id] for job_id in ids}
-        await self._listener.start()
+        if not self._listener.started:
+            await settle(ids)  # fast path: already done, no subscription needed
+            if not pending:
+                return {job_id: results[job_id] for job_id in ids}
+            await self._listener.start()
+        # Registered before the read below, so a job that ends between them wakes this wait; once the
+        # subscription exists that one read is also the fast path (a round trip less per wait).
         wake = _Wake()
         self._listener.add(ids, wake)
         try:
@@ -455,6 +471,11 @@ class AsyncClient:
     async def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
         key = keys.stream_key(cursor.job_id)
         with broker_errors():
+            if cursor.live:  # one round trip per event while the stream flows; its job's state after a silence
+                batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
+                                                    count=STREAM_BATCH)
+                if batch:
+                    return cursor.from_entries(batch[0][1])
             for _ in range(2):  # an end event can arrive between the first read and the state's
                 batch = await self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
                 if batch:
@@ -464,6 +485,8 @@ class AsyncClient:
                     break
             else:
                 return cursor.from_result(settled, bool(await self.connection.exists(key)))
+            if cursor.live:
+                return []  # it waited its slice already
             batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
                                                 count=STREAM_BATCH)
             return cursor.from_entries(batch[0][1]) if batch else []

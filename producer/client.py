@@ -373,9 +373,15 @@ class Client:
 
     def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
         """The events after the cursor: those in the stream; if none, the job's end if it ended; else
-        whatever arrives within `block_s` s (maybe nothing)."""
+        whatever arrives within `block_s` s (maybe nothing). A stream whose entries were read already is
+        waited on first, the job's state read only when nothing came."""
         key = keys.stream_key(cursor.job_id)
         with broker_errors():
+            if cursor.live:  # one round trip per event while the stream flows; its job's state after a silence
+                batch = self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
+                                              count=STREAM_BATCH)
+                if batch:
+                    return cursor.from_entries(batch[0][1])
             for _ in range(2):  # an end event can arrive between the first read and the state's
                 batch = self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
                 if batch:
@@ -385,6 +391,8 @@ class Client:
                     break
             else:
                 return cursor.from_result(settled, bool(self.connection.exists(key)))
+            if cursor.live:
+                return []  # it waited its slice already
             batch = self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
                                           count=STREAM_BATCH)
             return cursor.from_entries(batch[0][1]) if batch else []

@@ -6,18 +6,20 @@ each chunk's `token_ids` in its choice and `prompt_token_ids` in the last chunk 
 prompt's ids are known once the job ends).
 
 Logprobs: a sampled token's string comes from its own top-logprobs entry when it is there, else it is
-`token_id:<id>` (vLLM's spelling); a stream sends a choice's logprobs with its last chunk.
+`token_id:<id>` (vLLM's spelling); a stream sends each chunk's logprobs with it, or, from a worker whose
+token events carry none, a choice's logprobs with its last chunk.
 Finish reasons are mlxq's: OpenAI's `stop` and `length`, and `cancelled` or `timeout`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel
 
 from producer.openai_requests import ChatCompletionRequest, OpenAIRequest
-from schemas import Choice, GenerationResult
+from schemas import Choice, GenerationResult, TopLogprob
 
 __all__ = [
     "ChatCompletion",
@@ -164,40 +166,55 @@ def _usage(result: GenerationResult) -> UsageOut:
                     total_tokens=usage.total_tokens)
 
 
-def _token_string(choice: Choice, position: int) -> str:
-    token_id = choice.token_ids[position]
-    for entry in (choice.top_logprobs[position] if choice.top_logprobs and position < len(choice.top_logprobs) else []):
+def _token_string(token_id: int, tops: Sequence[TopLogprob]) -> str:
+    for entry in tops:
         if entry.token_id == token_id:
             return entry.token
     return f"token_id:{token_id}"
 
 
-def _chat_logprobs(choice: Choice) -> ChoiceLogprobs | None:
-    if choice.logprobs is None:
-        return None
+def _tops(top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], position: int) -> Sequence[TopLogprob]:
+    return top_logprobs[position] if top_logprobs and position < len(top_logprobs) else []
+
+
+def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+                      top_logprobs: Optional[Sequence[Sequence[TopLogprob]]]) -> ChoiceLogprobs:
+    """Chat's logprobs object for these tokens (a whole choice, or one chunk's)."""
     content = []
-    for i, logprob in enumerate(choice.logprobs):
-        token = _token_string(choice, i)
-        tops = choice.top_logprobs[i] if choice.top_logprobs and i < len(choice.top_logprobs) else []
+    for i, logprob in enumerate(logprobs):
+        tops = _tops(top_logprobs, i)
+        token = _token_string(token_ids[i], tops)
         content.append(TokenLogprob(
             token=token, logprob=logprob, bytes=list(token.encode()),
             top_logprobs=[TopLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.token.encode())) for t in tops]))
     return ChoiceLogprobs(content=content)
 
 
-def _completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
-    if choice.logprobs is None:
-        return None
-    tokens = [_token_string(choice, i) for i in range(len(choice.logprobs))]
-    offsets, at = [], 0
+def _completion_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+                            top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], offset: int = 0
+                            ) -> CompletionLogprobs:
+    """Completions' logprobs lists for these tokens, their text offsets counted from `offset`."""
+    tokens = [_token_string(token_ids[i], _tops(top_logprobs, i)) for i in range(len(logprobs))]
+    offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
     tops = None
-    if choice.top_logprobs is not None:
-        tops = [{t.token: t.logprob for t in entry} for entry in choice.top_logprobs]
-    return CompletionLogprobs(tokens=tokens, token_logprobs=list(choice.logprobs), top_logprobs=tops,
-                              text_offset=offsets)
+    if top_logprobs is not None:
+        tops = [{t.token: t.logprob for t in entry} for entry in top_logprobs]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=tops, text_offset=offsets)
+
+
+def _chat_logprobs(choice: Choice) -> ChoiceLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    return _chat_logprobs_of(choice.token_ids, choice.logprobs, choice.top_logprobs)
+
+
+def _completion_logprobs(choice: Choice) -> CompletionLogprobs | None:
+    if choice.logprobs is None:
+        return None
+    return _completion_logprobs_of(choice.token_ids, choice.logprobs, choice.top_logprobs)
 
 
 def build_response(body: OpenAIRequest, job_id: str, result: GenerationResult, created: int
@@ -239,6 +256,10 @@ class ChunkWriter:
         self.chat = isinstance(body, ChatCompletionRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{job_id}"
         self.created = created
+        self.wants_logprobs = bool(body.logprobs) if self.chat else body.logprobs is not None
+        # Choices whose token chunks carried their own logprobs, and (completions) each one's next text_offset.
+        self._streamed_logprobs: set[int] = set()
+        self._offsets: dict[int, int] = {}
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -266,7 +287,26 @@ class ChunkWriter:
         return [self._chunk([self._choice(i, "", role=True) for i in range(self.body.n)])]
 
     def token(self, event: dict[str, Any]) -> dict[str, Any]:
-        return self._chunk([self._choice(event["index"], event["text"], token_ids=event["token_ids"])])
+        index = event["index"]
+        return self._chunk([self._choice(index, event["text"], token_ids=event["token_ids"],
+                                         logprobs=self._chunk_logprobs(index, event))])
+
+    def _chunk_logprobs(self, index: int, event: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The logprobs of one token event's tokens, in OpenAI's shape; None without them."""
+        logprobs = event.get("logprobs")
+        if not self.wants_logprobs or logprobs is None:
+            return None
+        self._streamed_logprobs.add(index)
+        if not logprobs:
+            return None
+        token_ids = event["token_ids"]
+        raw_tops = event.get("top_logprobs")
+        tops = None if raw_tops is None else [[TopLogprob.model_validate(t) for t in row] for row in raw_tops]
+        if self.chat:
+            return dump(_chat_logprobs_of(token_ids, logprobs, tops))
+        made = _completion_logprobs_of(token_ids, logprobs, tops, self._offsets.get(index, 0))
+        self._offsets[index] = made.text_offset[-1] + len(made.tokens[-1])
+        return dump(made)
 
     def closing(self, result: GenerationResult) -> list[dict[str, Any]]:
         """The last chunks: each choice's finish reason (with its logprobs, when asked), then usage."""
@@ -276,7 +316,9 @@ class ChunkWriter:
         ids = {"prompt_token_ids": result.prompt_token_ids} if self.body.return_token_ids else {}
         chunks = []
         for c in result.choices:
-            logprobs = _chat_logprobs(c) if self.chat else _completion_logprobs(c)
+            logprobs = None
+            if c.index not in self._streamed_logprobs:  # a worker whose events carry none: all of them here
+                logprobs = _chat_logprobs(c) if self.chat else _completion_logprobs(c)
             chunks.append(self._chunk([self._choice(c.index, None, c.finish_reason, token_ids=[],
                                                     logprobs=dump(logprobs) if logprobs else None)]))
         if not chunks:  # cancelled before it started

@@ -23,7 +23,7 @@ from rq.results import Result
 
 from producer.errors import InvalidRequest, JobNotFound, MlxqError, StreamExpired
 from schemas.command_batch import CommandBatch
-from schemas.events import EndStreamEvent, TokenStreamEvent, parse_event
+from schemas.events import EndStreamEvent, TokenStreamEvent, event_data, parse_event
 from schemas.result import request_echo
 from schemas.serializer import JSON_SERIALIZER
 from schemas import ErrorInfo, GenerationRequest, GenerationResult, InvalidRequestError, RequestLimits, Timings, keys
@@ -404,6 +404,12 @@ class StreamCursor:
         self.ended = False
 
     @property
+    def live(self) -> bool:
+        """Entries of the job's own stream were yielded: it exists, so a reader waits on it first
+        and asks after the job's state only once it has been silent."""
+        return self.last_event_id != STREAM_START and self._synthetic_position is None
+
+    @property
     def _synthetic_position(self) -> int | None:
         """How many result-made events were yielded, or None once real entries were."""
         major, _, minor = self.last_event_id.partition("-")
@@ -414,7 +420,7 @@ class StreamCursor:
         events = []
         for entry_id, fields in entries:
             event = parse_event(dict(fields))
-            events.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), event.model_dump()))
+            events.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), event_data(event)))
             if event.event == "end":
                 self.ended = True
                 break
@@ -430,8 +436,9 @@ class StreamCursor:
         if position is None:
             raise StreamExpired(self.job_id, self.last_event_id)
         made: list[TokenStreamEvent | EndStreamEvent] = [
-            TokenStreamEvent(index=c.index, token_ids=c.token_ids, text=c.text)
+            TokenStreamEvent(index=c.index, token_ids=c.token_ids, text=c.text, logprobs=c.logprobs,
+                             top_logprobs=c.top_logprobs)
             for c in result.choices if c.token_ids or c.text
         ]
         made.append(end)
-        return [(f"0-{i}", event.model_dump()) for i, event in enumerate(made, start=1) if i > position]
+        return [(f"0-{i}", event_data(event)) for i, event in enumerate(made, start=1) if i > position]

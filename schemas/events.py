@@ -5,15 +5,19 @@ decode step that produced something, then one `end` event. A choice's texts add 
 `text` and its token ids to its `token_ids`, counted from the last `restart` event: a job that goes
 back to its queue to run again (a weight swap under `abort`, a pause with `abort`, a failed engine
 step) restarts its stream, and what came before that event is void.
+
+A token event of a request that asked for `logprobs` also carries `logprobs` (one per token id) and,
+with `top_logprobs`, `top_logprobs` (one list per token id), as the result's choice has them. The two
+fields are left out of the entry otherwise, so a stream without logprobs is what it always was.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from schemas.result import FinishReason, Status
+from schemas.result import FinishReason, Status, TopLogprob
 
 STREAM_FIELD = "data"
 
@@ -24,6 +28,8 @@ class TokenStreamEvent(BaseModel):
     index: int
     token_ids: list[int]
     text: str
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[TopLogprob]]] = None
 
 
 class EndStreamEvent(BaseModel):
@@ -46,9 +52,25 @@ _EVENT = TypeAdapter(StreamEvent)
 AnyStreamEvent = Union[TokenStreamEvent, EndStreamEvent, RestartStreamEvent]
 
 
+_OPTIONAL_TOKEN_FIELDS = ("logprobs", "top_logprobs")
+
+
 def encode_event(event: AnyStreamEvent) -> dict[str, str]:
     """The fields of the stream entry that carries `event`."""
+    if isinstance(event, TokenStreamEvent):
+        return {STREAM_FIELD: event.model_dump_json(exclude={f for f in _OPTIONAL_TOKEN_FIELDS
+                                                             if getattr(event, f) is None})}
     return {STREAM_FIELD: event.model_dump_json()}
+
+
+def event_data(event: AnyStreamEvent) -> dict[str, Any]:
+    """The event as a reader yields it: a token event's logprob fields only where it has them."""
+    data = event.model_dump()
+    if isinstance(event, TokenStreamEvent):
+        for name in _OPTIONAL_TOKEN_FIELDS:
+            if data[name] is None:
+                del data[name]
+    return data
 
 
 def parse_event(fields: dict[bytes, bytes]) -> AnyStreamEvent:

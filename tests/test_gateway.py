@@ -87,17 +87,22 @@ def test_chat_blocking_and_streamed_give_the_same_answer(stack: Stack) -> None:
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
     ids: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[Any]] = {0: [], 1: []}
     finish = {}
     for chunk in chunks[:-1]:
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
             ids[choice.index] += choice.model_extra.get("token_ids", [])
+            if choice.delta.content:  # each token chunk carries its own tokens' logprobs, in OpenAI's shape
+                assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"])
+            logprobs[choice.index] += choice.logprobs.content if choice.logprobs else []
             if choice.finish_reason:
-                finish[choice.index] = (choice.finish_reason, len(choice.logprobs.content))
+                finish[choice.index] = choice.finish_reason
     assert chunks[0].choices[0].delta.role == "assistant"
     assert texts == {c.index: c.message.content for c in blocking.choices}
     assert ids == {c.index: c.model_extra["token_ids"] for c in blocking.choices}
-    assert finish == {0: ("length", 9), 1: ("length", 9)}
+    assert logprobs == {c.index: c.logprobs.content for c in blocking.choices}
+    assert finish == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == blocking.usage.total_tokens
     assert chunks[-1].model_extra["prompt_token_ids"] == blocking.model_extra["prompt_token_ids"]
 
@@ -107,9 +112,14 @@ def test_completions_blocking_and_streamed(stack: Stack) -> None:
     blocking = client.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=6, logprobs=2, stop=None)
     assert blocking.object == "text_completion" and blocking.usage.prompt_tokens == 3
     assert len(blocking.choices[0].logprobs.tokens) == 6 and blocking.choices[0].logprobs.text_offset[0] == 0
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="fake", prompt=[5, 6, 7], max_tokens=6, stream=True) if c.choices)
-    assert streamed == blocking.choices[0].text
+    chunks = [c for c in client.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=6, logprobs=2,
+                                                    stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == blocking.choices[0].text
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for name, values in (chunk.choices[0].logprobs.model_dump() if chunk.choices[0].logprobs else {}).items():
+            streamed[name] += values
+    assert streamed == blocking.choices[0].logprobs.model_dump()
     text = client.completions.create(model="fake", prompt="hello", max_tokens=4).choices[0]
     assert text.finish_reason == "length" and len(text.text) == 4
 
@@ -158,6 +168,8 @@ def test_jobs_endpoints(stack: Stack) -> None:
     client = stack.client()
     job = client.post("/jobs", cast_to=object, body={"prompt": "abc", "model": "fake", "max_tokens": 5, "stream": True})
     assert job["object"] == "mlxq.job" and job["status"] == "queued"
+    # a gateway job may run as long as a request may wait, not RQ's default 180 s
+    assert stack.conn.hget(f"rq:job:{job['id']}", "timeout") == b"3600"
     got = events(client, job["id"])
     assert [event for _, event, _ in got] == ["token"] * 5 + ["end"]
     assert got[-1][2] == {"event": "end", "status": "finished", "finish_reasons": ["length"]}
@@ -217,7 +229,8 @@ def test_limits_and_routing(stack: Stack, tmp_path: Any) -> None:
         with pytest.raises(openai.RateLimitError) as deep:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"})
         assert deep.value.body["code"] == "queue_full"
-        high = client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "high"}})
+        high = client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"},
+                           options={"params": {"priority": "high"}})
         assert stack.conn.lrange("rq:queue:mlxq:ghost@high", 0, -1) == [high["id"].encode()]
         with pytest.raises(openai.RateLimitError) as busy:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "high"}})

@@ -197,3 +197,42 @@ def test_file_limits(base: str) -> None:
                            expires_after={"anchor": "created_at", "seconds": 3600})
     assert short.expires_at - short.created_at == 3600
     assert Path  # noqa: B018  (files in a directory: the "dir" run of this module)
+
+
+def test_files_list_and_delete(base: str) -> None:
+    """A data team cleans up: list its files (newest first, by purpose, in pages), delete them; another
+    tenant neither sees nor deletes them, and a file an unfinished batch reads is kept until it ends."""
+    mine, theirs = client(base, "acme"), client(base, "globex")
+    first, _ = upload(mine, [request_line("l-0")])
+    second, _ = upload(mine, [request_line("l-1")])
+    other, _ = upload(theirs, [request_line("g-0")])
+    listed = [f.id for f in mine.files.list()]
+    assert listed.index(second.id) < listed.index(first.id) and other.id not in listed
+    assert [f.id for f in mine.files.list(order="asc")][-2:] == [first.id, second.id]
+    assert other.id in [f.id for f in theirs.files.list()] and first.id not in [f.id for f in theirs.files.list()]
+    page = mine.files.list(limit=1)
+    assert [f.id for f in page.data] == [second.id] and page.has_more
+    assert [f.id for f in mine.files.list(limit=1)] == listed  # the SDK follows the pages
+    assert {f.purpose for f in mine.files.list(purpose="batch")} == {"batch"}
+    assert all(f.purpose == "batch_output" for f in mine.files.list(purpose="batch_output"))
+
+    with pytest.raises(openai.NotFoundError):
+        theirs.files.delete(first.id)
+    deleted = mine.files.delete(first.id)
+    assert deleted.id == first.id and deleted.deleted is True
+    for call in (lambda: mine.files.retrieve(first.id), lambda: mine.files.content(first.id),
+                 lambda: mine.files.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert first.id not in [f.id for f in mine.files.list()]
+
+    slow, _ = upload(mine, [request_line(f"slow-{i}", max_tokens=1000) for i in range(8)])
+    batch = mine.batches.create(input_file_id=slow.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.ConflictError) as in_use:
+        mine.files.delete(slow.id)
+    assert in_use.value.body["code"] == "file_in_use" and batch.id in in_use.value.body["message"]
+    wait_batch(mine, batch.id, ("in_progress",))
+    mine.batches.cancel(batch.id)
+    done = wait_batch(mine, batch.id, ("cancelled",))
+    assert mine.files.delete(slow.id).deleted and mine.files.delete(done.error_file_id).deleted
+    assert {slow.id, done.error_file_id}.isdisjoint(f.id for f in mine.files.list())

@@ -17,7 +17,7 @@ from rq.job import Job
 
 import producer
 from producer import AsyncClient, Client, GenerationResult, JobNotFound, StreamExpired, WaitTimeout
-from schemas import keys
+from schemas import TopLogprob, keys
 from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
 from tests.clients import client, kind, make_client, new_client  # noqa: F401  (fixtures)
 
@@ -102,6 +102,53 @@ def test_a_job_without_a_stream_yields_its_result(client: Any, redis_conn: redis
     assert list(client.stream(job_id, timeout=5, last_event_id="0-3")) == []
 
 
+def test_token_events_carry_logprobs_when_asked(client: Any, redis_conn: redis.Redis) -> None:
+    """The logprob fields are in an entry only when it has them, so a stream without logprobs reads as
+    it always did; with them, a reader gets them per token, as the result's choice has them."""
+    plain = encode_event(TokenStreamEvent(index=0, token_ids=[1], text="a"))
+    assert plain == {"data": '{"event":"token","index":0,"token_ids":[1],"text":"a"}'}
+    job_id = client.submit({"prompt": "x", "stream": True, "logprobs": True, "top_logprobs": 1})
+    tops = [[TopLogprob(token_id=104, token="h", logprob=-0.5)], [TopLogprob(token_id=1, token="?", logprob=-0.1)]]
+    redis_conn.xadd(keys.stream_key(job_id), encode_event(TokenStreamEvent(
+        index=0, token_ids=[104, 105], text="hi", logprobs=[-0.5, -2.0], top_logprobs=tops)))
+    end(redis_conn, job_id, ["hi"])
+    token, last = list(client.stream(job_id, timeout=30))
+    assert token == {"event": "token", "index": 0, "token_ids": [104, 105], "text": "hi", "logprobs": [-0.5, -2.0],
+                     "top_logprobs": [[{"token_id": 104, "token": "h", "logprob": -0.5}],
+                                      [{"token_id": 1, "token": "?", "logprob": -0.1}]]}
+    assert last["event"] == "end"
+
+
+def test_streamed_chunks_carry_their_own_logprobs() -> None:
+    """The gateway's chunks: each token chunk with its tokens' logprobs in OpenAI's shape, the finish
+    chunk without; from events that carry none (an older worker), all of them with the finish chunk."""
+    from producer.openai_requests import ChatCompletionRequest, CompletionRequest
+    from producer.openai_responses import ChunkWriter
+
+    tops = [[{"token_id": 104, "token": "h", "logprob": -0.5}], [{"token_id": 7, "token": "!", "logprob": -0.1}]]
+    event = {"event": "token", "index": 0, "token_ids": [104, 105], "text": "hi", "logprobs": [-0.5, -2.0],
+             "top_logprobs": tops}
+    result = GenerationResult(id="j", status="finished", choices=[  # type: ignore[list-item]
+        {"index": 0, "text": "hi", "token_ids": [104, 105], "logprobs": [-0.5, -2.0], "top_logprobs": tops,
+         "finish_reason": "length"}])
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=True,  # type: ignore[list-item]
+                                 logprobs=True, top_logprobs=1)
+    writer = ChunkWriter(chat, "j", 0)
+    content = writer.token(event)["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], [t["token"] for t in c["top_logprobs"]]) for c in content] == [
+        ("h", -0.5, ["h"]), ("token_id:105", -2.0, ["!"])]
+    assert writer.closing(result)[0]["choices"][0]["logprobs"] is None
+    older = ChunkWriter(chat, "j", 0)
+    assert older.token({k: v for k, v in event.items() if "logprobs" not in k})["choices"][0]["logprobs"] is None
+    assert older.closing(result)[0]["choices"][0]["logprobs"]["content"] == content
+
+    completion = ChunkWriter(CompletionRequest(model="m", prompt="x", stream=True, logprobs=1), "j", 0)
+    halves = [completion.token({**event, "token_ids": ids, "logprobs": lps, "top_logprobs": [top]})
+              for ids, lps, top in zip([[104], [105]], [[-0.5], [-2.0]], tops)]
+    assert [h["choices"][0]["logprobs"]["text_offset"] for h in halves] == [[0], [1]]
+    assert [h["choices"][0]["logprobs"]["tokens"] for h in halves] == [["h"], ["token_id:105"]]
+
+
 def test_stream_ends_on_cancel_and_on_rq_failure(client: Any, redis_conn: redis.Redis) -> None:
     queued = client.submit({"prompt": "x", "stream": True})
     client.cancel(queued)
@@ -171,3 +218,26 @@ def test_blocking_reads_outlast_the_socket_timeout(redis_url: str, redis_conn: r
     for kind_ in clients:
         assert got[(kind_, "wait")] == "finished", got
         assert [e["event"] for e in got[(kind_, "stream")]] == ["token", "end"], got
+
+
+def test_many_streams_at_once_on_one_async_client(redis_url: str, redis_conn: redis.Redis) -> None:
+    """More streams read at once than redis-py's default pool has connections (100): each blocking read
+    holds one, and the client's pool waits for a free one rather than failing."""
+    import asyncio
+
+    async def main() -> list[list[dict[str, Any]]]:
+        async with AsyncClient(redis_url) as client:
+            ids = await client.submit_many([{"prompt": "x", "stream": True}] * 150)
+            readers = [asyncio.ensure_future(_read_all(client, job_id)) for job_id in ids]
+            await asyncio.sleep(0.5)  # every reader is in its blocking read
+            for job_id in ids:
+                emit(redis_conn, job_id, 0, [104], "h")
+                end(redis_conn, job_id, ["h"])
+            return list(await asyncio.gather(*readers))
+
+    streams = asyncio.run(main())
+    assert all([e["event"] for e in events] == ["token", "end"] for events in streams)
+
+
+async def _read_all(client: AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    return [event async for event in client.stream(job_id, timeout=30)]

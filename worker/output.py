@@ -100,6 +100,9 @@ class StreamDelta:
     token_ids: list[int]
     text: str
     finish_reason: Optional[str] = None
+    # The logprobs of `token_ids`, for requests that asked for them (None otherwise).
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[TopLogprob]]] = None
 
 
 class JobOutput:
@@ -183,8 +186,11 @@ class JobOutput:
             end = len(text) if choice.done else max(choice.streamed_chars, len(text) - holdback)
             if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars:
                 continue
-            deltas.append(StreamDelta(self.job_id, choice.index, choice.token_ids[choice.streamed_tokens:],
-                                      text[choice.streamed_chars:end], choice.finish_reason))
+            start = choice.streamed_tokens
+            deltas.append(StreamDelta(
+                self.job_id, choice.index, choice.token_ids[start:], text[choice.streamed_chars:end],
+                choice.finish_reason, logprobs=None if choice.logprobs is None else choice.logprobs[start:],
+                top_logprobs=None if choice.top_logprobs is None else choice.top_logprobs[start:]))
             choice.streamed_tokens, choice.streamed_chars = len(choice.token_ids), end
         return deltas
 

@@ -1,7 +1,7 @@
 """The gateway's scenarios: what one `mlxq api` process costs next to the producer.
 
 - gateway-stream: `--gateway-clients` (256) streaming chat requests at once, through one gateway process
-  (httpx clients reading its SSE), against the same requests submitted and streamed with the producer
+  (clients reading its SSE, mlxq/bench/rawhttp.py), against the same requests submitted and streamed with the producer
   (`AsyncClient.stream`), on the bench's model: tokens/s and p50 TTFT of each, and their ratios. The two
   arms run side by side, alternating which goes first, `--repeats` times.
 - gateway-blocking: one gateway process in front of a zero-cost fake-engine worker, `--gateway-clients`
@@ -26,6 +26,7 @@ import redis
 from mlxq.bench.arm_mlxq import MlxqCluster
 from mlxq.bench.config import BenchConfig
 from mlxq.bench.procs import ProcessSet, wait_http_ok
+from mlxq.bench.rawhttp import RawConnection
 from mlxq.bench.stats import distribution, median, ratio
 from mlxq.bench.workloads import Tokenizer, make_prompts
 from mlxq.redis_server import free_port
@@ -92,28 +93,23 @@ async def _producer_streams(url: str, bodies: list[dict[str, Any]], queue: str, 
 
 
 async def _gateway_streams(base: str, bodies: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    import httpx
+    t0 = time.perf_counter()
 
-    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
-        t0 = time.perf_counter()
+    async def one(body: dict[str, Any]) -> dict[str, Any]:
+        connection = RawConnection(base)
+        sent = time.perf_counter()
+        first, tokens = None, 0
+        try:
+            async for data in connection.stream("/chat/completions", {**body, "model": ALIAS, "return_token_ids": True}):
+                for choice in json.loads(data).get("choices", ()):
+                    if choice.get("token_ids"):
+                        first = first or time.perf_counter()
+                        tokens += len(choice["token_ids"])
+        finally:
+            await connection.close()
+        return {"sent": sent - t0, "first": (first or sent) - sent, "end": time.perf_counter() - t0, "tokens": tokens}
 
-        async def one(body: dict[str, Any]) -> dict[str, Any]:
-            sent = time.perf_counter()
-            first, tokens = None, 0
-            request = {**body, "model": ALIAS, "return_token_ids": True}
-            async with http.stream("POST", "/chat/completions", json=request) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    for choice in json.loads(line[6:]).get("choices", ()):
-                        if choice.get("token_ids"):
-                            first = first or time.perf_counter()
-                            tokens += len(choice["token_ids"])
-            return {"sent": sent - t0, "first": (first or sent) - sent, "end": time.perf_counter() - t0, "tokens": tokens}
-
-        return list(await asyncio.gather(*(one(b) for b in bodies)))
+    return list(await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout))
 
 
 def _stream_summary(records: list[dict[str, Any]], expected: int) -> dict[str, Any]:
@@ -203,16 +199,27 @@ async def _producer_blocking(url: str, total: int, concurrency: int) -> tuple[fl
 
 
 async def _gateway_blocking(base: str, total: int, concurrency: int) -> tuple[float, list[float], int]:
-    import httpx
+    connections = [RawConnection(base) for _ in range(concurrency)]
+    free = asyncio.Queue[RawConnection]()
+    for connection in connections:
+        free.put_nowait(connection)
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as http:
-        async def send(i: int) -> None:
-            response = await http.post("/chat/completions", json={
+    async def send(i: int) -> None:
+        connection = await free.get()
+        try:
+            await connection.post("/chat/completions", {
                 "model": FAKE_ALIAS, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1})
-            response.raise_for_status()
+        except BaseException:
+            await connection.close()  # a broken exchange leaves the connection unusable; it reopens
+            raise
+        finally:
+            free.put_nowait(connection)
 
+    try:
         return await _closed_loop(total, concurrency, send)
+    finally:
+        for connection in connections:
+            await connection.close()
 
 
 def _blocking_summary(wall: float, latencies: list[float], failures: int, cpu: dict[str, float]) -> dict[str, Any]:

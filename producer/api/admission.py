@@ -38,7 +38,8 @@ if n + want > cap then
   for i = 1, #entries, 2 do
     local member, score = entries[i], tonumber(entries[i + 1])
     if redis.call('EXISTS', '""" + keys.result_key("") + """' .. member) == 1
-        or (score < now - tonumber(ARGV[5]) and redis.call('EXISTS', '""" + Job.redis_job_namespace_prefix + """' .. member) == 0) then
+        or (score < now - tonumber(ARGV[5])
+        and redis.call('EXISTS', '""" + Job.redis_job_namespace_prefix + """' .. member) == 0) then
       redis.call('ZREM', KEYS[1], member)
     end
   end

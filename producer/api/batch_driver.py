@@ -93,7 +93,12 @@ class BatchDriver:
 
     async def advance_all(self) -> None:
         for raw in await self._connection.smembers(api_keys.ACTIVE_BATCHES):
-            await self.advance(raw.decode())
+            try:
+                await self.advance(raw.decode())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one batch that cannot advance must not hold the others back
+                log.exception("batch driver: batch %s could not advance; retrying", raw.decode())
 
     async def advance(self, batch_id: str) -> None:
         lease = api_keys.batch_lease(batch_id)
@@ -251,7 +256,7 @@ class BatchDriver:
         if not valid:
             await self._write(state, errors, position)
             return
-        options = job_options(result_ttl=settings.batch_result_ttl)
+        options = job_options(timeout=settings.job_timeout_s, result_ttl=settings.batch_result_ttl)
         planned = plan_jobs([line.request for *_, line in valid], None, options, priority=settings.batch_priority,
                             job_ids=[job_id for job_id, *_ in valid])
         batch = CommandBatch(NO_CONNECTION)

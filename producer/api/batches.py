@@ -161,6 +161,22 @@ class BatchStore:
         await self._connection.hset(api_keys.batch_record(state.id),
                                     mapping={"record": state.object.model_dump_json(), **fields})
 
+    async def reading(self, file_id: str) -> Optional[str]:
+        """The id of an unfinished batch whose input is `file_id`, if any (its driver still reads it)."""
+        ids = [raw.decode() for raw in await self._connection.smembers(api_keys.ACTIVE_BATCHES)]
+        if not ids:
+            return None
+        async with self._connection.pipeline(transaction=False) as pipe:
+            for batch_id in ids:
+                pipe.hget(api_keys.batch_record(batch_id), "record")
+            records = await pipe.execute()
+        for batch_id, raw in zip(ids, records):
+            if raw is not None:
+                batch = BatchObject.model_validate_json(raw)
+                if batch.input_file_id == file_id and batch.status not in FINAL:
+                    return batch_id
+        return None
+
     async def cancel(self, tenant: Tenant, batch_id: str) -> BatchObject:
         """Ask for a batch to stop; the driver cancels its jobs and ends it `cancelled`."""
         state = await self.get(tenant, batch_id)

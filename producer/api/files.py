@@ -24,11 +24,12 @@ from producer.api import keys as api_keys
 from producer.api.auth import ApiError, Tenant, not_found
 from producer.api.settings import GatewaySettings
 
-__all__ = ["FileObject", "FileRecord", "FileStore"]
+__all__ = ["FileDeleted", "FileList", "FileObject", "FileRecord", "FileStore"]
 
 PUSH_LINES = 2000  # lines per RPUSH of an upload
 READ_LINES = 2000  # lines per LRANGE of a download
 SWEEP_EVERY_S = 600.0
+MAX_FILE_TTL_S = 30 * 24 * 3600  # the longest expiry an upload or a batch's output may ask for
 
 
 class FileObject(BaseModel):
@@ -43,6 +44,22 @@ class FileObject(BaseModel):
     status: Literal["uploaded", "processed", "error"] = "processed"
     expires_at: Optional[int] = None
     status_details: Optional[str] = None
+
+
+class FileList(BaseModel):
+    """OpenAI's page of files (`GET /v1/files`)."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: Optional[str] = None
+    last_id: Optional[str] = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
 
 
 class FileRecord(FileObject):
@@ -147,8 +164,53 @@ class FileStore:
         now = int(time.time())
         record = FileRecord(id=file_id, bytes=size, created_at=now, filename=filename, purpose=purpose,  # type: ignore[arg-type]
                             expires_at=now + ttl_s, tenant_tag=tenant.tag, lines=lines, on_disk=on_disk)
-        await self._connection.set(api_keys.file_record(file_id), record.model_dump_json(), ex=ttl_s)
+        index = api_keys.tenant_files(tenant.tag)
+        async with self._connection.pipeline(transaction=False) as pipe:
+            pipe.set(api_keys.file_record(file_id), record.model_dump_json(), ex=ttl_s)
+            pipe.zadd(index, {file_id: time.time()})
+            # The index outlives every file in it: none asks for more than this.
+            pipe.expire(index, max(ttl_s, self._settings.file_ttl_s, MAX_FILE_TTL_S))
+            await pipe.execute()
         return record
+
+    async def list(self, tenant: Tenant, purpose: Optional[str], limit: int, order: str,
+                   after: Optional[str]) -> FileList:
+        """The tenant's files that have not expired, newest first (or oldest with order "asc"), from
+        the one after `after`; ids whose metadata expired leave the index here."""
+        index = api_keys.tenant_files(tenant.tag)
+        ids = [raw.decode() for raw in (await self._connection.zrange(index, 0, -1, desc=order != "asc"))]
+        if after is not None and after not in ids:
+            raise not_found("file", after)
+        ids = ids[ids.index(after) + 1:] if after is not None else ids
+        records: list[FileRecord] = []
+        gone: list[str] = []
+        for start in range(0, len(ids), READ_LINES):
+            chunk = ids[start : start + READ_LINES]
+            for file_id, raw in zip(chunk, await self._connection.mget([api_keys.file_record(i) for i in chunk])):
+                if raw is None:
+                    gone.append(file_id)
+                    continue
+                record = FileRecord.model_validate_json(raw)
+                if purpose is None or record.purpose == purpose:
+                    records.append(record)
+            if len(records) > limit:
+                break
+        if gone:
+            await self._connection.zrem(index, *gone)
+        data = [r.public() for r in records[:limit]]
+        return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                        has_more=len(records) > limit)
+
+    async def delete(self, tenant: Tenant, file_id: str) -> FileDeleted:
+        """Remove the tenant's file, contents and metadata (404 for another tenant's)."""
+        record = await self.get(tenant, file_id)
+        async with self._connection.pipeline(transaction=False) as pipe:
+            pipe.delete(api_keys.file_record(file_id), api_keys.file_data(file_id))
+            pipe.zrem(api_keys.tenant_files(tenant.tag), file_id)
+            await pipe.execute()
+        if record.on_disk and self._dir is not None:
+            await asyncio.to_thread((self._dir / file_id).unlink, True)
+        return FileDeleted(id=file_id)
 
     async def get(self, tenant: Tenant, file_id: str) -> FileRecord:
         """The tenant's file, else 404 (also for another tenant's)."""

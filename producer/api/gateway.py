@@ -66,7 +66,8 @@ class Gateway:
         job_id = f"{tenant.tag}-{uuid.uuid4().hex}"
         await self.admission.admit_one(tenant, job_id, queue)
         try:
-            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl)
+            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl,
+                                     timeout=self.settings.job_timeout_s)
         except BaseException:
             await self.admission.release(tenant, [job_id])
             raise
@@ -88,8 +89,10 @@ def gateway(request: Request) -> Gateway:
 _bearer = HTTPBearer(auto_error=False, description="An API key of the gateway (MLXQ_API_KEYS)")
 
 
-def current_tenant(request: Request,
-                   credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> Tenant:
+async def current_tenant(request: Request,
+                         credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> Tenant:
+    # A coroutine, though it awaits nothing: FastAPI runs a plain function's dependency in a thread pool,
+    # a hand-off per request that cost more than the check itself.
     header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
     return gateway(request).auth.tenant(header)
 

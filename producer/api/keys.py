@@ -36,6 +36,12 @@ def file_data(file_id: str) -> str:
     return f"{PREFIX}file:{file_id}:data"
 
 
+def tenant_files(tag: str) -> str:
+    """A sorted set of the tenant's file ids by creation time, for listing; ids of expired files are
+    dropped as a listing meets them."""
+    return f"{PREFIX}files:{tag}"
+
+
 def batch_record(batch_id: str) -> str:
     """A batch's hash: `record` (the OpenAI Batch JSON), counters and the driver's position."""
     return f"{PREFIX}batch:{batch_id}"

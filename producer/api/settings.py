@@ -7,6 +7,7 @@ of each key (`printf %s "$KEY" | sha256sum`), comma-separated; several keys may 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class GatewaySettings(BaseSettings):
     history_interval_s: float = Field(5.0, gt=0)  # /dashboard: a fleet sample this often (one per fleet)
     history_window_s: float = Field(900.0, ge=60)  # ... kept this long, in Redis
     result_ttl: int = Field(3600, ge=1)  # seconds a gateway job's result is kept
-    request_timeout_s: float = Field(3600.0, gt=0)  # a blocking request waits this long at most
+    request_timeout_s: float = Field(3600.0, gt=0)  # a blocking request waits this long at most; a job runs as long
     models: Annotated[tuple[str, ...], NoDecode] = ()  # served names known even while no worker is live (503, not 404)
     presence_cache_s: float = Field(1.0, ge=0)  # live workers are re-read at most this often
     files_dir: Optional[Path] = None  # file contents on disk (shared by every replica) instead of in Redis
@@ -92,6 +93,12 @@ class GatewaySettings(BaseSettings):
     def _check_priorities(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         keys.check_priorities(value, "MLXQ_PRIORITIES")
         return value
+
+    @property
+    def job_timeout_s(self) -> int:
+        """The RQ timeout of the gateway's jobs: as long as a blocking request waits (RQ's own default,
+        180 s, would end a long generation, or one of a large batch decoding together, mid-way)."""
+        return math.ceil(self.request_timeout_s)
 
     @property
     def limits(self) -> RequestLimits:
