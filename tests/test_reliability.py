@@ -376,6 +376,23 @@ def test_a_worker_whose_redis_is_gone_still_stops_cleanly_on_sigterm():
     assert "stopped without deregistering" in out and "Traceback" not in out
 
 
+def test_a_warm_stop_with_redis_gone_and_results_unwritten_ends_after_the_grace():
+    """The loop waited for its table to empty, which needs the results written: with Redis gone,
+    a warm stop after the running jobs had finished never ended."""
+    server = RedisServer().start()
+    try:
+        client = Client(server.url)
+        ids = [client.submit(long_request(95 + i, 60)) for i in range(4)]
+        worker = start_fake_worker(server.url, name="stranded", env={"MLXQ_STOP_GRACE_S": "2"})
+        wait_for(lambda: all(client.status(j) == "started" for j in ids), what="jobs started")
+    finally:
+        server.stop()
+    worker.send_signal(signal.SIGTERM)  # warm: the jobs finish decoding, their results cannot be written
+    out = stop(worker, timeout=30)
+    assert worker.returncode == 0, out
+    assert "the results of 4 jobs were not written" in out and "Traceback" not in out
+
+
 def test_a_warm_stop_is_recorded_while_the_running_jobs_finish(redis_url):
     client = Client(redis_url)
     job_id = client.submit(long_request(90, 200))

@@ -174,6 +174,7 @@ class BatchLoop:
         self._last_sweep = clock()
         self._next_maintenance = clock()  # rq cleans its registries when a worker starts
         self._rhythm = StepRhythm()
+        self._stop_grace_until: Optional[float] = None
         self.time = LoopClock()
         # Jobs whose input is being prepared off this thread (images), and the thread that does it.
         self._preparing: dict[str, tuple[StartedJob, Future[Prompt]]] = {}
@@ -190,6 +191,8 @@ class BatchLoop:
         try:
             while True:
                 self._rq.notice_stop()
+                if self._rq.stop_requested and self._grace_over():
+                    break
                 if not self._table:
                     self._bookkeeper.release()  # no step to come: nothing to keep out of the way of
                     self._rq.idle(burst)
@@ -214,6 +217,26 @@ class BatchLoop:
             raise
         return taken
 
+    def _grace_over(self) -> bool:
+        """Stopping, with nothing left to compute but results Redis is not taking: whether the grace
+        for it to come back (MLXQ_STOP_GRACE_S) is over. Then the bookkeeping gives up on them and
+        their jobs stay in RQ's started registry, for a live worker's abandoned-job sweep."""
+        waiting_on_redis = (self._table and not self._health.up and not len(self.scheduler) and not self._preparing
+                            and all(inflight.ending for inflight in self._table.values()))
+        if not waiting_on_redis:
+            return False
+        now = self._clock()
+        if self._stop_grace_until is None:
+            self._stop_grace_until = now + self._settings.stop_grace_s
+            log.warning("stopping with Redis unreachable: waiting up to %.0f s for it to take the results of %d jobs",
+                        self._settings.stop_grace_s, len(self._table))
+        if now < self._stop_grace_until:
+            return False
+        log.error("the results of %d jobs were not written (Redis unreachable); their jobs are left to the "
+                  "abandoned-job sweep", len(self._table))
+        self._bookkeeper.give_up()
+        return True
+
     def turn(self, jobs_left: Optional[int] = None) -> int:
         """One turn of the busy loop: one round trip that takes jobs and finds cancellations, then
         one engine step. Returns the jobs taken."""
@@ -223,7 +246,9 @@ class BatchLoop:
         if self._preparing:
             self._admit_prepared()
         taken = 0
-        if not self._health.up and self._health.try_reconnect(wait=not len(self.scheduler)):
+        # A stopping loop with nothing to compute does not sleep through the backoff: its grace runs.
+        backoff = not len(self.scheduler) and not self._rq.stop_requested
+        if not self._health.up and self._health.try_reconnect(wait=backoff):
             self._rq.beat_now()  # before any sweep can take our jobs for abandoned
         if self._health.up:
             room = 0 if self._rq.stop_requested or not self.admitting else self.scheduler.free_slots

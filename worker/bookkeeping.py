@@ -79,6 +79,11 @@ class Bookkeeper:
         with self._lock:
             return self._lock.wait_for(lambda: self._pending == 0, timeout)
 
+    def give_up(self) -> None:
+        """Retry nothing more: what Redis has not taken by now is dropped (a stopping worker whose
+        grace for an unreachable Redis is over)."""
+        self._given_up = True
+
     def stop(self, timeout: float = 30.0) -> None:
         """Finish what was submitted (for at most `timeout` seconds), then end the thread. With Redis
         away, what is left after that is dropped: those jobs stay in RQ's started registry, where the
@@ -86,15 +91,17 @@ class Bookkeeper:
         if self._thread.ident is None:  # never started when the model failed to load
             return
         self._stopping = True
-        if not self.idle and not self._health.up:
+        if not self.idle and not self._health.up and not self._given_up:
             log.warning("stopping with Redis unreachable: waiting up to %.0f s for it to take %d pending "
                         "bookkeeping tasks", timeout, self._pending)
-        if not self.wait_idle(timeout):
+        if self._given_up:  # the loop's grace is over: a task asleep in its backoff is not waited for
+            timeout = 0
+        if not self.wait_idle(timeout) and not self._given_up:
             log.error("%d bookkeeping tasks were not done (Redis unreachable); their jobs are left to the "
                       "abandoned-job sweep", self._pending)
             self._given_up = True
         self._tasks.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0.5 if self._given_up else 5)
 
     def _run(self) -> None:
         while True:
@@ -102,7 +109,7 @@ class Bookkeeper:
             if queued is None:
                 return
             task, upkeep = queued
-            if not (upkeep and self._stopping):
+            if not (self._given_up or (upkeep and self._stopping)):
                 self.gate.wait()
                 self._run_until_done(task, upkeep)
             with self._lock:

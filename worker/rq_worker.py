@@ -189,7 +189,7 @@ class BatchWorker(SimpleWorker):
         finally:
             if self._controller is not None:
                 self._controller.stop()
-            self._bookkeeper.stop()
+            self._bookkeeper.stop(self.settings.stop_grace_s)
             self._quietly(self._poller.remove_ended)
             self._quietly(self._poller.leave_group)
             self._liveness.stop()

@@ -47,6 +47,7 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_s: float = 5.0  # job heartbeat TTL is 3x this (+5 s): a dead worker's jobs free up fast
     step_timeout_s: float = 300.0  # watchdog: a single engine step longer than this exits the process
     sweep_interval_s: float = 15.0  # how often a busy worker re-queues / fails jobs of dead workers
+    stop_grace_s: float = 30.0  # a stopping worker waits this long for an unreachable Redis to take its results
     kv_budget_mb: Optional[int] = None  # KV-cache memory for admission; default: half the machine's RAM
     # Prompt (prefix) cache across jobs, on top of the KV budget; 0 turns it off. 1 GiB holds ~85k
     # tokens of a 0.5B model or ~8k of an 8B one: a few long system prompts and recent conversations,
