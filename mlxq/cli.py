@@ -108,6 +108,7 @@ def _add_more_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval-s", type=float, help="job heartbeats this often; TTL 3x + 5 s (5)")
     p.add_argument("--step-timeout-s", type=float, help="a step longer than this exits the process (300)")
     p.add_argument("--sweep-interval-s", type=float, help="how often dead workers' jobs are recovered (15)")
+    p.add_argument("--stop-grace-s", type=float, help="a stopping worker waits this long for an unreachable Redis (30)")
     p.add_argument("--engine", help="mlx | fake (model-free, deterministic: tests and queue benchmarks)")
     p.add_argument("--fake-step-delay-s", type=float, help="the fake engine's cost per step (0)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
