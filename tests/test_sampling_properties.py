@@ -4,6 +4,7 @@ Whatever the mix, every job ends, and usage, token lists, logprobs and stop stri
 from __future__ import annotations
 
 import math
+import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -51,7 +52,9 @@ requests = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# MLXQ_PROPERTY_EXAMPLES=200 for a long run; the suite's default keeps it near half a minute.
+@settings(max_examples=int(os.environ.get("MLXQ_PROPERTY_EXAMPLES", "15")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(requests, min_size=1, max_size=6))
 def test_every_job_ends_and_accounts_add_up(tiny_model_dir, batch):
     scheduler = engine_scheduler(tiny_model_dir)
