@@ -91,15 +91,15 @@ class Bookkeeper:
         if self._thread.ident is None:  # never started when the model failed to load
             return
         self._stopping = True
-        if not self.idle and not self._health.up and not self._given_up:
-            log.warning("stopping with Redis unreachable: waiting up to %.0f s for it to take %d pending "
-                        "bookkeeping tasks", timeout, self._pending)
-        if self._given_up:  # the loop's grace is over: a task asleep in its backoff is not waited for
-            timeout = 0
-        if not self.wait_idle(timeout) and not self._given_up:
-            log.error("%d bookkeeping tasks were not done (Redis unreachable); their jobs are left to the "
-                      "abandoned-job sweep", self._pending)
-            self._given_up = True
+        # Once the loop's grace is over (give_up), a task asleep in its backoff is not waited for.
+        if not self._given_up:
+            if not self.idle and not self._health.up:
+                log.warning("stopping with Redis unreachable: waiting up to %.0f s for it to take %d pending "
+                            "bookkeeping tasks", timeout, self._pending)
+            if not self.wait_idle(timeout):
+                log.error("%d bookkeeping tasks were not done (Redis unreachable); their jobs are left to the "
+                          "abandoned-job sweep", self._pending)
+                self._given_up = True
         self._tasks.put(None)
         self._thread.join(timeout=0.5 if self._given_up else 5)
 
