@@ -200,4 +200,4 @@ def test_an_engine_without_adapters_fails_adapter_requests_naming_adapter():
     refused = scheduler.admit("f", {"prompt_token_ids": [1, 2], "max_tokens": 2, "adapter": "alpha"})
     assert refused.status == "failed" and refused.error.type == "InvalidRequest"
     assert refused.error.message == "adapter: 'alpha' cannot run here: this worker's engine serves no LoRA adapters"
-    assert not hasattr(VisionEngine, "adapter_batching") and "vision" in VisionEngine.adapter_refusal
+    assert VisionEngine.adapter_batching is None and "vision" in VisionEngine.adapter_refusal

@@ -553,10 +553,9 @@ class BatchLoop:
 
     def add_adapter(self, name: str, directory: Path) -> None:
         engine = self.scheduler.engine
-        if getattr(engine, "adapter_batching", None) is None:
-            reason = getattr(engine, "adapter_refusal", "this worker's engine serves no LoRA adapters")
-            raise ValueError(f"adapter: {name!r} cannot be served here: {reason}")
-        engine.register_adapter(name, directory)
+        if engine.adapter_batching is None:
+            raise ValueError(f"adapter: {name!r} cannot be served here: {engine.adapter_refusal}")
+        engine.register_adapter(name, directory)  # type: ignore[attr-defined]
 
     def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         assert self._controller is not None

@@ -201,7 +201,7 @@ class BatchScheduler:
         extra = 0  # the entering jobs' memory beyond their KV caches: they prefill together
         solo_running = any(j.solo for j in running)
         # An engine that runs one adapter at a time takes the next adapter's jobs once the batch is empty.
-        grouped = getattr(self.engine, "adapter_batching", None) == "grouped"
+        grouped = self.engine.adapter_batching == "grouped"
         entering: list[SequenceSpec] = []
         while self._waiting:
             job = self._jobs.get(self._waiting[0])
@@ -244,9 +244,9 @@ class BatchScheduler:
 
     def _check_adapter(self, request: GenerationRequest) -> None:
         """An engine without `adapter_batching` serves no adapters: such a request fails, never runs on the base model."""
-        if request.adapter is not None and getattr(self.engine, "adapter_batching", None) is None:
-            reason = getattr(self.engine, "adapter_refusal", "this worker's engine serves no LoRA adapters")
-            raise InvalidRequestError(f"adapter: {request.adapter!r} cannot run here: {reason}", field="adapter")
+        if request.adapter is not None and self.engine.adapter_batching is None:
+            raise InvalidRequestError(f"adapter: {request.adapter!r} cannot run here: {self.engine.adapter_refusal}",
+                                      field="adapter")
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -109,6 +109,11 @@ class TokenEvent:
 class Engine(Protocol):
     """A continuous-batching engine: sequences are added and removed between steps."""
 
+    # How requests for LoRA adapters share its batch: "rows" (any mix in one step), "grouped" (one
+    # adapter at a time), None (it serves none, for the reason in `adapter_refusal`).
+    adapter_batching: Optional[str]
+    adapter_refusal: str
+
     @property
     def vocab_size(self) -> int: ...
 

@@ -206,6 +206,7 @@ class CompiledEngine:
 
     # Rows of different adapters (and base rows) decode in one step.
     adapter_batching = "rows"
+    adapter_refusal = ""
 
     @property
     def adapters(self) -> LoraBank:

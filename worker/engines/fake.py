@@ -51,6 +51,9 @@ class FakeEngine:
     every step that holds it raise (an engine failure no row can be blamed for); HANG_IN_STEP
     makes the step sleep for an hour (a hung engine)."""
 
+    adapter_batching = None
+    adapter_refusal = "this worker's engine serves no LoRA adapters"
+
     def __init__(self, step_delay_s: float = 0.0, kv_bytes_per_token: int = 0) -> None:
         self._kv_bytes_per_token = kv_bytes_per_token
         self._seqs: dict[str, _Seq] = {}

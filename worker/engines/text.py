@@ -163,6 +163,7 @@ class TextEngine:
 
     # One adapter at a time: the scheduler groups requests by adapter.
     adapter_batching = "grouped"
+    adapter_refusal = ""
 
     @property
     def adapters(self) -> LoraBank:

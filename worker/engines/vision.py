@@ -116,7 +116,7 @@ class _Row:
 
 
 class VisionEngine:
-    # No `adapter_batching`: the scheduler fails requests that name an adapter, with this reason.
+    adapter_batching = None  # the scheduler fails requests that name an adapter, with this reason
     adapter_refusal = "the vision engine (mlx-vlm) serves no LoRA adapters"
 
     def __init__(
