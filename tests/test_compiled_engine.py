@@ -72,6 +72,25 @@ def test_greedy_matches_alone_while_rows_join_and_cross_batch_and_length_buckets
     assert engine.num_active == 0 and engine.stats().counters["slot_buffer_bytes"] == 0  # idle: given back
 
 
+def test_prompts_that_fill_their_length_bucket_decode_past_it_exactly(model_and_tokenizer):
+    """A prompt of exactly one length bucket: the step that samples its first token writes the
+    bucket's last position, so every later step needs bigger buffers before it is launched (a step
+    launched into the old ones wrote past their end). From idle, and joining a decoding batch."""
+    model, tokenizer = model_and_tokenizer
+    scheduler = BatchScheduler(CompiledEngine(model, tokenizer, max_num_seqs=4), max_num_seqs=4)
+    full = {"prompt_token_ids": prompt_ids(5, 128), "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "ignore_eos": True}
+    results = run_all(scheduler, {"from-idle": full})
+    assert scheduler.admit("long", {"prompt_token_ids": prompt_ids(2, 60), "max_tokens": 30, "temperature": 0,
+                                    "logprobs": True, "ignore_eos": True}) is None
+    for _ in range(3):
+        scheduler.step()
+    joiner = {**full, "prompt_token_ids": prompt_ids(6, 128)}
+    assert scheduler.admit("joiner", joiner) is None
+    results.update(run_all(scheduler, {}))
+    assert_matches_alone(model, {"from-idle": full, "joiner": joiner}, results, set())
+
+
 @pytest.mark.parametrize("request_body", [
     {"temperature": 0, "logprobs": True, "top_logprobs": 3},
     {"temperature": 0.9, "seed": 5, "n": 2, "logprobs": True},

@@ -268,23 +268,23 @@ class CompiledEngine:
     def step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
         return the tokens of the step handed over by the previous call. Sequences just admitted
-        get their first token in this call, while the eager allowance lasts: the step that samples
-        it is read back at once, which costs the overlap of one step."""
+        get their first token in this call, while the eager allowance lasts (or when nothing was
+        decoding): the step that samples it is read back at once and the call returns without
+        launching another, so the first tokens go out without waiting for the next step's graph
+        to be built; the next call launches and returns nothing of its own."""
         started = time.perf_counter()
         refused, self._refused = self._refused, []
+        decoding = any(self._slots)
         admitted, prefill_s = self._admit()
         self._fit()
         previous, self._in_flight = self._in_flight, None
         launched = self._launch() if any(self._slots) else None
         events = refused + (self._collect(previous) if previous is not None else [])
-        eager = admitted and previous is not None and self._eager_allowance >= 1
-        if launched is not None and not self._overlap:
+        eager = admitted and (not decoding or self._eager_allowance >= 1)
+        if launched is not None and (eager or not self._overlap):
+            self._eager_allowance -= bool(eager and decoding and self._overlap)
             events += self._collect(launched)
             launched = None
-        elif launched is not None and (previous is None or eager):
-            self._eager_allowance -= eager
-            events += self._collect(launched)
-            launched = self._launch() if any(self._slots) else None
         self._in_flight = launched
         if not any(self._slots) and not self._waiting:  # idle: give the buffers' memory back
             self._buffers, self._slots, self._inputs = None, [], None
