@@ -150,3 +150,22 @@ def test_settings_from_env_and_flags():
         WorkerSettings.from_env({"MLXQ_MAX_NUM_SEQS": "lots"})
     with pytest.raises(ValueError, match="MLXQ_MAX_NUM_SEQS must be >= 1"):
         WorkerSettings.from_env({"MLXQ_MAX_NUM_SEQS": "0"})
+
+
+def test_cuda_kernels_launch_directly_on_linux_unless_the_variable_is_set():
+    environ: dict[str, str] = {}
+    assert plat.launch_cuda_kernels_directly(environ, platform="linux") and environ == {"MLX_USE_CUDA_GRAPHS": "0"}
+    chosen = {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert not plat.launch_cuda_kernels_directly(chosen, platform="linux") and chosen == {"MLX_USE_CUDA_GRAPHS": "1"}
+    on_mac: dict[str, str] = {}
+    assert not plat.launch_cuda_kernels_directly(on_mac, platform="darwin") and on_mac == {}
+
+
+def test_importing_the_worker_sets_direct_cuda_launches_before_mlx():
+    import os
+    import subprocess
+
+    code = "import os, worker, mlx.core; print(os.environ.get('MLX_USE_CUDA_GRAPHS'))"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("0" if sys.platform == "linux" else "None")

@@ -1,5 +1,5 @@
-"""The only platform-specific code in the worker: a fast BLAS for Linux CPU, Metal memory limits
-for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
+"""The only platform-specific code in the worker: a fast BLAS for Linux CPU, direct kernel launches
+for CUDA, Metal memory limits for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ def preload_blas(setting: str = "auto", platform: str = sys.platform) -> BlasCho
         "or set MLXQ_BLAS to a BLAS library path"
     )
     return _blas_choice
+
+
+def launch_cuda_kernels_directly(environ: "os._Environ[str] | dict[str, str]" = os.environ,
+                                 platform: str = sys.platform) -> bool:
+    """On Linux, where MLX's CUDA backend runs, have it launch kernels directly rather than through
+    CUDA graphs, unless MLX_USE_CUDA_GRAPHS is set: a decode step's graphs change shape whenever a
+    sequence joins, and building them cost more than they saved (docs/engine.md#cuda-graphs).
+    It must run before MLX first evaluates anything. Returns whether it set the variable."""
+    if platform != "linux" or "MLX_USE_CUDA_GRAPHS" in environ:
+        return False
+    environ["MLX_USE_CUDA_GRAPHS"] = "0"
+    return True
 
 
 def limit_blas_threads(threads: int, choice: BlasChoice) -> Optional[str]:
