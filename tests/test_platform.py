@@ -163,7 +163,6 @@ def test_cuda_kernels_launch_directly_on_linux_unless_the_variable_is_set():
 
 def test_importing_the_worker_sets_direct_cuda_launches_before_mlx():
     import os
-    import subprocess
 
     code = "import os, worker, mlx.core; print(os.environ.get('MLX_USE_CUDA_GRAPHS'))"
     env = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}

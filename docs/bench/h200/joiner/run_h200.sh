@@ -18,8 +18,25 @@ env)
   shift
   for variant in "$@"; do
     label=$(echo "$variant" | tr ' =' '_-')
-    env $variant timeout 200 python3 docs/bench/h200/joiner/joiner_env.py --model /tmp/m --label "$label" \
+    env ${variant/#default/} timeout 200 python3 docs/bench/h200/joiner/joiner_env.py --model /tmp/m --label "$label" \
       --out $OUT/env-$label.json ${ENGINE_FILE:+--engine-file $ENGINE_FILE} ${ROWS:+--rows $ROWS} 2>&1 | grep -v -i "tokenizer\|regex" | tail -8
   done
+  ;;
+lj)  # the late joiner end to end (one worker), then K against B at 32 rows; $2: extra MLX env, or "default"
+  shift; variant=$1; label=$(echo "$variant" | tr ' =' '_-')
+  BENCH="python3 -m mlxq bench --model /tmp/m --max-num-seqs 256 --rates '' --prompt-tokens 128 --new-tokens 128"
+  (cd /tmp && env ${variant/#default/} MLXQ_DECODE_WARMUP_TOKENS=256 timeout ${LJ_TIMEOUT:-280} bash -c \
+    "$BENCH --arms '' --scenario late-joiner --out /tmp/lj-$label" > /tmp/lj-$label.log 2>&1)
+  grep -h "late joiner" /tmp/lj-$label/table.md || tail -5 /tmp/lj-$label.log
+  cp /tmp/lj-$label/report.json $OUT/lj-$label-report.json 2>/dev/null
+  ;;
+kb)  # K against B; $2: extra MLX env, or "default"; $3: concurrency list
+  shift; variant=$1; label=$(echo "$variant" | tr ' =' '_-')
+  BENCH="python3 -m mlxq bench --model /tmp/m --max-num-seqs 256 --rates '' --prompt-tokens 128 --new-tokens 128"
+  (cd /tmp && env ${variant/#default/} timeout ${KB_TIMEOUT:-280} bash -c \
+    "$BENCH --arms B,K --concurrency $2 --repeats ${REPEATS:-3} --scenario throughput --out /tmp/kb-$label" \
+    > /tmp/kb-$label.log 2>&1)
+  grep -h "K/B\|^| [BK] " /tmp/kb-$label/table.md | head -12 || tail -5 /tmp/kb-$label.log
+  cp /tmp/kb-$label/report.json $OUT/kb-$label-report.json 2>/dev/null; cp /tmp/kb-$label/table.md $OUT/kb-$label-table.md 2>/dev/null
   ;;
 esac
