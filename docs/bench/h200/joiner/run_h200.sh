@@ -39,4 +39,13 @@ kb)  # K against B; $2: extra MLX env, or "default"; $3: concurrency list
   grep -h "K/B\|^| [BK] " /tmp/kb-$label/table.md | head -12 || tail -5 /tmp/kb-$label.log
   cp /tmp/kb-$label/report.json $OUT/kb-$label-report.json 2>/dev/null; cp /tmp/kb-$label/table.md $OUT/kb-$label-table.md 2>/dev/null
   ;;
+cb)  # one worker (C1) against B at 256 in flight, and the late joiner, as the worker runs by default
+  BENCH="python3 -m mlxq bench --model /tmp/m --max-num-seqs 256 --rates '' --prompt-tokens 128 --new-tokens 128"
+  (cd /tmp && MLXQ_DECODE_WARMUP_TOKENS=256 timeout ${CB_TIMEOUT:-400} bash -c "$BENCH --arms B,C --workers 1 \
+    --concurrency 256 --repeats 1 --headline-concurrency 256 --scenario throughput,late-joiner --out /tmp/cb" \
+    > /tmp/cb.log 2>&1)
+  grep -h "^| [BC]\|C/B\|late joiner" /tmp/cb/table.md || tail -5 /tmp/cb.log
+  grep -h "decode path\|warm-up\|CUDA" /tmp/cb/logs/*.log 2>/dev/null | head -5
+  cp /tmp/cb/report.json $OUT/cb-report.json 2>/dev/null; cp /tmp/cb/table.md $OUT/cb-table.md 2>/dev/null
+  ;;
 esac
