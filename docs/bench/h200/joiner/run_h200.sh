@@ -48,4 +48,9 @@ cb)  # one worker (C1) against B at 256 in flight, and the late joiner, as the w
   grep -h "decode path\|warm-up\|CUDA" /tmp/cb/logs/*.log 2>/dev/null | head -5
   cp /tmp/cb/report.json $OUT/cb-report.json 2>/dev/null; cp /tmp/cb/table.md $OUT/cb-table.md 2>/dev/null
   ;;
+structured)  # half of 256 rows constrained against none, on the engine a worker picks
+  (cd /tmp && timeout ${ST_TIMEOUT:-300} python3 -m mlxq.bench.structured --model /tmp/m --max-num-seqs 256 \
+    --prompt-tokens 64 --new-tokens 64 --repeats 3 --decode compiled --out $OUT/structured-256-compiled.json > /tmp/st.log 2>&1)
+  tail -12 /tmp/st.log
+  ;;
 esac
