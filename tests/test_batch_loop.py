@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from worker.allowlist import Refusal
-from worker.batch_loop import ADMIT_PER_TURN_WHILE_DECODING, CANCEL_CHECK_INTERVAL_S, BatchLoop, InFlight, StartedJob
+from worker.batch_loop import ADMIT_PER_TURN_WHILE_DECODING, CANCEL_CHECK_INTERVAL_S, BatchLoop
 from worker.engines.fake import RAISE_IN_STEP, FakeEngine
+from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poll, TakenJob
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings

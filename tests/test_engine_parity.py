@@ -151,7 +151,7 @@ def _first_token_in_joining_step(scheduler: BatchScheduler, job_ids: list[str]) 
 def test_eager_joiners_draw_on_an_allowance_that_refills_with_decode_steps(model_and_tokenizer):
     """A few joiners get their first token in the step they join; a steady stream of them goes to
     the batched prefill (each eager one stalls the batch) until decode steps refill the allowance."""
-    from worker.engines.text import EAGER_JOINERS_MAX, EAGER_REFILL_STEPS
+    from worker.engines.prefill_queue import EAGER_JOINERS_MAX, EAGER_REFILL_STEPS
 
     model, tokenizer = model_and_tokenizer
     scheduler = BatchScheduler(TextEngine(model, tokenizer, max_num_seqs=16), max_num_seqs=16)
@@ -169,7 +169,7 @@ def test_joiners_past_the_allowance_wait_for_a_prefill_batch_and_match_alone(mod
     """Once the eager allowance is spent, joiners of a decoding batch are handed to mlx-lm together:
     when a prefill batch of them waits, or when the oldest has waited JOINER_HOLD_STEPS steps. A
     held joiner can be cancelled, and every output is what the request gives alone."""
-    from worker.engines.text import EAGER_JOINERS_MAX, JOINER_HOLD_STEPS
+    from worker.engines.prefill_queue import EAGER_JOINERS_MAX, JOINER_HOLD_STEPS
 
     model, tokenizer = model_and_tokenizer
     engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=4)

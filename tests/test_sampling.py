@@ -370,7 +370,7 @@ def _prefilled_tokens_when_first_token(model_and_tokenizer, monkeypatch, hold: b
     the prompt tokens prefilled when its first token came out, and the total."""
     model, tokenizer = model_and_tokenizer
     engine = TextEngine(model, tokenizer, max_num_seqs=32, prefill_batch_size=2)
-    monkeypatch.setattr(engine._pacing, "hold_for_first_tokens", lambda waiting_batches: hold)
+    monkeypatch.setattr(engine._waiting.pacing, "hold_for_first_tokens", lambda waiting_batches: hold)
     scheduler = BatchScheduler(engine, max_num_seqs=32)
     prefilled_when_first_token = {}
     real_step = engine.step

@@ -25,9 +25,9 @@ from rq.worker import WorkerStatus
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 from worker.allowlist import callback_names, refusal
-from worker.batch_loop import InFlight, StartedJob
 from worker.intake import Unreadable, read_job
 from worker.job_ending import Ending
+from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.rq_batch import Registries, Success, create_execution, end_successes
 from worker.settings import WorkerSettings

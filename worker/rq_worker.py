@@ -28,13 +28,14 @@ from schemas import keys
 from schemas.command_batch import CommandBatch
 from schemas.serializer import JSON_SERIALIZER
 from worker.allowlist import ALLOWED_FUNCTIONS
-from worker.batch_loop import BatchLoop, StartedJob
+from worker.batch_loop import BatchLoop
 from worker.bookkeeping import Bookkeeper
 from worker.control import ControlChannel, Controller
 from worker.intake import Unreadable
 from worker.job_ending import JobEnding
 from worker.liveness import Liveness
 from worker.loading import ModelLoadError
+from worker.loop_interfaces import StartedJob
 from worker.metrics import WorkerMetrics, scheduler_gauges
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
@@ -232,7 +233,7 @@ class BatchWorker(SimpleWorker):
         except Exception as exc:  # stopping with Redis away: nothing more to do
             self.log.debug("Worker %s: %r while stopping", self.name, exc)
 
-    # --- what the loop asks of RQ (worker/batch_loop.py WorkerSide) ------------------------
+    # --- what the loop asks of RQ (worker/loop_interfaces.py WorkerSide) -------------------
     def notice_stop(self) -> None:
         """Write the worker's `shutdown_requested_date` (what rq's handler writes for a busy worker),
         once, from the loop: a Redis call inside the signal handler could interrupt another."""
