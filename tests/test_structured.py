@@ -408,3 +408,16 @@ def test_the_forward_pass_is_launched_before_the_masks_except_on_cuda():
     assert launches_early(cuda_available=True, on_gpu=False)  # a CUDA build running on the CPU
     assert not launches_early(cuda_available=True, on_gpu=True)
     assert launches_early()  # this machine: MLX on the CPU
+
+
+def test_constraints_still_hold_after_an_engine_reset(engine):
+    """The loop resets the engine after a failed step; constrained rows sampled afterwards are
+    masked exactly as before (the same seeded request gives the same matching text)."""
+    requests = {f"d{i}": {"prompt": "digits:", "max_tokens": 12, "temperature": 1.0, "seed": 11 + i,
+                          "guided_regex": "[0-9]{3,8}"} for i in range(3)}
+    before, _ = run(engine, requests)
+    engine.reset()
+    after, _ = run(engine, requests)
+    for job_id in requests:
+        assert re.fullmatch("[0-9]{0,8}", after[job_id].choices[0].text), after[job_id].choices[0].text
+        assert after[job_id].choices[0].token_ids == before[job_id].choices[0].token_ids

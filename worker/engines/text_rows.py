@@ -44,12 +44,12 @@ class RowMaker:
     def __init__(self, vocab_size: int, max_num_seqs: int) -> None:
         self._vocab_size = vocab_size
         self._max_num_seqs = max_num_seqs
-        self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
-        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
+        self.reset()
 
     def reset(self) -> None:
-        self._masks = None
-        self._samplers = SamplerPool()
+        """Forget every row: a new sampler pool (its samplers fill the masks first) and no masks."""
+        self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
+        self._masks: Optional[MaskBatch] = None  # made with the first constrained row
 
     def row(self, spec: SequenceSpec, version: int) -> Row:
         """A sequence's own sampler and logits processors, each guarded so that its failure ends
