@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -32,14 +31,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
-from worker.engines.constraints import ConstraintCompiler, RowConstraint
+from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
-from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, bucket, ladder
+from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
+from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, ladder
 from worker.engines.lora import LoraBank
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.step_sampling import StepSampler
-from worker.engines.sampling import LogprobGather, RowGuard, repair_random_state
-from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.engines.sampling import repair_random_state
+from worker.engines.slot_cache import KVLayout
+from worker.engines.slot_table import SlotTable
 from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
@@ -52,59 +53,6 @@ log = logging.getLogger("mlxq.engine")
 # first token one call later.
 EAGER_MAX = 4
 EAGER_REFILL_STEPS = 16
-
-# Buffers are padded past what the sequences need to the next bucket; when a budget is set and the
-# padded shape would exceed it, lengths are rounded up to this many positions instead.
-EXACT_LENGTH_STEP = 64
-
-
-@dataclass
-class _Sequence:
-    """One sequence's own state: its spec, its sampler and logits processors (guarded: their failure
-    ends it alone), its constraint, its slot and what it has produced."""
-
-    spec: SequenceSpec
-    guard: RowGuard
-    sampler: Any
-    processors: list[Any]
-    constraint: Optional[RowConstraint]
-    prompt: list[int]
-    custom: bool  # it has processors that change its logits (beyond naming a seeded row)
-    seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
-    slot: int = -1
-    position: int = 0  # where its next input token's keys and values go: the tokens its slot holds
-    launches: int = 0  # decode steps it was in
-    generated: list[int] = field(default_factory=list)
-    context: Optional[mx.array] = None  # prompt and tokens fed so far, for its processors
-    done: bool = False
-    version: int = 0  # of the weights when it was made: a cache it leaves is that version's only if unchanged
-    adapter: Optional[str] = None  # the resident key of its LoRA adapter (held until it ends)
-    adapter_slot: int = 0  # that adapter's slot in the LoRA stacks (0: the base model)
-
-
-@dataclass
-class _Waiting:
-    seq: _Sequence
-    cache: Optional[list[Any]]  # mlx-lm caches of a prefix it starts from (read, never changed)
-    cached: int  # the prompt tokens that cache holds
-
-    @property
-    def rest(self) -> list[int]:
-        """The prompt tokens to prefill: all but those cached and the last."""
-        return self.seq.prompt[self.cached:-1]
-
-
-@dataclass
-class _Launched:
-    """A decode step handed to the device, read back by the next `step()`."""
-
-    tokens: mx.array  # (slots,)
-    rows: list[tuple[int, _Sequence]]  # (slot at launch, sequence) of every occupied slot
-    errors: list[Optional[str]]  # each row's own failure (processor, sampler) while building it
-    logprobs: Optional[LogprobGather]
-    wanting: list[int]  # positions in `rows` of the rows whose logprobs `logprobs` holds
-    weight_version: int  # of the weights it ran with
-
 
 class CompiledEngine:
     def __init__(
@@ -132,7 +80,6 @@ class CompiledEngine:
         self._max_slots = max_num_seqs
         self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         self._prefill_step_size = prefill_step_size
-        self._kv_budget = kv_budget_bytes
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
@@ -141,12 +88,10 @@ class CompiledEngine:
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
-        self._buffers: Optional[SlotBuffers] = None
-        self._slots: list[Optional[_Sequence]] = []
-        self._inputs: Optional[mx.array] = None  # (slots,): each slot's token for the next step
-        self._waiting: deque[_Waiting] = deque()
-        self._by_uid: dict[str, _Sequence] = {}
-        self._in_flight: Optional[_Launched] = None
+        self._table = SlotTable(self._layout, max_num_seqs, kv_budget_bytes)
+        self._waiting: deque[WaitingPrompt] = deque()
+        self._by_uid: dict[str, DecodingSequence] = {}
+        self._in_flight: Optional[LaunchedStep] = None
         self._eager_allowance = float(EAGER_MAX)
         self._refused: list[TokenEvent] = []  # sequences whose adapter could not be had when added
 
@@ -170,7 +115,7 @@ class CompiledEngine:
     def kv_bytes_for(self, rows: int, tokens: int) -> int:
         """The slot buffers' bytes when `rows` sequences of up to `tokens` tokens decode: what
         admission should count (the buckets pad both)."""
-        slots, length = self._shape_for(rows, tokens)
+        slots, length = self._table.shape_for(rows, tokens)
         return slots * length * self._layout.bytes_per_token
 
     @property
@@ -225,7 +170,7 @@ class CompiledEngine:
     def stats(self) -> EngineStats:
         counters: dict[str, Any] = dict(self._counters.as_dict())
         counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
-                        slot_buffer_bytes=self._buffers.nbytes if self._buffers else 0, **self._lora.stats())
+                        slot_buffer_bytes=self._table.buffers.nbytes if self._table.buffers else 0, **self._lora.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
     def time_stats(self) -> dict[str, Any]:
@@ -247,7 +192,7 @@ class CompiledEngine:
     def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
         """Compile the decode step for every slot bucket up to max_num_seqs (or those of `slots`)
         at every length bucket up to `max_tokens`: how many shapes, and the seconds it took."""
-        buckets = self._slot_ladder() if slots is None else sorted({self._shape_for(n, 1)[0] for n in slots})
+        buckets = self._table.ladder() if slots is None else sorted({self._table.shape_for(n, 1)[0] for n in slots})
         shapes = [(n, length) for n in buckets for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
         return len(shapes), self._decode.warm_up(self._layout, shapes)
 
@@ -274,11 +219,11 @@ class CompiledEngine:
         to be built; the next call launches and returns nothing of its own."""
         started = time.perf_counter()
         refused, self._refused = self._refused, []
-        decoding = any(self._slots)
+        decoding = self._table.any_occupied()
         admitted, prefill_s = self._admit()
-        self._fit()
+        self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
-        launched = self._launch() if any(self._slots) else None
+        launched = self._launch() if self._table.any_occupied() else None
         events = refused + (self._collect(previous) if previous is not None else [])
         eager = admitted and (not decoding or self._eager_allowance >= 1)
         if launched is not None and (eager or not self._overlap):
@@ -286,8 +231,8 @@ class CompiledEngine:
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
-        if not any(self._slots) and not self._waiting:  # idle: give the buffers' memory back
-            self._buffers, self._slots, self._inputs = None, [], None
+        if not self._table.any_occupied() and not self._waiting:  # idle: give the buffers' memory back
+            self._table.release()
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
         self._counters.decode_s += time.perf_counter() - started - prefill_s
         return events
@@ -303,9 +248,7 @@ class CompiledEngine:
             self._waiting = deque(w for w in self._waiting if id(w.seq) not in gone)
 
     def reset(self) -> None:
-        self._buffers = None
-        self._slots = []
-        self._inputs = None
+        self._table.release()
         self._waiting.clear()
         self._by_uid.clear()
         self._in_flight = None
@@ -349,14 +292,14 @@ class CompiledEngine:
                 seq = self._sequence(spec)
                 seq.adapter, seq.adapter_slot = adapter, slot
                 self._by_uid[spec.uid] = seq
-                self._waiting.append(_Waiting(seq, cache, cached))
+                self._waiting.append(WaitingPrompt(seq, cache, cached))
 
-    def _sequence(self, spec: SequenceSpec) -> _Sequence:
+    def _sequence(self, spec: SequenceSpec) -> DecodingSequence:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""
         row = self._sampling.row(spec)
-        return _Sequence(spec, row.guard, row.sampler, row.processors, row.constraint, list(spec.prompt_token_ids),
-                         row.custom, seeded=row.seeded,
-                         context=mx.array(spec.prompt_token_ids) if row.custom else None, version=self._version)
+        return DecodingSequence(row.guard, row.sampler, row.processors, row.constraint, row.custom, row.seeded,
+                                spec=spec, prompt=list(spec.prompt_token_ids), version=self._version,
+                                context=mx.array(spec.prompt_token_ids) if row.custom else None)
 
     def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None, adapter_slot: int = 0
                        ) -> list[Any]:
@@ -375,8 +318,8 @@ class CompiledEngine:
         """Move waiting sequences into free slots, in order: those with nothing left to prefill,
         and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
         beyond the first). Returns how many, and the seconds spent prefilling."""
-        room = self._max_slots - sum(1 for s in self._slots if s is not None)
-        taken: list[_Waiting] = []
+        room = self._table.free
+        taken: list[WaitingPrompt] = []
         prefills = budget = 0
         while self._waiting and len(taken) < room:
             entry = self._waiting[0]
@@ -391,40 +334,40 @@ class CompiledEngine:
             return 0, 0.0
         started = time.perf_counter()
         span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
-        self._reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
-        assert self._buffers is not None and self._inputs is not None
-        free = (i for i, s in enumerate(self._slots) if s is None)
+        table = self._table
+        table.reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
+        assert table.buffers is not None and table.inputs is not None
         for entry in taken:
-            entry.seq.slot = next(free)
-            self._slots[entry.seq.slot] = entry.seq
+            table.place(entry.seq)
             entry.seq.position = len(entry.seq.prompt) - 1
-        by_cache: dict[int, list[_Waiting]] = {}
+        by_cache: dict[int, list[WaitingPrompt]] = {}
         for entry in taken:
             if entry.cache is not None:
                 by_cache.setdefault(id(entry.cache), []).append(entry)
         for entries in by_cache.values():
-            self._buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
+            table.buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
         prefilling = [e for e in taken if e.rest]
         if prefilling:
             self._prefill_slots(prefilling)
         slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
-        self._inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=self._inputs.dtype)
+        table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
         if not prefilling:
             return len(taken), 0.0
-        mx.eval(self._buffers.arrays())
+        mx.eval(table.buffers.arrays())
         seconds = time.perf_counter() - started
         self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
         return len(taken), seconds
 
-    def _prefill_slots(self, entries: list[_Waiting]) -> None:
+    def _prefill_slots(self, entries: list[WaitingPrompt]) -> None:
         """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
         chunks of prefill_step_size positions); padding positions lie past each slot's position,
         where the mask hides them until decoding overwrites them."""
-        assert self._buffers is not None
+        buffers = self._table.buffers
+        assert buffers is not None
         slots = [e.seq.slot for e in entries]
         rests = [e.rest for e in entries]
         width = max(len(r) for r in rests)
-        part = self._buffers.gather(slots, max(e.cached for e in entries) + width)
+        part = buffers.gather(slots, max(e.cached for e in entries) + width)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
         for start in range(0, width, self._prefill_step_size):
             if start:
@@ -434,91 +377,33 @@ class CompiledEngine:
             with self._lora.rows([e.seq.adapter_slot for e in entries]):
                 self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
             part.absorb(caches)
-        self._buffers.scatter(slots, part)
-
-    # --- buffers --------------------------------------------------------------------------
-    def _slot_ladder(self) -> list[int]:
-        return sorted({min(b, self._max_slots) for b in ladder(self._max_slots)})
-
-    def _shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
-        """The buffer shape that holds `rows` sequences of `tokens` positions: both bucketed, or,
-        when that exceeds the KV budget, the rows exactly and the length in EXACT_LENGTH_STEPs."""
-        slots = min(bucket(rows), self._max_slots)
-        length = bucket(tokens, MIN_LENGTH_BUCKET)
-        if self._kv_budget and slots * length * self._layout.bytes_per_token > self._kv_budget:
-            slots, length = rows, -(-tokens // EXACT_LENGTH_STEP) * EXACT_LENGTH_STEP
-        return slots, length
-
-    def _needed_length(self) -> int:
-        """Positions the next step writes up to (each slot's position, plus one)."""
-        return max((s.position + 1 for s in self._slots if s is not None), default=1)
-
-    def _reserve(self, rows: int, tokens: int) -> None:
-        """Make room for `rows` more sequences of up to `tokens` positions."""
-        occupied = sum(1 for s in self._slots if s is not None)
-        need_rows, need_length = occupied + rows, max(tokens, self._needed_length())
-        if self._buffers is not None and need_rows <= len(self._slots) and need_length <= self._buffers.length:
-            return
-        self._resize(*self._shape_for(need_rows, need_length))
-
-    def _fit(self) -> None:
-        """Before a step: grow the buffers for the positions it writes; shrink them once the
-        sequences need half of them or less (the hysteresis keeps churn from resizing every step),
-        the slots only while nothing waits for one."""
-        if self._buffers is None:
-            return
-        occupied = sum(1 for s in self._slots if s is not None)
-        needed = self._needed_length()
-        slots, length = self._shape_for(occupied, needed)
-        target = (len(self._slots) if self._waiting or slots > len(self._slots) // 2 else slots,
-                  self._buffers.length if length > self._buffers.length // 2 and needed <= self._buffers.length
-                  else length)
-        if self._kv_budget and target[0] * target[1] * self._layout.bytes_per_token > self._kv_budget:
-            target = (slots, length)
-        if target != (len(self._slots), self._buffers.length):
-            self._resize(*target)
-
-    def _resize(self, slots: int, length: int) -> None:
-        """New buffers of `slots x length`; the occupied slots move to the first ones, in order."""
-        keep = [s for s in self._slots if s is not None]
-        if self._buffers is None:
-            self._buffers = SlotBuffers.allocate(self._layout, slots, length)
-        else:
-            self._buffers = self._buffers.resized(slots, length, [s.slot for s in keep])
-        inputs = mx.zeros((slots,), dtype=mx.uint32)
-        if keep and self._inputs is not None:
-            inputs[: len(keep)] = self._inputs[mx.array([s.slot for s in keep], dtype=mx.int32)]
-        self._inputs = inputs
-        for i, seq in enumerate(keep):
-            seq.slot = i
-        self._slots = keep + [None] * (slots - len(keep))
+        buffers.scatter(slots, part)
 
     # --- decoding -------------------------------------------------------------------------
-    def _launch(self) -> _Launched:
-        assert self._buffers is not None and self._inputs is not None
-        occupied = [s for s in self._slots if s is not None]
-        positions = [0] * len(self._slots)
+    def _launch(self) -> LaunchedStep:
+        table = self._table
+        assert table.buffers is not None and table.inputs is not None
+        occupied: list[DecodingSequence] = table.occupied()  # type: ignore[assignment]
+        positions = [0] * len(table.slots)
+        adapter_slots = [0] * len(table.slots)
         for seq in occupied:
             positions[seq.slot] = seq.position
-        inputs = self._inputs
-        adapter_slots = [0] * len(self._slots)
-        for seq in occupied:
             adapter_slots[seq.slot] = seq.adapter_slot
+        inputs = table.inputs
         with self._lora.rows(adapter_slots):
-            logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), self._buffers)
-        tokens, gather, wanting = self._sampling.sample(logits, inputs, occupied, len(self._slots))
-        errors = [seq.guard.error or (seq.constraint.error if seq.constraint is not None else None)
-                  for seq in occupied]
+            logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), table.buffers)
+        tokens, gather, wanting = self._sampling.sample(logits, inputs, occupied, len(table.slots))
+        errors = [seq.error for seq in occupied]
         for seq in occupied:
             seq.position += 1
             seq.launches += 1
-        self._inputs = tokens
+        table.inputs = tokens
         self._counters.decode_steps += 1
         self._eager_allowance = min(EAGER_MAX, self._eager_allowance + 1 / EAGER_REFILL_STEPS)
-        mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *self._buffers.arrays())
-        return _Launched(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting, self._version)
+        mx.async_eval(tokens, *(gather.arrays if gather is not None else ()), *table.buffers.arrays())
+        return LaunchedStep(tokens, [(seq.slot, seq) for seq in occupied], errors, gather, wanting, self._version)
 
-    def _collect(self, launched: _Launched) -> list[TokenEvent]:
+    def _collect(self, launched: LaunchedStep) -> list[TokenEvent]:
         """Read a launched step's tokens back and turn them into events; end the sequences that
         stopped, hit their length or failed."""
         tokens = launched.tokens.tolist()
@@ -553,22 +438,22 @@ class CompiledEngine:
             launched.logprobs.fill(wanted_events)
         return events
 
-    def _keep_cache(self, seq: _Sequence) -> None:
+    def _keep_cache(self, seq: DecodingSequence) -> None:
         """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
         prefix cache."""
-        if not self._prefix.enabled or self._buffers is None or seq.version != self._version or seq.adapter:
+        buffers = self._table.buffers
+        if not self._prefix.enabled or buffers is None or seq.version != self._version or seq.adapter:
             return  # (a sequence made before a swap holds keys and values of older weights)
         held = seq.position  # the step in flight has fed its last token too
         tokens = (seq.prompt + seq.generated)[:held]
         if len(tokens) == held > len(seq.prompt):
-            self._prefix.store(tokens, self._buffers.extract(seq.slot, held), speculative=True)
+            self._prefix.store(tokens, buffers.extract(seq.slot, held), speculative=True)
 
-    def _end(self, seq: _Sequence) -> None:
+    def _end(self, seq: DecodingSequence) -> None:
         if seq.adapter is not None and not seq.done:
             self._lora.unpin(seq.adapter)
         seq.done = True
         if seq.constraint is not None:
             seq.constraint.release()
         self._by_uid.pop(seq.spec.uid, None)
-        if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
-            self._slots[seq.slot] = None
+        self._table.vacate(seq)

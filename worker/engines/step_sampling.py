@@ -19,7 +19,7 @@ from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logit
                                      requested_distribution)
 
 if TYPE_CHECKING:
-    from worker.engines.compiled import _Sequence
+    from worker.engines.compiled_rows import DecodingSequence
 
 
 @dataclass
@@ -70,7 +70,7 @@ class StepSampler:
         if self._masks is not None:
             self._masks.fill()
 
-    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["_Sequence"], slot_count: int
+    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int
                ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
         logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
@@ -131,7 +131,7 @@ class StepSampler:
                              for spec, slot, keep in zip(specs, slots, raw)])
         return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
 
-    def _draw(self, logprobs: mx.array, occupied: Sequence["_Sequence"], slot_count: int) -> mx.array:
+    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
         read); the others sample their own rows, in slot order."""
