@@ -459,10 +459,7 @@ class BatchLoop:
         self.scheduler.engine.reset_prefix_cache()
 
     def add_adapter(self, name: str, directory: Path) -> None:
-        engine = self.scheduler.engine
-        if engine.adapter_batching is None:
-            raise ValueError(f"adapter: {name!r} cannot be served here: {engine.adapter_refusal}")
-        engine.register_adapter(name, directory)  # type: ignore[attr-defined]
+        self.scheduler.engine.register_adapter(name, directory)
 
     def ack(self, command: ControlCommand, ok: bool, message: str, seconds: Optional[float]) -> None:
         assert self._controller is not None

@@ -169,6 +169,11 @@ class Engine(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
+    def register_adapter(self, name: str, directory: Path) -> None:
+        """A published LoRA adapter is ready in `directory`: requests naming it use it from now on.
+        Raises ValueError naming the adapter where the engine serves none (`adapter_batching` None)."""
+        ...
+
     def parameter_spec(self) -> Optional[dict[str, tuple[str, tuple[int, ...]]]]:
         """What a weight version must hold (engines/weight_swap.py); None: no weights (the fake engine)."""
         ...

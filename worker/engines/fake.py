@@ -54,6 +54,9 @@ class FakeEngine:
     adapter_batching = None
     adapter_refusal = "this worker's engine serves no LoRA adapters"
 
+    def register_adapter(self, name: str, directory: Path) -> None:
+        raise ValueError(f"adapter: {name!r} cannot be served here: {self.adapter_refusal}")
+
     def __init__(self, step_delay_s: float = 0.0, kv_bytes_per_token: int = 0) -> None:
         self._kv_bytes_per_token = kv_bytes_per_token
         self._seqs: dict[str, _Seq] = {}

@@ -119,6 +119,9 @@ class VisionEngine:
     adapter_batching = None  # the scheduler fails requests that name an adapter, with this reason
     adapter_refusal = "the vision engine (mlx-vlm) serves no LoRA adapters"
 
+    def register_adapter(self, name: str, directory: Path) -> None:
+        raise ValueError(f"adapter: {name!r} cannot be served here: {self.adapter_refusal}")
+
     def __init__(
         self,
         model: Any,
