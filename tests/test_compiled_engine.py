@@ -75,8 +75,7 @@ def test_greedy_matches_alone_while_rows_join_and_cross_batch_and_length_buckets
         results.update((ended.id, ended.result()) for ended in scheduler.step())
     assert_matches_alone(model, requests, results, set(tokenizer.eos_token_ids))
     shapes = engine.compiled_shapes
-    slots = {slots for slots, _ in shapes}
-    assert {1, 8} <= slots and len(slots) >= 5  # it grew through the slot buckets
+    assert {1, 2, 3, 4, 6, 8} <= {slots for slots, _ in shapes}
     assert {128, 192} <= {length for _, length in shapes}
     assert engine.num_active == 0 and engine.stats().counters["slot_buffer_bytes"] == 0  # idle: given back
 

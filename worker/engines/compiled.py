@@ -237,14 +237,11 @@ class CompiledEngine:
         admitted, prefill_s, first_tokens = self._admit()  # first_tokens None: a step samples them
         self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
-        # First tokens go out at once (the call returns without building the next step), while
-        # the allowance lasts or when nothing was decoding.
-        early = admitted and self._overlap and (not decoding or self._eager_allowance >= 1)
-        if early:
-            self._eager_allowance -= decoding
-        launched = None if early and first_tokens is not None or not self._table.any_occupied() else self._launch()
+        launched = self._launch() if self._table.any_occupied() else None
         events = refused + (first_tokens or []) + (self._collect(previous) if previous is not None else [])
-        if launched is not None and (early or not self._overlap):
+        eager = admitted and first_tokens is None and (not decoding or self._eager_allowance >= 1)
+        if launched is not None and (eager or not self._overlap):
+            self._eager_allowance -= bool(eager and decoding and self._overlap)
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
