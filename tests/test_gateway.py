@@ -299,3 +299,27 @@ def test_greedy_chat_blocking_and_streamed_agree_on_the_tiny_model(redis_url: st
     assert blocking.usage.completion_tokens == 24
     assert streamed == blocking.choices[0].message.content and len(streamed) > 0
     assert streamed_ids == blocking.choices[0].model_extra["token_ids"]
+
+
+def test_calls_of_one_loop_turn_share_one_run() -> None:
+    import asyncio
+
+    from producer.api.coalesce import Coalescer
+
+    runs: list[list[int]] = []
+
+    async def run_many(items: Any) -> list[int]:
+        runs.append(list(items))
+        if 13 in items:
+            raise ValueError("unlucky")
+        return [item * 2 for item in items]
+
+    async def main() -> None:
+        double = Coalescer(run_many)
+        assert await asyncio.gather(*(double(i) for i in range(5))) == [0, 2, 4, 6, 8]
+        assert await double(5) == 10
+        outcomes = await asyncio.gather(double(12), double(13), return_exceptions=True)
+        assert all(isinstance(outcome, ValueError) for outcome in outcomes)  # every caller of the batch sees it
+
+    asyncio.run(main())
+    assert runs == [[0, 1, 2, 3, 4], [5], [12, 13]]

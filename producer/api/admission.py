@@ -19,6 +19,7 @@ from rq.job import Job
 
 from producer.api import keys as api_keys
 from producer.api.auth import ApiError, Tenant
+from producer.api.coalesce import Coalescer
 from producer.errors import broker_errors
 from producer.wire import JobState, job_state
 from schemas import keys
@@ -66,14 +67,18 @@ end
 return admitted
 """
 
-# KEYS[1] the job's result key, KEYS[2] its RQ hash, KEYS[3] the tenant's set; ARGV[1] the job id.
-# Returns [result, RQ status], what `AsyncClient._read_states` reads, and takes the id out of the set
-# once there is a result: the read that finds the result also releases the job's slot.
+# KEYS: per job its result key, its RQ hash and its tenant's set; ARGV: the job ids. Returns per job
+# its result and RQ status (what `AsyncClient._read_states` reads), flat, and takes each job that has
+# a result out of its tenant's set: the read that finds a result also releases the job's slot.
 _SETTLE = """
-local result = redis.call('GET', KEYS[1])
-local status = redis.call('HGET', KEYS[2], 'status')
-if result then redis.call('ZREM', KEYS[3], ARGV[1]) end
-return {result, status}
+local replies = {}
+for i = 1, #ARGV do
+  local result = redis.call('GET', KEYS[3 * i - 2])
+  replies[2 * i - 1] = result
+  replies[2 * i] = redis.call('HGET', KEYS[3 * i - 1], 'status')
+  if result then redis.call('ZREM', KEYS[3 * i], ARGV[i]) end
+end
+return replies
 """
 
 
@@ -81,7 +86,8 @@ class Admission:
     def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
         self._connection = connection
         self._script = connection.register_script(_ADMIT)
-        self._settle = connection.register_script(_SETTLE)
+        self._settle_script = connection.register_script(_SETTLE)
+        self._settle: Coalescer[tuple[Tenant, str], tuple[bytes | None, bytes | None]] = Coalescer(self._settle_many)
         self.tenant_cap = tenant_cap
         self.max_queue_depth = max_queue_depth
 
@@ -111,6 +117,13 @@ class Admission:
         if job_ids:
             await self._connection.zrem(api_keys.in_flight(tenant.tag), *job_ids)
 
+    async def _settle_many(self, jobs: Sequence[tuple[Tenant, str]]) -> list[tuple[bytes | None, bytes | None]]:
+        script_keys = [key for tenant, job_id in jobs
+                       for key in (keys.result_key(job_id), Job.key_for(job_id), api_keys.in_flight(tenant.tag))]
+        with broker_errors():
+            flat = await self._settle_script(keys=script_keys, args=[job_id for _, job_id in jobs])
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(jobs))]
+
     def settling(self, tenant: Tenant) -> "SettlingReader":
         """A reader of the tenant's job states that releases each job as its result is read."""
         return SettlingReader(self, tenant)
@@ -119,19 +132,17 @@ class Admission:
 @dataclass
 class SettlingReader:
     """`AsyncClient._read_states`'s twin (a `ReadStates`) that releases a job in the same round trip
-    that reads its result; `released` holds the ids it released."""
+    that reads its result, a round trip shared with the other requests' reads of that moment;
+    `released` holds the ids it released."""
 
     admission: Admission
     tenant: Tenant
     released: set[str] = field(default_factory=set)
 
     async def __call__(self, job_ids: Sequence[str]) -> list[JobState]:
-        in_flight = api_keys.in_flight(self.tenant.tag)
         states: list[JobState] = []
-        for job_id in job_ids:
-            with broker_errors():
-                result, status = await self.admission._settle(
-                    keys=[keys.result_key(job_id), Job.key_for(job_id), in_flight], args=[job_id])
+        for job_id in job_ids:  # each read shares its round trip with those of other requests
+            result, status = await self.admission._settle((self.tenant, job_id))
             if result is not None:
                 self.released.add(job_id)
             states.append(job_state(job_id, result, status))
