@@ -366,7 +366,6 @@ class AsyncClient:
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return {}
-        started = time.monotonic()
         if not self._listener.started:  # fast path: already done, no subscription needed
             results = await self._settle_all(await self._read_states(ids))
             if len(results) == len(ids):
@@ -374,7 +373,7 @@ class AsyncClient:
         # Registered before the read in `JobWatch.wait`, so a job that ends between them wakes this
         # wait; once the subscription exists that one read is also the fast path.
         async with self._watch(ids) as watch:
-            return await watch.wait(None if timeout is None else timeout - (time.monotonic() - started))
+            return await watch.wait(timeout)
 
     @contextlib.asynccontextmanager
     async def _watch(self, job_ids: Iterable[str]) -> AsyncIterator["JobWatch"]:

@@ -20,7 +20,6 @@ from producer.api.auth import ERRORS, Tenant
 from producer.api.gateway import Gateway, current_tenant, gateway, invalid, wait_unless_disconnected
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_request
-from schemas import GenerationResult
 from producer.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -31,6 +30,7 @@ from producer.openai_responses import (
     error_body,
     result_error,
 )
+from schemas import GenerationRequest, GenerationResult
 
 __all__ = ["router"]
 
@@ -80,6 +80,12 @@ async def _serve(gw: Gateway, tenant: Tenant, body: OpenAIRequest, request: Requ
         job_id = await gw.submit(tenant, generation, body.priority, validated=True)
         return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers={"x-mlxq-job-id": job_id},
                                    ping=15)
+    return await _blocking(gw, tenant, body, generation, request, created)
+
+
+async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation: GenerationRequest,
+                    request: Request, created: int) -> Any:
+    """Submit the job, wait for its result, answer it (or the error it ended with)."""
     job_id = gw.new_job_id(tenant)
     headers = {"x-mlxq-job-id": job_id}
     reader = gw.admission.settling(tenant)
