@@ -11,8 +11,9 @@ connection, not a thousand. An AsyncClient belongs to the event loop that first 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Optional
@@ -57,7 +58,10 @@ from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
-__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "MAX_CONNECTIONS", "execute_batch"]
+__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "JobWatch", "MAX_CONNECTIONS", "ReadStates", "execute_batch"]
+
+# Reads the states of some jobs in one snapshot (AsyncClient._read_states, or a caller's own that does more).
+ReadStates = Callable[[Sequence[str]], Awaitable[list[JobState]]]
 
 # Connections an AsyncClient that opened its own may hold at once (a `max_connections` in the URL wins);
 # past them, a command waits for one to be free.
@@ -252,12 +256,36 @@ class AsyncClient:
         retry: Retry | int | None = None,
     ) -> str:
         """`Client.submit`: validate `request`, enqueue it, return the job id."""
+        job_id, batch = await self._plan_submit(request, queue=queue, priority=priority, job_id=job_id, timeout=timeout,
+                                               ttl=ttl, result_ttl=result_ttl, retry=retry)
+        with broker_errors():
+            await execute_batch(self.connection, batch)
+        return job_id
+
+    async def _plan_submit(
+        self,
+        request: RequestLike,
+        *,
+        queue: str | None = None,
+        priority: str | None = None,
+        job_id: str | None = None,
+        timeout: int | None = None,
+        ttl: int | None = None,
+        result_ttl: int | None = None,
+        retry: Retry | int | None = None,
+        validated: bool = False,
+    ) -> tuple[str, CommandBatch]:
+        """`submit` without running it: the job id and its enqueue recorded in a CommandBatch, for a
+        caller that runs those commands inside its own script (the gateway runs them with its admission;
+        private, since `Client`, its twin, has no such method).
+        `validated`: `request` is a GenerationRequest already validated against this client's limits."""
         check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
         planned = plan_jobs([request], self.limits, options, queue=queue, priority=priority, job_ids=[job_id],
-                            indexed=False)
-        await self._enqueue(planned)
-        return planned[0].job_id
+                            indexed=False, validated=validated)
+        batch = CommandBatch(NO_CONNECTION)  # records only
+        record_enqueue(batch, planned, await self._redis_version())
+        return planned[0].job_id, batch
 
     async def submit_many(
         self,
@@ -338,52 +366,38 @@ class AsyncClient:
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return {}
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        results: dict[str, GenerationResult] = {}
-        pending = set(ids)
-
-        async def settle(candidates: Iterable[str]) -> None:
-            wanted = [job_id for job_id in candidates if job_id in pending]
-            for state in await self._read_states(wanted) if wanted else []:
-                found = await self._settled(state)
-                if found is not None:
-                    results[state.job_id] = found
-                    pending.discard(state.job_id)
-
-        if not self._listener.started:
-            await settle(ids)  # fast path: already done, no subscription needed
-            if not pending:
+        if not self._listener.started:  # fast path: already done, no subscription needed
+            results = await self._settle_all(await self._read_states(ids))
+            if len(results) == len(ids):
                 return {job_id: results[job_id] for job_id in ids}
+        # Registered before the read in `JobWatch.wait`, so a job that ends between them wakes this
+        # wait; once the subscription exists that one read is also the fast path.
+        async with self._watch(ids) as watch:
+            return await watch.wait(timeout)
+
+    @contextlib.asynccontextmanager
+    async def _watch(self, job_ids: Iterable[str]) -> AsyncIterator["JobWatch"]:
+        """Register for the end of `job_ids` on the client's done subscription, for as long as the
+        block runs; `JobWatch.wait` inside it waits for them. Entered before the jobs are submitted,
+        every end is announced to it, so its wait needs no read before the first announcement (the
+        gateway's blocking requests; private, since `Client`, its twin, has no such method)."""
+        with broker_errors():
             await self._listener.start()
-        # Registered before the read below, so a job that ends between them wakes this wait; once the
-        # subscription exists that one read is also the fast path (a round trip less per wait).
-        wake = _Wake()
-        self._listener.add(ids, wake)
+        watch = JobWatch(self, list(dict.fromkeys(job_ids)))
+        self._listener.add(watch.job_ids, watch.wake)
         try:
-            await settle(list(pending))  # what ended before the registration
-            next_poll = time.monotonic() + SAFETY_POLL_S
-            while pending:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    late = [job_id for job_id in ids if job_id in pending]
-                    shown = ", ".join(late[:5]) + (", ..." if len(late) > 5 else "")
-                    raise WaitTimeout(f"no result after {timeout} s for {len(late)} job(s): {shown}", late)
-                wait_s = max(next_poll - now, 0.0) if deadline is None else max(min(next_poll, deadline) - now, 0.0)
-                try:
-                    await asyncio.wait_for(wake.event.wait(), wait_s)
-                except asyncio.TimeoutError:
-                    pass
-                wake.event.clear()
-                woken, wake.woken = wake.woken, set()
-                lost, wake.lost = wake.lost, False
-                if lost or time.monotonic() >= next_poll:
-                    await settle(list(pending))
-                    next_poll = time.monotonic() + SAFETY_POLL_S
-                elif woken:
-                    await settle(woken)
+            yield watch
         finally:
-            self._listener.remove(ids, wake)
-        return {job_id: results[job_id] for job_id in ids}
+            self._listener.remove(watch.job_ids, watch.wake)
+
+    async def _settle_all(self, states: Iterable[JobState]) -> dict[str, GenerationResult]:
+        """{job_id: result} of the states that have ended."""
+        results: dict[str, GenerationResult] = {}
+        for state in states:
+            found = await self._settled(state)
+            if found is not None:
+                results[state.job_id] = found
+        return results
 
     # -- cancelling
 
@@ -510,6 +524,57 @@ class AsyncClient:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class JobWatch:
+    """Jobs registered on an AsyncClient's done subscription (`AsyncClient._watch`), and their wait."""
+
+    def __init__(self, client: AsyncClient, job_ids: list[str]) -> None:
+        self._client = client
+        self.job_ids = job_ids
+        self.wake = _Wake()
+
+    async def wait(self, timeout: float | None = None, *, read: ReadStates | None = None,
+                   submitted_after: bool = False) -> dict[str, GenerationResult]:
+        """`wait_many` for the watched jobs: {job_id: result}; WaitTimeout carries the ids still pending.
+        `read` replaces the client's read of job states; `submitted_after` (every job was submitted
+        after the watch began) skips the read of what ended before it."""
+        client, ids, wake = self._client, self.job_ids, self.wake
+        read_states = read or client._read_states
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        results: dict[str, GenerationResult] = {}
+        pending = set(ids)
+
+        async def settle(candidates: Iterable[str]) -> None:
+            wanted = [job_id for job_id in candidates if job_id in pending]
+            if wanted:
+                found = await client._settle_all(await read_states(wanted))
+                results.update(found)
+                pending.difference_update(found)
+
+        if not submitted_after:
+            await settle(ids)  # what ended before the registration
+        next_poll = time.monotonic() + SAFETY_POLL_S
+        while pending:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                late = [job_id for job_id in ids if job_id in pending]
+                shown = ", ".join(late[:5]) + (", ..." if len(late) > 5 else "")
+                raise WaitTimeout(f"no result after {timeout} s for {len(late)} job(s): {shown}", late)
+            wait_s = max(next_poll - now, 0.0) if deadline is None else max(min(next_poll, deadline) - now, 0.0)
+            try:
+                await asyncio.wait_for(wake.event.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            wake.event.clear()
+            woken, wake.woken = wake.woken, set()
+            lost, wake.lost = wake.lost, False
+            if lost or time.monotonic() >= next_poll:
+                await settle(list(pending))
+                next_poll = time.monotonic() + SAFETY_POLL_S
+            elif woken:
+                await settle(woken)
+        return {job_id: results[job_id] for job_id in ids}
 
 
 class AsyncJobStream(AsyncIterator[dict[str, Any]]):

@@ -143,14 +143,18 @@ def plan_jobs(
     priority: str | None = None,
     job_ids: Sequence[str | None] | None = None,
     indexed: bool = True,
+    validated: bool = False,
 ) -> list[PlannedJob]:
-    """Validate every request and build its job data; raises before anything is enqueued."""
+    """Validate every request and build its job data; raises before anything is enqueued. With
+    `validated`, requests that are GenerationRequests already validated against `limits` are not
+    validated again."""
     if job_ids is not None and len(job_ids) != len(requests):
         raise InvalidRequest(f"job_ids: {len(job_ids)} ids for {len(requests)} requests", "job_ids")
     planned: list[PlannedJob] = []
     seen: set[str] = set()
     for i, raw in enumerate(requests):
-        request = validate_request(raw, limits, index=i if indexed else None)
+        request = (raw if validated and isinstance(raw, GenerationRequest)
+                   else validate_request(raw, limits, index=i if indexed else None))
         job_id = job_ids[i] if job_ids is not None else None
         if job_id is not None:
             field = f"job_ids[{i}]" if indexed else "job_id"

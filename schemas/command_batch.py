@@ -31,13 +31,10 @@ import msgpack
 import redis
 from redis.commands.core import CoreCommands
 
-# KEYS: guard keys: if any exists, run nothing and return nil. ARGV[1]: the commands as one
-# MessagePack array, each command its argument count followed by its arguments.
-RUN_SCRIPT = """
-for _, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then return nil end
-end
-local argv = cmsgpack.unpack(ARGV[1])
+# Lua that runs the commands in the string `packed` (one MessagePack array, each command its argument
+# count followed by its arguments) and leaves their replies in `replies`; other scripts embed it too.
+RUN_COMMANDS = """
+local argv = cmsgpack.unpack(packed)
 local replies, i, n = {}, 1, 0
 while i <= #argv do
   local argc = argv[i]
@@ -45,7 +42,14 @@ while i <= #argv do
   replies[n] = redis.pcall(unpack(argv, i + 1, i + argc))
   i = i + argc + 1
 end
-return replies
+"""
+
+# KEYS: guard keys: if any exists, run nothing and return nil. ARGV[1]: the commands.
+RUN_SCRIPT = """
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then return nil end
+end
+local packed = ARGV[1]""" + RUN_COMMANDS + """return replies
 """
 RUN_SCRIPT_SHA = hashlib.sha1(RUN_SCRIPT.encode()).hexdigest()
 

@@ -16,6 +16,8 @@ import pytest
 import redis
 
 from mlxq.redis_server import RedisServer
+from producer.api import keys as api_keys
+from producer.api.auth import Tenant
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
 from tests.workers import start_fake_worker, stop, wait_for
@@ -235,6 +237,15 @@ def test_limits_and_routing(stack: Stack, tmp_path: Any) -> None:
         with pytest.raises(openai.RateLimitError) as busy:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "high"}})
         assert busy.value.body["code"] == "too_many_jobs_in_flight"
+        # chat is admitted and enqueued in the same script: refused, it answers the same and enqueues nothing
+        jobs_before = len(stack.conn.keys("rq:job:*"))
+        with pytest.raises(openai.RateLimitError) as chat_deep:
+            client.chat.completions.create(model="ghost", messages=CHAT, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as chat_busy:
+            client.chat.completions.create(model="ghost", messages=CHAT, max_tokens=1, extra_body={"priority": "high"})
+        assert chat_deep.value.body == deep.value.body and chat_busy.value.body == busy.value.body
+        assert chat_busy.value.response.headers["retry-after"] == "1"
+        assert len(stack.conn.keys("rq:job:*")) == jobs_before
         with pytest.raises(openai.InternalServerError) as unheard:
             client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"}, options={"params": {"priority": "low"}})
         assert unheard.value.status_code == 503
@@ -246,6 +257,15 @@ def test_limits_and_routing(stack: Stack, tmp_path: Any) -> None:
         for job_id in ids:  # cancelled jobs leave the tenant's count: there is room again
             client.delete(f"/jobs/{job_id}", cast_to=object)
         assert client.post("/jobs", cast_to=object, body={"prompt": "x", "model": "ghost"})["status"] == "queued"
+
+
+def test_blocking_requests_release_their_slot(stack: Stack) -> None:
+    """The read that finds a blocking request's result also takes its job out of the tenant's count."""
+    client = stack.client("globex")
+    ids = [client.chat.completions.with_raw_response.create(model="fake", messages=CHAT, max_tokens=2)
+           .headers["x-mlxq-job-id"] for _ in range(3)]
+    in_flight = stack.conn.zrange(api_keys.in_flight(Tenant("globex").tag), 0, -1)
+    assert not {job_id.encode() for job_id in ids} & set(in_flight)
 
 
 def test_no_key_means_loopback_only(stack: Stack) -> None:
@@ -279,3 +299,27 @@ def test_greedy_chat_blocking_and_streamed_agree_on_the_tiny_model(redis_url: st
     assert blocking.usage.completion_tokens == 24
     assert streamed == blocking.choices[0].message.content and len(streamed) > 0
     assert streamed_ids == blocking.choices[0].model_extra["token_ids"]
+
+
+def test_calls_of_one_loop_turn_share_one_run() -> None:
+    import asyncio
+
+    from producer.api.coalesce import Coalescer
+
+    runs: list[list[int]] = []
+
+    async def run_many(items: Any) -> list[int]:
+        runs.append(list(items))
+        if 13 in items:
+            raise ValueError("unlucky")
+        return [item * 2 for item in items]
+
+    async def main() -> None:
+        double = Coalescer(run_many)
+        assert await asyncio.gather(*(double(i) for i in range(5))) == [0, 2, 4, 6, 8]
+        assert await double(5) == 10
+        outcomes = await asyncio.gather(double(12), double(13), return_exceptions=True)
+        assert all(isinstance(outcome, ValueError) for outcome in outcomes)  # every caller of the batch sees it
+
+    asyncio.run(main())
+    assert runs == [[0, 1, 2, 3, 4], [5], [12, 13]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from rq import Queue
@@ -18,20 +19,26 @@ from rq.job import Job
 
 from producer.api import keys as api_keys
 from producer.api.auth import ApiError, Tenant
+from producer.api.coalesce import Coalescer
+from producer.errors import broker_errors
+from producer.wire import JobState, job_state
 from schemas import keys
+from schemas.command_batch import RUN_COMMANDS, CommandBatch
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "SettlingReader"]
 
 SET_TTL_S = 7 * 24 * 3600  # an idle tenant's set expires
 GRACE_S = 30
 
 # KEYS[1] the tenant's set, KEYS[2] the queue's list (or "" for no depth check).
-# ARGV: cap, max depth (0: none), now, set ttl, grace, then the ids. Returns -1 (queue too deep) or
-# the number of ids admitted, from the first.
+# ARGV: cap, max depth (0: none), now, set ttl, grace, the commands that enqueue the ids (a
+# CommandBatch's packed argument, or "" for none), then the ids. Returns -1 (queue too deep) or the
+# number of ids admitted, from the first; the commands run only when every id was admitted, and the
+# ids leave the set again if one of them fails (its error is the reply).
 _ADMIT = """
 local cap, depth, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if depth > 0 and KEYS[2] ~= '' and redis.call('LLEN', KEYS[2]) >= depth then return -1 end
-local want = #ARGV - 5
+local want = #ARGV - 6
 local n = redis.call('ZCARD', KEYS[1])
 if n + want > cap then
   local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
@@ -46,9 +53,32 @@ if n + want > cap then
   n = redis.call('ZCARD', KEYS[1])
 end
 local admitted = math.min(math.max(cap - n, 0), want)
-for i = 1, admitted do redis.call('ZADD', KEYS[1], now, ARGV[5 + i]) end
+for i = 1, admitted do redis.call('ZADD', KEYS[1], now, ARGV[6 + i]) end
 if admitted > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+if ARGV[6] ~= '' and admitted == want then
+  local packed = ARGV[6]""" + RUN_COMMANDS + """
+  for _, reply in ipairs(replies) do
+    if type(reply) == 'table' and reply.err then
+      for i = 1, want do redis.call('ZREM', KEYS[1], ARGV[6 + i]) end
+      return reply
+    end
+  end
+end
 return admitted
+"""
+
+# KEYS: per job its result key, its RQ hash and its tenant's set; ARGV: the job ids. Returns per job
+# its result and RQ status (what `AsyncClient._read_states` reads), flat, and takes each job that has
+# a result out of its tenant's set: the read that finds a result also releases the job's slot.
+_SETTLE = """
+local replies = {}
+for i = 1, #ARGV do
+  local result = redis.call('GET', KEYS[3 * i - 2])
+  replies[2 * i - 1] = result
+  replies[2 * i] = redis.call('HGET', KEYS[3 * i - 1], 'status')
+  if result then redis.call('ZREM', KEYS[3 * i], ARGV[i]) end
+end
+return replies
 """
 
 
@@ -56,20 +86,26 @@ class Admission:
     def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
         self._connection = connection
         self._script = connection.register_script(_ADMIT)
+        self._settle_script = connection.register_script(_SETTLE)
+        self._settle: Coalescer[tuple[Tenant, str], tuple[bytes | None, bytes | None]] = Coalescer(self._settle_many)
         self.tenant_cap = tenant_cap
         self.max_queue_depth = max_queue_depth
 
-    async def admit(self, tenant: Tenant, job_ids: Sequence[str], queue: str | None) -> int:
+    async def admit(self, tenant: Tenant, job_ids: Sequence[str], queue: str | None,
+                    enqueue: CommandBatch | None = None) -> int:
         """Admit up to len(job_ids) of the tenant's new jobs; how many were (from the first). With a
-        `queue`, none when it is over the depth limit."""
+        `queue`, none when it is over the depth limit. `enqueue` (the commands that enqueue them) runs
+        in the same atomic call once all are admitted."""
         queue_key = f"{Queue.redis_queue_namespace_prefix}{queue}" if queue else ""
+        commands = enqueue.take()[1] if enqueue is not None and len(enqueue) else b""
         return int(await self._script(
             keys=[api_keys.in_flight(tenant.tag), queue_key],
-            args=[self.tenant_cap, self.max_queue_depth if queue else 0, time.time(), SET_TTL_S, GRACE_S, *job_ids]))
+            args=[self.tenant_cap, self.max_queue_depth if queue else 0, time.time(), SET_TTL_S, GRACE_S, commands,
+                  *job_ids]))
 
-    async def admit_one(self, tenant: Tenant, job_id: str, queue: str) -> None:
-        """Admit one job or answer 429."""
-        admitted = await self.admit(tenant, [job_id], queue)
+    async def admit_one(self, tenant: Tenant, job_id: str, queue: str, enqueue: CommandBatch | None = None) -> None:
+        """Admit one job, and enqueue it with `enqueue`, or answer 429 (and enqueue nothing)."""
+        admitted = await self.admit(tenant, [job_id], queue, enqueue)
         if admitted == -1:
             raise ApiError(429, f"The queue {queue!r} holds {self.max_queue_depth} jobs or more; retry later",
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
@@ -80,3 +116,38 @@ class Admission:
     async def release(self, tenant: Tenant, job_ids: Sequence[str]) -> None:
         if job_ids:
             await self._connection.zrem(api_keys.in_flight(tenant.tag), *job_ids)
+
+    async def _settle_many(self, jobs: Sequence[tuple[Tenant, str]]) -> list[tuple[bytes | None, bytes | None]]:
+        script_keys = [key for tenant, job_id in jobs
+                       for key in (keys.result_key(job_id), Job.key_for(job_id), api_keys.in_flight(tenant.tag))]
+        with broker_errors():
+            flat = await self._settle_script(keys=script_keys, args=[job_id for _, job_id in jobs])
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(jobs))]
+
+    def settling(self, tenant: Tenant) -> "SettlingReader":
+        """A reader of the tenant's job states that releases each job as its result is read."""
+        return SettlingReader(self, tenant)
+
+
+@dataclass
+class SettlingReader:
+    """`AsyncClient._read_states`'s twin (a `ReadStates`) that releases a job in the same round trip
+    that reads its result, a round trip shared with the other requests' reads of that moment;
+    `released` holds the ids it released."""
+
+    admission: Admission
+    tenant: Tenant
+    released: set[str] = field(default_factory=set)
+
+    async def __call__(self, job_ids: Sequence[str]) -> list[JobState]:
+        states: list[JobState] = []
+        for job_id in job_ids:  # each read shares its round trip with those of other requests
+            result, status = await self.admission._settle((self.tenant, job_id))
+            if result is not None:
+                self.released.add(job_id)
+            states.append(job_state(job_id, result, status))
+        return states
+
+    async def release_rest(self, job_ids: Sequence[str]) -> None:
+        """Release the ids of `job_ids` it has not released."""
+        await self.admission.release(self.tenant, [job_id for job_id in job_ids if job_id not in self.released])

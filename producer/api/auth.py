@@ -3,6 +3,7 @@ error type, answered in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 class Tenant:
     name: str
 
-    @property
-    def tag(self) -> str:
+    @functools.cached_property
+    def tag(self) -> str:  # a hash, read several times per request
         return api_keys.tenant_tag(self.name)
 
     def owns_job(self, job_id: str) -> bool:

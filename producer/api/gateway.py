@@ -22,7 +22,7 @@ from producer.api.batches import BatchStore
 from producer.api.files import FileStore
 from producer.api.fleet import Fleet
 from producer.api.settings import GatewaySettings
-from producer.errors import InvalidRequest
+from producer.errors import InvalidRequest, broker_errors
 from producer.wire import target_queue
 from schemas import GenerationRequest
 
@@ -58,19 +58,23 @@ class Gateway:
             raise ApiError(400, f"priority: {priority!r} is not one of {list(self.settings.priorities)}",
                            param="priority")
 
-    async def submit(self, tenant: Tenant, request: GenerationRequest, priority: Optional[str]) -> str:
-        """Route, admit and enqueue one of the tenant's requests; its job id (which names the tenant)."""
+    def new_job_id(self, tenant: Tenant) -> str:
+        """A fresh id for one of the tenant's jobs: it names the tenant."""
+        return f"{tenant.tag}-{uuid.uuid4().hex}"
+
+    async def submit(self, tenant: Tenant, request: GenerationRequest, priority: Optional[str],
+                     job_id: Optional[str] = None, validated: bool = False) -> str:
+        """Route, admit and enqueue one of the tenant's requests (admission and enqueue in one atomic
+        Redis call); its job id (which names the tenant). `validated`: the request was validated
+        against the gateway's limits already (`to_generation_request`)."""
         self.check_priority(priority)
         queue = target_queue(request, None, priority)
         await self.fleet.require(request.model, queue)
-        job_id = f"{tenant.tag}-{uuid.uuid4().hex}"
-        await self.admission.admit_one(tenant, job_id, queue)
-        try:
-            await self.client.submit(request, job_id=job_id, priority=priority, result_ttl=self.settings.result_ttl,
-                                     timeout=self.settings.job_timeout_s)
-        except BaseException:
-            await self.admission.release(tenant, [job_id])
-            raise
+        job_id, enqueue = await self.client._plan_submit(
+            request, job_id=job_id or self.new_job_id(tenant), priority=priority, result_ttl=self.settings.result_ttl,
+            timeout=self.settings.job_timeout_s, validated=validated)
+        with broker_errors():
+            await self.admission.admit_one(tenant, job_id, queue, enqueue)
         return job_id
 
     async def cancel_quietly(self, job_id: str) -> None:

@@ -30,6 +30,7 @@ from producer.openai_responses import (
     error_body,
     result_error,
 )
+from schemas import GenerationRequest, GenerationResult
 
 __all__ = ["router"]
 
@@ -74,19 +75,36 @@ async def _serve(gw: Gateway, tenant: Tenant, body: OpenAIRequest, request: Requ
         generation = to_generation_request(body, gw.settings.limits)
     except InvalidRequest as exc:
         raise invalid(exc) from None
-    job_id = await gw.submit(tenant, generation, body.priority)
-    headers = {"x-mlxq-job-id": job_id}
     created = int(time.time())
     if body.stream:
-        return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers=headers, ping=15)
-    try:
-        result = await wait_unless_disconnected(request, gw.client.wait(job_id, gw.settings.request_timeout_s))
-    except WaitTimeout:
-        await gw.cancel_quietly(job_id)
-        return JSONResponse(error_body(f"no result within {gw.settings.request_timeout_s} s; the job was cancelled",
-                                       "timeout", code="timeout"), status_code=504, headers=headers)
-    finally:
-        await gw.admission.release(tenant, [job_id])
+        job_id = await gw.submit(tenant, generation, body.priority, validated=True)
+        return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers={"x-mlxq-job-id": job_id},
+                                   ping=15)
+    return await _blocking(gw, tenant, body, generation, request, created)
+
+
+async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation: GenerationRequest,
+                    request: Request, created: int) -> Any:
+    """Submit the job, wait for its result, answer it (or the error it ended with)."""
+    job_id = gw.new_job_id(tenant)
+    headers = {"x-mlxq-job-id": job_id}
+    reader = gw.admission.settling(tenant)
+    # Watched before it is submitted, so its end is announced and the wait reads nothing until then.
+    async with gw.client._watch([job_id]) as watch:
+
+        async def wait() -> GenerationResult:
+            return (await watch.wait(gw.settings.request_timeout_s, read=reader, submitted_after=True))[job_id]
+
+        await gw.submit(tenant, generation, body.priority, job_id, validated=True)
+        try:
+            result = await wait_unless_disconnected(request, wait())
+        except WaitTimeout:
+            await gw.cancel_quietly(job_id)
+            return JSONResponse(error_body(f"no result within {gw.settings.request_timeout_s} s; the job was cancelled",
+                                           "timeout", code="timeout"), status_code=504, headers=headers)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await reader.release_rest([job_id])
     if result is None:  # the client went away: nobody will read the answer
         await gw.cancel_quietly(job_id)
         return JSONResponse(error_body("client disconnected", code="client_disconnected"), status_code=499)
