@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -69,8 +70,7 @@ def preload_blas(setting: str = "auto", platform: str = sys.platform) -> BlasCho
     return _blas_choice
 
 
-def launch_cuda_kernels_directly(environ: "os._Environ[str] | dict[str, str]" = os.environ,
-                                 platform: str = sys.platform) -> bool:
+def launch_cuda_kernels_directly(environ: MutableMapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
     """On Linux, where MLX's CUDA backend runs, have it launch kernels directly rather than through
     CUDA graphs, unless MLX_USE_CUDA_GRAPHS is set: a decode step's graphs change shape whenever a
     sequence joins, and building them cost more than they saved (docs/engine.md#cuda-graphs).

@@ -106,6 +106,11 @@ class TokenEvent:
     weight_version: Optional[int] = None
 
 
+def adapter_not_served(name: str, refusal: str) -> ValueError:
+    """What `register_adapter` raises on an engine that serves no adapters (`adapter_refusal` says why)."""
+    return ValueError(f"adapter: {name!r} cannot be served here: {refusal}")
+
+
 class Engine(Protocol):
     """A continuous-batching engine: sequences are added and removed between steps."""
 

@@ -88,7 +88,7 @@ class CompiledEngine:
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
-        self._table = SlotTable(self._layout, max_num_seqs, kv_budget_bytes)
+        self._table: SlotTable[DecodingSequence] = SlotTable(self._layout, max_num_seqs, kv_budget_bytes)
         self._waiting: deque[WaitingPrompt] = deque()
         self._by_uid: dict[str, DecodingSequence] = {}
         self._in_flight: Optional[LaunchedStep] = None
@@ -383,7 +383,7 @@ class CompiledEngine:
     def _launch(self) -> LaunchedStep:
         table = self._table
         assert table.buffers is not None and table.inputs is not None
-        occupied: list[DecodingSequence] = table.occupied()  # type: ignore[assignment]
+        occupied = table.occupied()
         positions = [0] * len(table.slots)
         adapter_slots = [0] * len(table.slots)
         for seq in occupied:

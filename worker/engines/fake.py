@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from schemas import GenerationRequest
-from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent, adapter_not_served
 
 VOCAB = 256
 EOS = 0
@@ -55,7 +55,7 @@ class FakeEngine:
     adapter_refusal = "this worker's engine serves no LoRA adapters"
 
     def register_adapter(self, name: str, directory: Path) -> None:
-        raise ValueError(f"adapter: {name!r} cannot be served here: {self.adapter_refusal}")
+        raise adapter_not_served(name, self.adapter_refusal)
 
     def __init__(self, step_delay_s: float = 0.0, kv_bytes_per_token: int = 0) -> None:
         self._kv_bytes_per_token = kv_bytes_per_token

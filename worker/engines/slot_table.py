@@ -5,7 +5,7 @@ with hysteresis, within the KV budget."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Generic, Optional, Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -22,16 +22,19 @@ class Slotted(Protocol):
     position: int  # where its next input token's keys and values go
 
 
-class SlotTable:
+S = TypeVar("S", bound=Slotted)
+
+
+class SlotTable(Generic[S]):
     def __init__(self, layout: KVLayout, max_slots: int, kv_budget_bytes: int = 0) -> None:
         self._layout = layout
         self._max_slots = max_slots
         self._kv_budget = kv_budget_bytes
         self.buffers: Optional[SlotBuffers] = None
-        self.slots: list[Optional[Slotted]] = []
+        self.slots: list[Optional[S]] = []
         self.inputs: Optional[mx.array] = None  # (slots,): each slot's token for the next step
 
-    def occupied(self) -> list[Slotted]:
+    def occupied(self) -> list[S]:
         return [s for s in self.slots if s is not None]
 
     def any_occupied(self) -> bool:
@@ -55,12 +58,12 @@ class SlotTable:
             slots, length = rows, -(-tokens // EXACT_LENGTH_STEP) * EXACT_LENGTH_STEP
         return slots, length
 
-    def place(self, seq: Slotted) -> None:
+    def place(self, seq: S) -> None:
         """Give `seq` the first free slot (`reserve` made room)."""
         seq.slot = next(i for i, s in enumerate(self.slots) if s is None)
         self.slots[seq.slot] = seq
 
-    def vacate(self, seq: Slotted) -> None:
+    def vacate(self, seq: S) -> None:
         if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
 

@@ -31,7 +31,7 @@ import numpy as np
 from mlx_vlm.generate import BatchGenerator
 
 from schemas import GenerationRequest
-from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent, adapter_not_served
 from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
 from worker.engines.row_sampler import RowSampler, SampledRow
 from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logits_processors, needs_raw_capture,
@@ -120,7 +120,7 @@ class VisionEngine:
     adapter_refusal = "the vision engine (mlx-vlm) serves no LoRA adapters"
 
     def register_adapter(self, name: str, directory: Path) -> None:
-        raise ValueError(f"adapter: {name!r} cannot be served here: {self.adapter_refusal}")
+        raise adapter_not_served(name, self.adapter_refusal)
 
     def __init__(
         self,
