@@ -400,14 +400,48 @@ def test_a_constrained_row_keeps_its_other_processors(engine):
         assert results["row"].choices[0].text == wanted * 6
 
 
-def test_the_forward_pass_is_launched_before_the_masks_except_on_cuda():
-    from worker.engines.constraints import launches_early
+def test_masks_are_computed_on_their_own_thread_while_the_forward_pass_is_handed_over(engine, monkeypatch):
+    """`MaskBatch.fill` hands the step's logits to the device on the calling thread while the
+    matchers advance on the batch's thread; the results are those of the batch run before."""
+    import threading
 
-    assert launches_early(cuda_available=False, on_gpu=True)  # Metal
-    assert launches_early(cuda_available=False, on_gpu=False)  # CPU
-    assert launches_early(cuda_available=True, on_gpu=False)  # a CUDA build running on the CPU
-    assert not launches_early(cuda_available=True, on_gpu=True)
-    assert launches_early()  # this machine: MLX on the CPU
+    import mlx.core as mx
+
+    from worker.engines import constraints
+
+    requests = {f"r{i}": {"prompt": "digits:", "max_tokens": 8, "temperature": 1.0, "seed": 5 + i,
+                          "guided_regex": "[0-9]{2,8}"} for i in range(3)}
+    requests["free"] = {"prompt": "y", "max_tokens": 8, "temperature": 0}
+    before, _ = run(engine, requests)
+    advanced_on: set[str] = set()
+    handed_over_in_fill: list[str] = []
+    filling = threading.local()
+    advance, async_eval, fill = constraints.RowConstraint.advance, mx.async_eval, constraints.MaskBatch.fill
+
+    def recording_advance(self: Any, tokens: list[int]) -> None:
+        advanced_on.add(threading.current_thread().name)
+        advance(self, tokens)
+
+    def recording_async_eval(*arrays: Any) -> None:
+        if getattr(filling, "active", False):
+            handed_over_in_fill.append(threading.current_thread().name)
+        async_eval(*arrays)
+
+    def recording_fill(self: Any) -> None:
+        filling.active = True
+        try:
+            fill(self)
+        finally:
+            filling.active = False
+
+    monkeypatch.setattr(constraints.RowConstraint, "advance", recording_advance)
+    monkeypatch.setattr(constraints.mx, "async_eval", recording_async_eval)
+    monkeypatch.setattr(constraints.MaskBatch, "fill", recording_fill)
+    after, _ = run(engine, requests)
+    assert advanced_on and all(name.startswith("mlxq-masks") for name in advanced_on)
+    assert handed_over_in_fill and set(handed_over_in_fill) == {threading.current_thread().name}
+    for job_id in requests:
+        assert after[job_id].choices[0].token_ids == before[job_id].choices[0].token_ids
 
 
 def test_constraints_still_hold_after_an_engine_reset(engine):

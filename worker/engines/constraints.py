@@ -12,9 +12,11 @@ mask, with llguidance (docs/structured-output.md says why this library, with mea
 - `MaskBatch`, one per engine: where the rows' masks live, and when they are filled. A row's
   processor only records that its mask is wanted and returns the masked logits as a lazy MLX graph
   over its row of a shared buffer; `fill()` (called before the batch is sampled: `fenced` wraps a
-  sampler so) reads every waiting row's new token in one evaluation, advances the matchers and
-  computes their masks at once on llguidance's thread pool, while the model's forward pass, which
-  the first row's call set off, runs. An engine that cannot call
+  sampler so) reads every waiting row's new token in one evaluation; then the batch's own thread
+  advances the matchers and computes their masks (on llguidance's thread pool) while the calling
+  thread hands the step's forward pass to the device. On MLX's CUDA and Metal backends handing it
+  over is host work of the same order as the masks (kernel launches, with the GIL released), so
+  the two overlap only on two threads. An engine that cannot call
   `fill()` before sampling builds its `MaskBatch(deferred=False)`: each row then fills its own mask
   in its call.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -192,7 +195,7 @@ class MaskBatch:
     """The masks of an engine's constrained rows: a buffer of uint32 words, one row per slot."""
 
     def __init__(self, vocab_size: int, capacity: int, *, deferred: bool = True,
-                 threads: Optional[int] = None, early_launch: Optional[bool] = None) -> None:
+                 threads: Optional[int] = None) -> None:
         import llguidance
 
         self.vocab_size = vocab_size
@@ -207,22 +210,22 @@ class MaskBatch:
         # Rows waiting for `fill`: a group's rows, where each row's new tokens are in the group's
         # tokens (a (start, stop) span), and those tokens (lazy).
         self._waiting: list[tuple[list[RowConstraint], list[tuple[int, int]], Optional[mx.array]]] = []
-        self._launched = False
-        self._early_launch = launches_early() if early_launch is None else early_launch
+        self._forward: Optional[mx.array] = None  # the step's logits, handed to the device by `fill`
         self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
+        # The one thread that advances matchers and writes masks (its threads exit with this object).
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxq-masks")
         self._apply = mx.compile(_apply_mask)
 
     def begin_step(self) -> None:
         """Before each batch step: a step that failed halfway leaves masks nobody will use."""
         self._waiting.clear()
-        self._launched = False
+        self._forward = None
         self._step += 1
 
     def launch(self, logits: mx.array) -> None:
-        """Start the forward pass now, so that it runs while the masks are computed (once a step)."""
-        if not self._launched and self._early_launch:
-            mx.async_eval(logits)
-            self._launched = True
+        """The step's forward pass: `fill` hands it to the device while the masks are computed."""
+        if self._forward is None:
+            self._forward = logits
 
     def masked(self, row: RowConstraint, tokens: mx.array, logits: mx.array) -> mx.array:
         if row.slot is None:
@@ -235,7 +238,6 @@ class MaskBatch:
             unseen = row.unseen(tokens)
             row.advance(unseen.tolist() if unseen is not None else [])
             row.fill_into(self._view[row.slot])
-            self._launched = False
             words = self._buffer[row.slot : row.slot + 1] if self._buffer is not None else mx.array(
                 self._view[row.slot : row.slot + 1])
         return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
@@ -255,17 +257,28 @@ class MaskBatch:
 
     def fill(self) -> None:
         """Advance every row waiting since the last fill by its new tokens (read in one evaluation:
-        each read waits on the device) and compute their masks in parallel; before sampling. Never
-        raises: a row whose matcher cannot go on gets `error` set and an all-allowing mask."""
+        each read waits on the device) and compute their masks, before sampling. The work runs on
+        the batch's thread while this one hands the forward pass to the device. Never raises: a
+        row whose matcher cannot go on gets `error` set and an all-allowing mask."""
+        forward, self._forward = self._forward, None
         if not self._waiting:
             return
         waiting, self._waiting = self._waiting, []
-        self._launched = False
+        values = _read_tokens([tokens for _, _, tokens in waiting])
+        filled = self._filler.submit(self._advance_and_compute, waiting, values)
+        try:
+            if forward is not None:
+                mx.async_eval(forward)
+        finally:
+            filled.result()
+
+    def _advance_and_compute(self, waiting: list[tuple[list[RowConstraint], list[tuple[int, int]], Any]],
+                             values: list[list[int]]) -> None:
         rows = []
-        for (group, spans, _), values in zip(waiting, _read_tokens([tokens for _, _, tokens in waiting])):
+        for (group, spans, _), tokens in zip(waiting, values):
             for row, (start, stop) in zip(group, spans):
                 try:
-                    row.advance(values[start:stop])
+                    row.advance(tokens[start:stop])
                     rows.append(row)
                 except RuntimeError as exc:
                     row.error = str(exc)
@@ -296,18 +309,6 @@ class MaskBatch:
         self._view[: self._capacity] = old
         self._free.extend(range(self._capacity * 2 - 1, self._capacity - 1, -1))
         self._capacity *= 2
-
-
-def launches_early(cuda_available: Optional[bool] = None, on_gpu: Optional[bool] = None) -> bool:
-    """Whether to hand the forward pass to the device before the masks are computed, so that the
-    two overlap. Not on MLX's CUDA backend: there `async_eval` waited for the step in flight, and
-    launching early made a constrained step slower (docs/structured-output.md)."""
-    if cuda_available is None:
-        cuda = getattr(mx, "cuda", None)
-        cuda_available = bool(cuda is not None and cuda.is_available())
-    if on_gpu is None:
-        on_gpu = mx.default_device() == mx.gpu
-    return not (cuda_available and on_gpu)
 
 
 def fenced(sampler: Callable[[mx.array], mx.array], before: Callable[[], None]) -> Callable[[mx.array], mx.array]:
