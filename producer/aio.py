@@ -3,9 +3,10 @@
 Everything that does no I/O (validation, the commands rq would send, parsing, stream reading)
 is producer/wire.py's, shared with the sync client; this module only talks to Redis. Two things
 differ in how, not in what: a batch of commands runs through the same server-side script from an
-asyncio connection (`execute_batch`), and every wait of one client shares one pattern
-subscription to the done channels (`DoneListener`), so a thousand concurrent waits hold one
-connection, not a thousand. An AsyncClient belongs to the event loop that first uses it.
+asyncio connection (`execute_batch`), every wait and stream of one client shares one pattern
+subscription to the done channels (producer/done_listener.py), and its streams share one blocking
+read (producer/stream_hub.py), so a thousand concurrent waits or streams hold two connections, not
+a thousand. An AsyncClient belongs to the event loop that first uses it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Optional
 
@@ -23,19 +23,20 @@ import redis.asyncio as aioredis
 from rq import Retry
 from rq.job import Job
 
+from producer.aio_stream import AsyncJobStream
 from producer.client import CANCEL_TTL, SAFETY_POLL_S
 from producer.control import (AsyncControlCalls, abort_target, adapter_command, control_command, job_model,
                               pause_command, weights_command)
+from producer.done_listener import DoneListener, DoneWake
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
+from producer.stream_hub import StreamHub
 from producer.wire import (
     NO_CONNECTION,
     RQ_ENDED,
-    STREAM_BATCH,
     JobState,
     PlannedJob,
     RequestLike,
     StreamCursor,
-    block_slice,
     cancel_removal,
     cancelled_result_write,
     check_priority,
@@ -97,111 +98,11 @@ async def execute_batch(
     return list(replies)
 
 
-@dataclass(eq=False)
-class _Wake:
-    """One wait's mailbox: the ids whose done message arrived, or `lost` when messages may have been."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    woken: set[str] = field(default_factory=set)
-    lost: bool = False
-
-
-class DoneListener:
-    """One pattern subscription to `mlxq:done:*` and the task that reads it, handing each job id
-    published there to the waits that registered for it. After a broken read (a reconnect may drop
-    messages) every wait is told to re-read everything. It needs the channel permission
-    `&mlxq:done:*` under a Redis ACL."""
-
-    def __init__(self, connection: aioredis.Redis) -> None:
-        self._connection = connection
-        self._pubsub: Optional[aioredis.client.PubSub] = None
-        self._task: Optional[asyncio.Task[None]] = None
-        self._starting: Optional[asyncio.Lock] = None
-        self._waits: dict[str, set[_Wake]] = {}
-
-    async def start(self) -> None:
-        """Subscribe (once) and wait for the confirmation: from then on no publish is missed."""
-        if self._task is not None:
-            return
-        if self._starting is None:
-            self._starting = asyncio.Lock()
-        async with self._starting:
-            if self._task is not None:
-                return
-            pubsub = self._connection.pubsub()
-            try:
-                await pubsub.psubscribe(keys.done_channel("*"))
-                deadline = time.monotonic() + 30
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message["type"] == "psubscribe":
-                        break
-                    if time.monotonic() > deadline:
-                        raise BrokerError("redis: no confirmation of the done-channel subscription in 30 s")
-            except BaseException:
-                await pubsub.aclose()
-                raise
-            self._pubsub = pubsub
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="mlxq-done-listener")
-
-    @property
-    def started(self) -> bool:
-        return self._task is not None
-
-    def add(self, job_ids: Iterable[str], wake: _Wake) -> None:
-        for job_id in job_ids:
-            self._waits.setdefault(job_id, set()).add(wake)
-
-    def remove(self, job_ids: Iterable[str], wake: _Wake) -> None:
-        for job_id in job_ids:
-            waits = self._waits.get(job_id)
-            if waits is not None:
-                waits.discard(wake)
-                if not waits:
-                    del self._waits[job_id]
-
-    async def _run(self) -> None:
-        assert self._pubsub is not None
-        prefix = len(keys.done_channel(""))
-        while True:
-            try:
-                message = await self._pubsub.get_message(timeout=1.0)
-            except (redis.RedisError, OSError):
-                self._wake_all()
-                await asyncio.sleep(0.1)  # get_message reconnects and subscribes again on its next call
-                continue
-            if message is None or message["type"] != "pmessage":
-                continue
-            job_id = message["channel"][prefix:].decode()
-            for wake in self._waits.get(job_id, ()):
-                wake.woken.add(job_id)
-                wake.event.set()
-
-    def _wake_all(self) -> None:
-        for waits in self._waits.values():
-            for wake in waits:
-                wake.lost = True
-                wake.event.set()
-
-    async def close(self) -> None:
-        task, pubsub = self._task, self._pubsub
-        self._task = self._pubsub = None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if pubsub is not None:
-            await pubsub.aclose()
-
-
 class AsyncClient:
     """An asyncio mlxq producer: `Client`'s methods as coroutines, with the same arguments.
 
     `url` defaults to $MLXQ_REDIS_URL, else redis://127.0.0.1:6379/0; the client's pool holds up to
-    MAX_CONNECTIONS connections (each stream being read holds one while it waits) and a command past
-    them waits for one rather than failing. Pass `connection` to share
+    MAX_CONNECTIONS connections and a command past them waits for one rather than failing. Pass `connection` to share
     an existing redis.asyncio.Redis instead (not decode_responses=True); the client closes only
     a connection it opened. Use `async with AsyncClient(...) as client:` or `await client.close()`.
     """
@@ -237,6 +138,7 @@ class AsyncClient:
         self._control = AsyncControlCalls(connection)
         self._server_version: Optional[tuple[int, int, int]] = None
         self._listener = DoneListener(connection)
+        self._streams = StreamHub(connection)
 
     def __repr__(self) -> str:
         return f"AsyncClient({redact_url(self.url) if self.url else self.connection!r})"
@@ -482,34 +384,12 @@ class AsyncClient:
         """`Client.stream` as an async iterator (`async for event in client.stream(id)`)."""
         return AsyncJobStream(self, StreamCursor(job_id, last_event_id), timeout)
 
-    async def _read_stream(self, cursor: StreamCursor, block_s: float) -> list[tuple[str, dict[str, Any]]]:
-        key = keys.stream_key(cursor.job_id)
-        with broker_errors():
-            if cursor.live:  # one round trip per event while the stream flows; its job's state after a silence
-                batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
-                                                    count=STREAM_BATCH)
-                if batch:
-                    return cursor.from_entries(batch[0][1])
-            for _ in range(2):  # an end event can arrive between the first read and the state's
-                batch = await self.connection.xread({key: cursor.last_event_id}, count=STREAM_BATCH)
-                if batch:
-                    return cursor.from_entries(batch[0][1])
-                settled = await self._settled((await self._read_states([cursor.job_id]))[0])
-                if settled is None:
-                    break
-            else:
-                return cursor.from_result(settled, bool(await self.connection.exists(key)))
-            if cursor.live:
-                return []  # it waited its slice already
-            batch = await self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
-                                                count=STREAM_BATCH)
-            return cursor.from_entries(batch[0][1]) if batch else []
-
     def _socket_timeout(self) -> float | None:
         return self.connection.connection_pool.connection_kwargs.get("socket_timeout")
 
     async def close(self) -> None:
         """Stop the done listener; close the connection if this client opened it."""
+        await self._streams.close_all()
         await self._listener.close()
         if self._owns_connection:
             await self.connection.aclose()
@@ -532,7 +412,7 @@ class JobWatch:
     def __init__(self, client: AsyncClient, job_ids: list[str]) -> None:
         self._client = client
         self.job_ids = job_ids
-        self.wake = _Wake()
+        self.wake = DoneWake()
 
     async def wait(self, timeout: float | None = None, *, read: ReadStates | None = None,
                    submitted_after: bool = False) -> dict[str, GenerationResult]:
@@ -575,37 +455,3 @@ class JobWatch:
             elif woken:
                 await settle(woken)
         return {job_id: results[job_id] for job_id in ids}
-
-
-class AsyncJobStream(AsyncIterator[dict[str, Any]]):
-    """The async iterator `AsyncClient.stream` returns; `last_event_id` is where a new one would resume."""
-
-    def __init__(self, client: AsyncClient, cursor: StreamCursor, timeout: float | None) -> None:
-        self._client, self._cursor, self._timeout = client, cursor, timeout
-        self._pending: list[tuple[str, dict[str, Any]]] = []
-
-    @property
-    def job_id(self) -> str:
-        return self._cursor.job_id
-
-    @property
-    def last_event_id(self) -> str:
-        return self._cursor.last_event_id
-
-    def __aiter__(self) -> "AsyncJobStream":
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        deadline = None if self._timeout is None else time.monotonic() + max(self._timeout, 0.0)
-        while not self._pending:
-            if self._cursor.ended:
-                raise StopAsyncIteration
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise WaitTimeout(f"no stream event for job {self.job_id} within {self._timeout} s",
-                                  pending=[self.job_id])
-            self._pending = await self._client._read_stream(
-                self._cursor, block_slice(left, self._client._socket_timeout()))
-        event_id, event = self._pending.pop(0)
-        self._cursor.last_event_id = event_id
-        return event
