@@ -88,6 +88,18 @@ class AsyncJobStream(AsyncIterator[dict[str, Any]]):
         self._cursor.last_event_id = event_id
         return event
 
+    def take_ready(self) -> list[dict[str, Any]]:
+        """Every event that iterating would yield next without waiting (what was read already), at once."""
+        following = self._following
+        if following is not None and following.buffered and not self._cursor.ended:
+            entries, following.buffered = following.buffered, []
+            self._pending += self._cursor.from_entries(entries)
+            self._next_check = time.monotonic() + STATE_CHECK_S
+        ready, self._pending = self._pending, []
+        if ready:
+            self._cursor.last_event_id = ready[-1][0]
+        return [event for _, event in ready]
+
     async def _read(self, block_s: float) -> list[tuple[str, dict[str, Any]]]:
         """The events after the cursor: those the hub read; the job's end if it ended with nothing
         more in its stream; else nothing, after up to `block_s` s."""

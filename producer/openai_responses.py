@@ -248,6 +248,30 @@ def dump(model: BaseModel) -> dict[str, Any]:
     return data
 
 
+def merge_token_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Token events that arrived together as one per choice (its tokens, texts and logprobs joined),
+    so that a client the gateway fell behind on gets fewer, larger chunks; other events keep their
+    place, and no token moves past one."""
+    merged: list[dict[str, Any]] = []
+    joining: dict[int, dict[str, Any]] = {}  # each choice's event since the last event of another kind
+    for event in events:
+        if event["event"] != "token":
+            joining = {}
+            merged.append(event)
+            continue
+        into = joining.get(event["index"])
+        if into is None or any((into.get(f) is None) != (event.get(f) is None) for f in ("logprobs", "top_logprobs")):
+            joining[event["index"]] = into = dict(event)
+            merged.append(into)
+            continue
+        into["token_ids"] = into["token_ids"] + event["token_ids"]
+        into["text"] = into["text"] + event["text"]
+        for field in ("logprobs", "top_logprobs"):
+            if into.get(field) is not None:
+                into[field] = into[field] + event[field]
+    return merged
+
+
 class ChunkWriter:
     """One streamed response: OpenAI chunks (as dicts) from a job's stream events, in order."""
 

@@ -149,6 +149,33 @@ def test_streamed_chunks_carry_their_own_logprobs() -> None:
     assert [h["choices"][0]["logprobs"]["tokens"] for h in halves] == [["h"], ["token_id:105"]]
 
 
+def test_token_events_read_together_make_one_chunk_per_choice() -> None:
+    """What the gateway sends a client it fell behind on: each choice's tokens, texts and logprobs
+    joined in order, the chunks' logprobs those of the events one by one, nothing moved past an end."""
+    from producer.openai_requests import ChatCompletionRequest
+    from producer.openai_responses import ChunkWriter, merge_token_events
+
+    def token(index: int, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"event": "token", "index": index, "token_ids": [token_id], "text": chr(token_id),
+                "logprobs": [logprob], "top_logprobs": [[{"token_id": token_id, "token": chr(token_id), "logprob": logprob}]]}
+
+    events = [token(0, 104, -0.1), token(1, 121, -0.2), token(0, 105, -0.3), token(1, 111, -0.4),
+              {"event": "end", "status": "finished", "finish_reasons": ["stop", "stop"]}, token(0, 33, -0.5)]
+    merged = merge_token_events(events)
+    assert [(e["event"], e.get("index"), e.get("text")) for e in merged] == [
+        ("token", 0, "hi"), ("token", 1, "yo"), ("end", None, None), ("token", 0, "!")]
+    assert merged[0]["token_ids"] == [104, 105] and merged[0]["logprobs"] == [-0.1, -0.3]
+    assert events[0]["token_ids"] == [104]  # the events themselves are left as they were
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=True,  # type: ignore[list-item]
+                                 logprobs=True, top_logprobs=1)
+    one_by_one = ChunkWriter(chat, "j", 0)
+    separate = [one_by_one.token(e)["choices"][0]["logprobs"]["content"] for e in events[:4] if e["index"] == 0]
+    joined = ChunkWriter(chat, "j", 0).token(merged[0])["choices"][0]["logprobs"]["content"]
+    assert joined == separate[0] + separate[1]
+    without = [{k: v for k, v in e.items() if "logprobs" not in k} for e in events[:4]]
+    assert [e["text"] for e in merge_token_events([events[0], without[2]])] == ["h", "i"]  # unlike events stay apart
+
+
 def test_stream_ends_on_cancel_and_on_rq_failure(client: Any, redis_conn: redis.Redis) -> None:
     queued = client.submit({"prompt": "x", "stream": True})
     client.cancel(queued)

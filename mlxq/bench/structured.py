@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,9 @@ def structured(cfg: BenchConfig, model_path: str, decode: str = "auto") -> dict[
     from worker.scheduler import BatchScheduler
     from worker.settings import WorkerSettings
 
+    from worker.batch_loop import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the worker's loop runs its steps
     rows = cfg.max_num_seqs
     model, tokenizer = load(model_path)
     # Every prompt in one prefill batch, so that all rows decode together for the whole window.

@@ -28,6 +28,7 @@ from producer.openai_responses import (
     build_response,
     dump,
     error_body,
+    merge_token_events,
     result_error,
 )
 from schemas import GenerationRequest, GenerationResult
@@ -114,34 +115,46 @@ async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation
     return JSONResponse(dump(build_response(body, job_id, result, created)), headers=headers)
 
 
-async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[str]:
-    """The SSE data of one streamed response; cancelling the iteration (a disconnect) cancels the job."""
+async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:
+    """The SSE messages of one streamed response; cancelling the iteration (a disconnect) cancels the
+    job. The events read together go out in one write, each choice's tokens in one chunk."""
     writer = ChunkWriter(body, job_id, created)
     ended = False
     try:
-        for chunk in writer.opening():
-            yield json.dumps(chunk)
+        opening = writer.opening()
+        if opening:
+            yield _sse(*opening)
         try:
-            async for event in gw.client.stream(job_id, timeout=gw.settings.request_timeout_s):
-                if event["event"] == "token":
-                    yield json.dumps(writer.token(event))
-                    continue
-                if event["event"] == "restart":  # what was sent cannot be taken back: say so, let the job run
+            stream = gw.client.stream(job_id, timeout=gw.settings.request_timeout_s)
+            async for first in stream:
+                messages = []
+                for event in merge_token_events([first, *stream.take_ready()]):
+                    if event["event"] == "token":
+                        messages.append(writer.token(event))
+                        continue
                     ended = True
-                    yield json.dumps(error_body(f"the job restarted ({event['reason']}); its result will be at "
-                                                f"/v1/jobs/{job_id}", "server_error", code="JobRestarted"))
+                    if event["event"] == "restart":  # what was sent cannot be taken back: say so, let the job run
+                        messages.append(error_body(f"the job restarted ({event['reason']}); its result will be "
+                                                   f"at /v1/jobs/{job_id}", "server_error", code="JobRestarted"))
+                    else:
+                        result = await gw.client.result(job_id)
+                        messages += writer.closing(result) if result is not None else []
                     break
-                result = await gw.client.result(job_id)
-                ended = True
-                for chunk in writer.closing(result) if result is not None else []:
-                    yield json.dumps(chunk)
+                yield _sse(*messages)
+                if ended:
+                    break
         except MlxqError as exc:
-            yield json.dumps(error_body(str(exc), "server_error", code=type(exc).__name__))
-        yield "[DONE]"
+            yield _sse(error_body(str(exc), "server_error", code=type(exc).__name__))
+        yield b"data: [DONE]\r\n\r\n"
     finally:
         if not ended:
             await gw.cancel_quietly(job_id)
         await _release(gw, tenant, job_id)
+
+
+def _sse(*messages: dict[str, Any]) -> bytes:
+    """SSE `data:` messages of JSON objects, as one write (line ends as sse-starlette writes them)."""
+    return b"".join(b"data: " + json.dumps(message).encode() + b"\r\n\r\n" for message in messages)
 
 
 async def _release(gw: Gateway, tenant: Tenant, job_id: str) -> None:

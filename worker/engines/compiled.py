@@ -435,6 +435,7 @@ class CompiledEngine:
         table = self._table
         assert table.buffers is not None and table.inputs is not None
         occupied = table.occupied()
+        self._sampling.begin(occupied, table.inputs)  # constrained rows' masks, while the step is built
         positions = [0] * len(table.slots)
         adapter_slots = [0] * len(table.slots)
         for seq in occupied:

@@ -27,10 +27,11 @@ slot given back is handed out again only two steps later.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -169,6 +170,17 @@ class RowConstraint:
                                    f"{self._consumed}: {_first_lines(self._matcher.get_error(), 1)}")
             self._consumed += 1
 
+    def before_consuming_one(self) -> None:
+        """The matcher is about to take one token in a batch call (`MaskBatch`'s parallel consume)."""
+        self._accepting_before_last = self._matcher.is_accepting()
+
+    def consumed_one(self, ok: bool) -> None:
+        """The batch call's outcome for this row; raises RuntimeError naming the field if it failed."""
+        if not ok:
+            raise RuntimeError(f"{self.constraint.field}: the constraint failed at generated token "
+                               f"{self._consumed}: {_first_lines(self._matcher.get_error(), 1)}")
+        self._consumed += 1
+
     def fill_into(self, target: np.ndarray) -> None:
         """This row's next-token mask into `target` (uint32 words, 32 tokens each)."""
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
@@ -214,12 +226,16 @@ class MaskBatch:
         self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
         # The one thread that advances matchers and writes masks (its threads exit with this object).
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxq-masks")
+        self._filling: Optional[Future[None]] = None  # the batch thread's work since `start`
         self._apply = mx.compile(_apply_mask)
 
     def begin_step(self) -> None:
         """Before each batch step: a step that failed halfway leaves masks nobody will use."""
         self._waiting.clear()
         self._forward = None
+        if self._filling is not None:
+            with contextlib.suppress(Exception):
+                self._join()
         self._step += 1
 
     def launch(self, logits: mx.array) -> None:
@@ -242,49 +258,84 @@ class MaskBatch:
                 self._view[row.slot : row.slot + 1])
         return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
 
-    def masked_rows(self, rows: list[tuple[RowConstraint, Optional[int]]], fed: mx.array, logits: mx.array
-                    ) -> mx.array:
-        """`logits` (one row per constrained row of the step, in `rows`' order) masked in one
-        operation. `rows`: each row and where in `fed` (the step's input tokens, lazy) its one token
-        that its matcher has not seen is, if it has one; they wait for `fill`, as `masked`'s do."""
+    def expect(self, rows: list[tuple[RowConstraint, Optional[int]]], fed: mx.array) -> None:
+        """A step's constrained rows, each with where in `fed` (the step's input tokens, lazy) the one
+        token its matcher has not seen is, if it has one: their new tokens are read now (which waits
+        for the step that sampled them) and their matchers advance and masks are computed on the
+        batch's thread while the caller builds the step; `masked_rows` masks them, `fill` waits."""
         assert self.deferred and self._buffer is not None
         for row, _ in rows:
             if row.slot is None:
                 row.slot = self._take_slot()
         spans = [(0, 0) if at is None else (at, at + 1) for _, at in rows]
-        self._waiting.append(([row for row, _ in rows], spans, fed))
-        return _apply_mask(self._buffer[mx.array([row.slot for row, _ in rows], dtype=mx.int32)], logits)
+        self._waiting.append(([row for row, _ in rows], spans, fed if any(at is not None for _, at in rows) else None))
+        self.start()
 
-    def fill(self) -> None:
-        """Advance every row waiting since the last fill by its new tokens (read in one evaluation:
-        each read waits on the device) and compute their masks, before sampling. The work runs on
-        the batch's thread while this one hands the forward pass to the device. Never raises: a
-        row whose matcher cannot go on gets `error` set and an all-allowing mask."""
-        forward, self._forward = self._forward, None
-        if not self._waiting:
+    def masked_rows(self, rows: list[RowConstraint], logits: mx.array) -> mx.array:
+        """`logits` (one row per row of `rows`, all `expect`ed this step) masked in one operation by
+        the masks `fill` makes sure are written."""
+        assert self._buffer is not None
+        return _apply_mask(self._buffer[mx.array([row.slot for row in rows], dtype=mx.int32)], logits)
+
+    def start(self) -> None:
+        """The waiting rows' new tokens read (in one evaluation: each read waits on the device), their
+        matchers set advancing and their masks computing on the batch's thread, unless that thread
+        is still at an earlier start's work."""
+        if not self._waiting or self._filling is not None:
             return
         waiting, self._waiting = self._waiting, []
         values = _read_tokens([tokens for _, _, tokens in waiting])
-        filled = self._filler.submit(self._advance_and_compute, waiting, values)
+        self._filling = self._filler.submit(self._advance_and_compute, waiting, values)
+
+    def fill(self) -> None:
+        """Before sampling: every waiting row's matcher advanced by its new tokens and its mask
+        written. The calling thread hands the forward pass to the device while the batch's thread
+        works. Never raises: a row whose matcher cannot go on gets `error` set and an all-allowing mask."""
+        forward, self._forward = self._forward, None
+        self.start()
         try:
-            if forward is not None:
+            if forward is not None and self._filling is not None:
                 mx.async_eval(forward)
         finally:
-            filled.result()
+            self._join()
+        if self._waiting:  # rows that came while an earlier start's work ran
+            self.start()
+            self._join()
+
+    def _join(self) -> None:
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            filling.result()
 
     def _advance_and_compute(self, waiting: list[tuple[list[RowConstraint], list[tuple[int, int]], Any]],
                              values: list[list[int]]) -> None:
-        rows = []
+        rows: list[RowConstraint] = []
+        single: list[tuple[RowConstraint, int]] = []  # rows with one new token: advanced in one parallel call
         for (group, spans, _), tokens in zip(waiting, values):
             for row, (start, stop) in zip(group, spans):
+                if stop - start == 1:
+                    single.append((row, tokens[start]))
+                    continue
                 try:
                     row.advance(tokens[start:stop])
                     rows.append(row)
                 except RuntimeError as exc:
-                    row.error = str(exc)
-                    self._view[row.slot] = 0xFFFFFFFF
+                    self._fail(row, exc)
+        for row, _ in single:
+            row.before_consuming_one()
+        taken = self._executor.consume_token_par([(row.matcher, token) for row, token in single]) if single else []
+        for (row, _), ok in zip(single, taken):
+            try:
+                row.consumed_one(ok)
+                rows.append(row)
+            except RuntimeError as exc:
+                self._fail(row, exc)
         self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows], self._view.ctypes.data,
                                                self._words * 4, self._capacity)
+
+    def _fail(self, row: RowConstraint, exc: RuntimeError) -> None:
+        row.error = str(exc)
+        self._view[row.slot] = 0xFFFFFFFF
 
     def release(self, row: RowConstraint) -> None:
         if row.slot is not None:

@@ -41,6 +41,7 @@ class StepSampler:
         self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
         self._masks: Optional[MaskBatch] = None  # made with the first constrained row
         self._no_tokens = mx.array([], dtype=mx.int32)
+        self._begun = False  # `begin` was called for the step `sample` builds next
 
     def row(self, spec: SequenceSpec) -> SequenceSampling:
         """A sequence's sampler and processors, each guarded so that its failure ends that sequence
@@ -70,18 +71,35 @@ class StepSampler:
         if self._masks is not None:
             self._masks.fill()
 
+    def begin(self, occupied: Sequence["DecodingSequence"], inputs: mx.array, rows: Optional[list[int]] = None
+              ) -> None:
+        """Before a step is built: its constrained rows' matchers start taking the tokens fed to it and
+        computing their masks (worker/engines/constraints.py `MaskBatch.expect`), so that the work
+        overlaps with building the step. `sample` begins the step itself where this was not called."""
+        self._begun = True
+        self._samplers.seeded.begin()
+        if self._masks is None:
+            return
+        self._masks.begin_step()
+        rows = [seq.slot for seq in occupied] if rows is None else rows
+        # After its first decode step, the token a row is fed is the one its matcher has not seen.
+        constrained = [(seq.constraint, row if seq.launches else None) for seq, row in zip(occupied, rows)
+                       if seq.constraint is not None and seq.constraint.batched]
+        if constrained:
+            self._masks.expect(constrained, inputs)
+
     def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int,
                rows: Optional[list[int]] = None) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
         logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler). Each
         sequence's row of `logits` and `inputs` is its slot, or its entry of `rows`."""
         rows = [seq.slot for seq in occupied] if rows is None else rows
-        self._samplers.seeded.begin()
-        if self._masks is not None:
-            self._masks.begin_step()
+        if not self._begun:
+            self.begin(occupied, inputs, rows)
+        self._begun = False
         processed = logits
         changed: list[tuple[int, mx.array]] = []
-        masked: list[tuple[RowConstraint, int, bool, Optional[mx.array]]] = []
+        masked: list[tuple[RowConstraint, int, Optional[mx.array]]] = []
         for seq, slot in zip(occupied, rows):
             constrained = seq.constraint is not None and seq.constraint.batched
             if not seq.processors and not constrained:
@@ -99,8 +117,7 @@ class StepSampler:
                     row_logits = processor(context, row_logits)
             if constrained:
                 assert seq.constraint is not None
-                # After its first decode step, the token a row is fed is the one its matcher has not seen.
-                masked.append((seq.constraint, slot, bool(seq.launches), row_logits))
+                masked.append((seq.constraint, slot, row_logits))
             elif seq.custom:
                 assert row_logits is not None
                 changed.append((slot, row_logits))
@@ -108,14 +125,13 @@ class StepSampler:
             processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
         if masked:
             assert self._masks is not None
-            self._masks.launch(logits)  # the forward pass runs while the masks are computed
-            slots = [slot for _, slot, _, _ in masked]
+            self._masks.launch(logits)  # handed to the device by the fill, while the masks are finished
+            slots = [slot for _, slot, _ in masked]
             if all(row is None for *_, row in masked):
                 block = logits[mx.array(slots, dtype=mx.int32)]
             else:
-                block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, _, row in masked])
-            block = self._masks.masked_rows([(constraint, slot if new else None) for constraint, slot, new, _ in masked],
-                                            inputs, block)
+                block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, row in masked])
+            block = self._masks.masked_rows([constraint for constraint, _, _ in masked], block)
             processed = _put_rows(processed, slots, block)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
         tokens = self._draw(logprobs, occupied, rows, slot_count)
@@ -127,11 +143,11 @@ class StepSampler:
         index = mx.array(slots, dtype=mx.int32)
         raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
         if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
-            rows = logprobs[index]
+            gathered = logprobs[index]
         else:
-            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
-                             for spec, slot, keep in zip(specs, slots, raw)])
-        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
+            gathered = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                                 for spec, slot, keep in zip(specs, slots, raw)])
+        return tokens, LogprobGather(gathered, tokens[index], [s.top_logprobs for s in specs]), wanting
 
     def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], rows: list[int], slot_count: int
               ) -> mx.array:
