@@ -97,7 +97,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--metrics-port", type=int, help="overhead: the worker serves Prometheus metrics on this port "
                                                      "(mlxq worker --metrics-port), scraped every second")
     g.add_argument("--late-long", type=int, default=31)
-    g.add_argument("--late-long-tokens", type=int, default=256)
+    g.add_argument("--late-long-tokens", type=int, default=2048, help="long jobs' max tokens (cancelled once the joins are done)")
+    g.add_argument("--late-joins", type=int, default=8, help="short jobs joining the long ones, one after another")
     g.add_argument("--late-short-tokens", type=int, default=8)
     g.add_argument("--late-delay", type=float, default=2.0, help="seconds between the long jobs starting and the short")
     g.add_argument("--rl-prompts", type=int, default=64)
@@ -148,7 +149,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overhead_publish=args.overhead_publish, overhead_step_ms=args.overhead_step_ms,
         metrics_port=args.metrics_port,
         late_long=args.late_long, late_long_tokens=args.late_long_tokens, late_short_tokens=args.late_short_tokens,
-        late_delay_s=args.late_delay, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
+        late_delay_s=args.late_delay, late_joins=args.late_joins, rl_prompts=args.rl_prompts, rl_n=args.rl_n,
         rl_prompt_tokens=args.rl_prompt_tokens, rl_new_tokens=args.rl_new_tokens, rl_parts=args.rl_parts,
         rl_swap_sequences=args.rl_swap_sequences, rl_swap_new_tokens=args.rl_swap_new_tokens,
         rl_swap_steady_s=args.rl_swap_steady, rl_swap_rounds=args.rl_swap_rounds,

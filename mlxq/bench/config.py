@@ -60,9 +60,10 @@ class BenchConfig:
     overhead_step_ms: float = 10.0
     metrics_port: Optional[int] = None  # overhead: the fake worker serves metrics here, scraped every second
     late_long: int = 31
-    late_long_tokens: int = 256
+    late_long_tokens: int = 2048
     late_short_tokens: int = 8
     late_delay_s: float = 2.0
+    late_joins: int = 8  # short jobs joining the long ones, one after another
     rl_prompts: int = 64
     rl_n: int = 8
     rl_prompt_tokens: int = 256

@@ -233,9 +233,10 @@ def _overhead_line(o: dict[str, Any]) -> str:
 
 
 def _late_joiner_line(s: dict[str, Any]) -> str:
-    return (f"- late joiner (1 short job while {s['long_jobs']} long ones decode): first token after "
-            f"{_f(s['short']['first_token_after_submit_s'], 3)} s = {_f(s['steps_to_first_token'], 2)} "
-            f"decode steps of {_f(s['decode_step_s'], 3)} s")
+    each = ", ".join(f"{x:.2f}" for x in s.get("steps_to_first_token_each", []))
+    return (f"- late joiner ({len(s.get('joins', []))} short jobs, one at a time, while {s['long_jobs']} long ones "
+            f"decode): first token after {_f(s['first_token_after_submit_s'], 3)} s = "
+            f"{_f(s['steps_to_first_token'], 2)} decode steps of {_f(s['decode_step_s'], 3)} s (median; each: {each})")
 
 
 def _rl_line(r: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -194,8 +195,15 @@ def analyze_steps(steps: list[list[Any]], burst: int, running: int) -> dict[str,
     }
 
 
-def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[Any], round_no: int
-                     ) -> tuple[Any, list[Any], float]:
+# Short jobs join after a random pause of up to this long, so that they land anywhere in the worker's turn.
+LATE_JOIN_SPREAD_S = 0.02
+
+
+def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[Any], joins: int, rng: random.Random
+                     ) -> tuple[list[tuple[Any, float]], list[Any]]:
+    """Long jobs decode; `joins` short jobs join them one after another, each submitted a random
+    part of a decode step after the one before ended (so joins land anywhere in the worker's turn).
+    Returns each short job's result with its submit time, and the long jobs' results."""
     longs = [BenchRequest(i, prompts[i], cfg.late_long_tokens) for i in range(cfg.late_long)]
     # The long jobs stream, so we can wait until every one of them is past its prefill and
     # decoding: the short job must join a decoding batch, not queue behind prompts.
@@ -203,31 +211,38 @@ def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[An
                                   timeout=JOB_TIMEOUT_S)
     _wait_decoding(client, long_ids, timeout=cfg.request_timeout_s)
     time.sleep(cfg.late_delay_s)
-    submitted = time.time()
-    short_id = client.submit(payload(BenchRequest(0, prompts[cfg.late_long + round_no], cfg.late_short_tokens)),
-                             queue=queue, timeout=JOB_TIMEOUT_S)
-    short = client.wait(short_id, timeout=cfg.request_timeout_s)
+    shorts = []
+    for join in range(joins):
+        time.sleep(rng.uniform(0, LATE_JOIN_SPREAD_S))
+        submitted = time.time()
+        prompt = prompts[cfg.late_long + join % (len(prompts) - cfg.late_long)]
+        short_id = client.submit(payload(BenchRequest(join, prompt, cfg.late_short_tokens)), queue=queue,
+                                 timeout=JOB_TIMEOUT_S)
+        shorts.append((client.wait(short_id, timeout=cfg.request_timeout_s), submitted))
     for job_id in long_ids:
         client.cancel(job_id)
     long_results = list(client.wait_many(long_ids, timeout=cfg.request_timeout_s).values())
-    return short, long_results, submitted
+    return shorts, long_results
+
+
+def _first_token_after_submit(result: Any, submitted: float) -> Optional[float]:
+    t = result.timings
+    return (t.started_at + t.ttft_s - submitted) if t.started_at and t.ttft_s is not None else None
 
 
 def late_joiner(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
     cluster = make_cluster(1, max(cfg.max_num_seqs, cfg.late_long + 1))
     prompts = make_prompts(tokenizer, cfg.late_long + 9, cfg.prompt_tokens, seed=cfg.seed, salt="late")
+    rng = random.Random(cfg.seed)
     cluster.start()
     try:
         client = cluster.client
         assert client is not None
         cluster.warm(all_at_once([BenchRequest(i, p, cfg.warmup_tokens) for i, p in enumerate(prompts[-8:])], "warm"))
-        # Two rounds: the first also compiles the shapes a late join creates (a one-prompt prefill
-        # beside a running batch: slow the first time on a GPU); the second is reported.
-        rounds = []
-        for round_no in range(2):
-            rounds.append(_late_join_round(cfg, client, cluster.queue, prompts, round_no))
-        short, long_results, submitted = rounds[-1]
-        warmup_short, _, warmup_submitted = rounds[0]
+        # A first round also compiles the shapes a late join creates (a one-prompt prefill beside a
+        # running batch: slow the first time on a GPU); the second is reported.
+        warmup, _ = _late_join_round(cfg, client, cluster.queue, prompts, 1, rng)
+        shorts, long_results = _late_join_round(cfg, client, cluster.queue, prompts, cfg.late_joins, rng)
     finally:
         cluster.stop()
     step_times = []
@@ -236,20 +251,21 @@ def late_joiner(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFac
         if t.started_at and t.ttft_s is not None and t.finished_at and result.usage.completion_tokens > 1:
             step_times.append((t.finished_at - t.started_at - t.ttft_s) / (result.usage.completion_tokens - 1))
     step = statistics.median(step_times) if step_times else None
-    t = short.timings
-    first_token = (t.started_at + t.ttft_s - submitted) if t.started_at and t.ttft_s is not None else None
-    w = warmup_short.timings
-    warmup_first = (w.started_at + w.ttft_s - warmup_submitted) if w.started_at and w.ttft_s is not None else None
+    joins = [{"status": short.status, "queue_s": short.timings.queue_s, "ttft_s_worker": short.timings.ttft_s,
+              "first_token_after_submit_s": _first_token_after_submit(short, submitted)} for short, submitted in shorts]
+    firsts = [j["first_token_after_submit_s"] for j in joins if j["first_token_after_submit_s"] is not None]
+    steps = [first / step for first in firsts] if step else []
     return {
-        "first_round_first_token_after_submit_s": warmup_first,
+        "first_round_first_token_after_submit_s": _first_token_after_submit(*warmup[0]),
         "long_jobs": cfg.late_long, "long_max_tokens": cfg.late_long_tokens,
         "long_tokens_when_cancelled": statistics.mean(r.usage.completion_tokens for r in long_results),
         "decode_step_s": step,
-        "short": {"status": short.status, "queue_s": t.queue_s, "ttft_s_worker": t.ttft_s,
-                  "first_token_after_submit_s": first_token},
-        "steps_to_first_token": (first_token / step) if first_token is not None and step else None,
+        "joins": joins,
+        "first_token_after_submit_s": statistics.median(firsts) if firsts else None,
+        "steps_to_first_token": statistics.median(steps) if steps else None,
+        "steps_to_first_token_each": steps,
         "method": "decode step = median over the long jobs of (finished - first token) / (tokens - 1); "
-                  "steps = (short job's first token - its submit) / decode step",
+                  "steps = (a short job's first token - its submit) / decode step, median over the joins",
     }
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The H200 runs of docs/bench/h200/dec02, from the checkout's root: the wheels under .whl (the second
 # part of the mlx-cuda wheel among them), its first part copied to /tmp/w by an earlier call.
-#   bash docs/bench/h200/dec02/run_h200.sh install | structured | lj LABEL [MLXQ_...=...] | gateway | cb
+#   bash docs/bench/h200/dec02/run_h200.sh install | structured | structured-ab | lj LABEL [MLXQ_...=...] | gateway | cb
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLXQ_BLAS=off HF_HUB_OFFLINE=1 MLX_PTX_CACHE_DIR=/tmp/ptx
 OUT=${OUT:-/tmp/out}
@@ -21,10 +21,16 @@ structured)  # half of 256 rows constrained against none, on the compiled engine
     --prompt-tokens 64 --new-tokens 64 --repeats 3 --decode compiled --out $OUT/structured-256.json > $OUT/structured.log 2>&1)
   tail -8 $OUT/structured.log
   ;;
+structured-ab)  # the masks started early (the engine's way) and late, alternating, one process each
+  for round in 1 2; do for variant in early late; do
+    timeout 150 python3 docs/bench/h200/dec02/structured_ab.py --model /tmp/m --variant $variant \
+      --out $OUT/structured-$variant-$round.json 2>&1 | grep -v -i "tokenizer\|regex" | tail -1
+  done; done
+  ;;
 lj)  # the late joiner end to end (one worker); $2: a label, the rest: settings for the worker
   label=$2; shift 2
-  (cd /tmp && env "$@" MLXQ_DECODE_WARMUP_TOKENS=256 timeout ${LJ_TIMEOUT:-200} bash -c \
-    "$BENCH --prompt-tokens 128 --new-tokens 128 --arms '' --scenario late-joiner --repeats ${LJ_REPEATS:-2} --out /tmp/lj-$label" \
+  (cd /tmp && env "$@" MLXQ_DECODE_WARMUP_TOKENS=512 timeout ${LJ_TIMEOUT:-200} bash -c \
+    "$BENCH --prompt-tokens 128 --new-tokens 128 --arms '' --scenario late-joiner --late-delay 0.5 --out /tmp/lj-$label" \
     > /tmp/lj-$label.log 2>&1)
   grep -h "late joiner" /tmp/lj-$label/table.md || tail -5 /tmp/lj-$label.log
   cp /tmp/lj-$label/report.json $OUT/lj-$label-report.json 2>/dev/null
