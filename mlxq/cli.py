@@ -157,9 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-warmup-tokens", type=int, help=(
         "the compiled decode step is compiled at start-up for sequences up to this many tokens "
         "(MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
-    p.add_argument("--first-token-from-prefill", choices=("auto", "on", "off"), help=(
-        "the compiled engine samples a joining sequence's first token from its prefill "
-        "(MLXQ_FIRST_TOKEN_FROM_PREFILL; default auto: on CUDA)"))
     p.add_argument("--metrics-port", type=int, help=(
         "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")

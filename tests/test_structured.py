@@ -23,10 +23,9 @@ from schemas.constraints import MAX_JSON_SCHEMA_CHARS
 from tests.workers import start_worker, stop
 
 
-@pytest.fixture(scope="module", params=["batch-generator", "compiled", "compiled-first-token-from-prefill"])
+@pytest.fixture(scope="module", params=["batch-generator", "compiled"])
 def engine(tiny_model_dir, request):
-    """Both text engines: mlx-lm's BatchGenerator and mlxq's compiled decode path (with the first
-    token sampled by a decode step, and from the prefill)."""
+    """Both text engines: mlx-lm's BatchGenerator and mlxq's compiled decode path."""
     import worker  # noqa: F401
     from mlx_lm import load
 
@@ -34,10 +33,8 @@ def engine(tiny_model_dir, request):
     from worker.engines.text import TextEngine
 
     model, tokenizer = load(tiny_model_dir)
-    if request.param == "batch-generator":
-        return TextEngine(model, tokenizer, max_num_seqs=16)
-    return CompiledEngine(model, tokenizer, max_num_seqs=16,
-                          first_token_from_prefill=request.param == "compiled-first-token-from-prefill")
+    engine_class = TextEngine if request.param == "batch-generator" else CompiledEngine
+    return engine_class(model, tokenizer, max_num_seqs=16)
 
 
 class _Recording:

@@ -98,9 +98,7 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
     if path.name == "compiled":
         from worker.engines.compiled import CompiledEngine
 
-        first_token = {"auto": None, "on": True, "off": False}[settings.first_token_from_prefill]
-        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes,
-                                first_token_from_prefill=first_token, **options)
+        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes, **options)
         if settings.decode_warmup_tokens:
             shapes, seconds = engine.warm_up(settings.decode_warmup_tokens)
             log.info("decode step warm-up: %d shapes (up to %d slots x %d tokens) compiled in %.1f s",

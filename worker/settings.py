@@ -68,9 +68,6 @@ class WorkerSettings(BaseSettings):
     # The compiled engine compiles its decode step at start-up for sequences up to this many tokens
     # (every batch bucket); longer ones compile the first time they occur. 0: no warm-up.
     decode_warmup_tokens: int = 512
-    # Whether the compiled engine samples a joining sequence's first token from its prefill (no decode
-    # step before it): "auto" (on CUDA, where any model call costs milliseconds of launches), "on", "off".
-    first_token_from_prefill: str = "auto"
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
     blas_threads: Optional[int] = None
@@ -180,9 +177,6 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_ADAPTER_MEMORY_MB must be >= 1, got {self.adapter_memory_mb}")
         if self.decode not in ("auto", "compiled", "batch-generator"):
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
-        if self.first_token_from_prefill not in ("auto", "on", "off"):
-            raise ValueError("MLXQ_FIRST_TOKEN_FROM_PREFILL must be auto, on or off, got "
-                             f"{self.first_token_from_prefill!r}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:

@@ -9,12 +9,9 @@ step's tokens are therefore returned by the following `step()` call.
 
 Prompts are prefilled here, a prefill batch at a time, right-padded into their slots: every prompt
 token but the last, whose token enters the next decode step (as mlx-lm's `generate_step` does),
-which samples the first generated token; or, with `first_token_from_prefill` (the default on
-CUDA, where a model call costs milliseconds of host time however few its rows), every prompt token,
-the first token sampled from the prefill's own logits so that it needs no decode step. Sampling,
-logits processors, seeds, logprobs, the prefix cache and the n choices sharing one prefill are the
-text engine's (worker/engines/text.py): the same modules, the same per-row rules, in the order
-mlx-lm applies them.
+which samples the first generated token. Sampling, logits processors, seeds, logprobs, the prefix
+cache and the n choices sharing one prefill are the text engine's (worker/engines/text.py):
+the same modules, the same per-row rules, in the order mlx-lm applies them.
 
 Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
 run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
@@ -57,12 +54,6 @@ log = logging.getLogger("mlxq.engine")
 EAGER_MAX = 4
 EAGER_REFILL_STEPS = 16
 
-# Whether the first token is sampled from the prefill's own logits unless the caller says: on CUDA.
-FIRST_TOKEN_FROM_PREFILL = mx.cuda.is_available
-# That prefill computes logits at every position of its chunk (the model returns them all): only
-# where they take at most this many bytes (one late joiner's, not a wave's); others take a step.
-FIRST_TOKEN_LOGITS_MAX_BYTES = 64 << 20
-
 class CompiledEngine:
     def __init__(
         self,
@@ -78,12 +69,8 @@ class CompiledEngine:
         overlap: bool = True,
         adapters: Optional[AdapterCatalog] = None,
         adapter_memory_bytes: int = 0,
-        first_token_from_prefill: Optional[bool] = None,
     ) -> None:
         self.model = model
-        # The prefill then also runs the lm_head over every prompt position: cheap on a GPU, not on a CPU.
-        self._first_at_prefill = (FIRST_TOKEN_FROM_PREFILL() if first_token_from_prefill is None
-                                  else first_token_from_prefill)
         # LoRA adapters per row (worker/engines/lora.py): its state is an input of the compiled step.
         self._lora = LoraBank(model, adapters or AdapterCatalog(), adapter_memory_bytes)
         self._overlap = overlap  # False: every step is read back in the call that launched it
@@ -226,25 +213,21 @@ class CompiledEngine:
     def step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
         return the tokens of the step handed over by the previous call. Sequences just admitted
-        get their first token in this call: from their prefill (`first_token_from_prefill`), or,
-        while the eager allowance lasts (or when nothing was decoding), from the step that samples
-        it, read back at once; that call returns without launching another, so the first tokens
-        go out without waiting for the next step's graph to be built, and the next call launches
-        and returns nothing of its own."""
+        get their first token in this call, while the eager allowance lasts (or when nothing was
+        decoding): the step that samples it is read back at once and the call returns without
+        launching another, so the first tokens go out without waiting for the next step's graph
+        to be built; the next call launches and returns nothing of its own."""
         started = time.perf_counter()
         refused, self._refused = self._refused, []
         decoding = self._table.any_occupied()
-        admitted, prefill_s, first_tokens = self._admit()  # first_tokens None: a step samples them
+        admitted, prefill_s = self._admit()
         self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
-        # First tokens go out at once (the call returns without building the next step), while
-        # the allowance lasts or when nothing was decoding.
-        early = admitted and self._overlap and (not decoding or self._eager_allowance >= 1)
-        if early:
-            self._eager_allowance -= decoding
-        launched = None if early and first_tokens is not None or not self._table.any_occupied() else self._launch()
-        events = refused + (first_tokens or []) + (self._collect(previous) if previous is not None else [])
-        if launched is not None and (early or not self._overlap):
+        launched = self._launch() if self._table.any_occupied() else None
+        events = refused + (self._collect(previous) if previous is not None else [])
+        eager = admitted and (not decoding or self._eager_allowance >= 1)
+        if launched is not None and (eager or not self._overlap):
+            self._eager_allowance -= bool(eager and decoding and self._overlap)
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
@@ -331,11 +314,10 @@ class CompiledEngine:
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         return cache
 
-    def _admit(self) -> tuple[int, float, Optional[list[TokenEvent]]]:
+    def _admit(self) -> tuple[int, float]:
         """Move waiting sequences into free slots, in order: those with nothing left to prefill,
         and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
-        beyond the first). Returns how many, the seconds spent prefilling, and the first tokens
-        if the prefill sampled them (`first_token_from_prefill`; None where a step will)."""
+        beyond the first). Returns how many, and the seconds spent prefilling."""
         room = self._table.free
         taken: list[WaitingPrompt] = []
         prefills = budget = 0
@@ -349,86 +331,53 @@ class CompiledEngine:
                 budget += rest
             taken.append(self._waiting.popleft())
         if not taken:
-            return 0, 0.0, None
+            return 0, 0.0
         started = time.perf_counter()
-        width = min(max(len(e.rest) for e in taken) + 1, self._prefill_step_size)
-        with_last = (self._first_at_prefill
-                     and len(taken) * width * self._vocab_size * 4 <= FIRST_TOKEN_LOGITS_MAX_BYTES)
-        span = max(e.cached for e in taken) + max(len(e.to_prefill(with_last)) for e in taken)
+        span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
         table = self._table
         table.reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
         assert table.buffers is not None and table.inputs is not None
         for entry in taken:
             table.place(entry.seq)
-            entry.seq.position = len(entry.seq.prompt) - (0 if with_last else 1)
+            entry.seq.position = len(entry.seq.prompt) - 1
         by_cache: dict[int, list[WaitingPrompt]] = {}
         for entry in taken:
             if entry.cache is not None:
                 by_cache.setdefault(id(entry.cache), []).append(entry)
         for entries in by_cache.values():
             table.buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
-        prefilling = [e for e in taken if e.to_prefill(with_last)]
-        last_logits = self._prefill_slots(prefilling, with_last) if prefilling else None
+        prefilling = [e for e in taken if e.rest]
+        if prefilling:
+            self._prefill_slots(prefilling)
         slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
-        first: Optional[LaunchedStep] = None
-        if last_logits is None:
-            table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
-        else:  # every one was prefilled, its last prompt token too
-            assert len(prefilling) == len(taken)
-            first = self._sample_first([e.seq for e in taken], last_logits)
-            table.inputs[slots] = first.tokens.astype(table.inputs.dtype)
+        table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
         if not prefilling:
-            return len(taken), 0.0, None
-        sampled = [] if first is None else [first.tokens, *(first.logprobs.arrays if first.logprobs else ())]
-        mx.eval(table.buffers.arrays(), *sampled)
-        events = self._collect(first) if first is not None else None
+            return len(taken), 0.0
+        mx.eval(table.buffers.arrays())
         seconds = time.perf_counter() - started
-        self._counters.add_own_prefill(sum(len(e.to_prefill(with_last)) for e in prefilling), seconds)
-        return len(taken), seconds, events
+        self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
+        return len(taken), seconds
 
-    def _sample_first(self, seqs: list[DecodingSequence], logits: mx.array) -> LaunchedStep:
-        """The first tokens of `seqs`, from their prefill's logits at each last prompt position
-        (row i of `logits` is seqs[i]'s), as a step that sampled them."""
-        rows = list(range(len(seqs)))
-        inputs = mx.array([seq.prompt[-1] for seq in seqs], dtype=mx.uint32)
-        tokens, gather, wanting = self._sampling.sample(logits, inputs, seqs, len(seqs), rows=rows)
-        errors = [seq.error for seq in seqs]
-        for seq in seqs:
-            seq.launches += 1  # its next input, the token sampled now, joins its context
-        return LaunchedStep(tokens, list(zip(rows, seqs)), errors, gather, wanting, self._version)
-
-    def _prefill_slots(self, entries: list[WaitingPrompt], with_last: bool) -> Optional[mx.array]:
-        """Prefill every entry's tokens to prefill into its slot, right-padded, in one batch (in
+    def _prefill_slots(self, entries: list[WaitingPrompt]) -> None:
+        """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
         chunks of prefill_step_size positions); padding positions lie past each slot's position,
-        where the mask hides them until decoding overwrites them. `with_last`: the last prompt
-        token too, and returns the logits at each entry's last prompt position, a row per entry."""
+        where the mask hides them until decoding overwrites them."""
         buffers = self._table.buffers
         assert buffers is not None
         slots = [e.seq.slot for e in entries]
-        rests = [e.to_prefill(with_last) for e in entries]
+        rests = [e.rest for e in entries]
         width = max(len(r) for r in rests)
         part = buffers.gather(slots, max(e.cached for e in entries) + width)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
-        last: list[tuple[int, mx.array]] = []  # (entry, its logits at its last position)
         for start in range(0, width, self._prefill_step_size):
             if start:
                 mx.eval(part.arrays())
             caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
                                        self._layout.grouped_mask)
-            chunk = tokens[:, start:start + self._prefill_step_size]
             with self._lora.rows([e.seq.adapter_slot for e in entries]):
-                logits = self.model(chunk, cache=caches)
+                self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
             part.absorb(caches)
-            if with_last:
-                ending = [i for i, r in enumerate(rests) if start <= len(r) - 1 < start + chunk.shape[1]]
-                if ending:
-                    rows = logits[mx.array(ending), mx.array([len(rests[i]) - 1 - start for i in ending])]
-                    last += zip(ending, rows)
         buffers.scatter(slots, part)
-        if not with_last:
-            return None
-        last.sort(key=lambda pair: pair[0])
-        return mx.stack([row for _, row in last])
 
     # --- decoding -------------------------------------------------------------------------
     def _launch(self) -> LaunchedStep:

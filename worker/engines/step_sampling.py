@@ -71,8 +71,7 @@ class StepSampler:
         if self._masks is not None:
             self._masks.fill()
 
-    def begin(self, occupied: Sequence["DecodingSequence"], inputs: mx.array, rows: Optional[list[int]] = None
-              ) -> None:
+    def begin(self, occupied: Sequence["DecodingSequence"], inputs: mx.array) -> None:
         """Before a step is built: its constrained rows' matchers start taking the tokens fed to it and
         computing their masks (worker/engines/constraints.py `MaskBatch.expect`), so that the work
         overlaps with building the step. `sample` begins the step itself where this was not called."""
@@ -81,26 +80,24 @@ class StepSampler:
         if self._masks is None:
             return
         self._masks.begin_step()
-        rows = [seq.slot for seq in occupied] if rows is None else rows
         # After its first decode step, the token a row is fed is the one its matcher has not seen.
-        constrained = [(seq.constraint, row if seq.launches else None) for seq, row in zip(occupied, rows)
+        constrained = [(seq.constraint, seq.slot if seq.launches else None) for seq in occupied
                        if seq.constraint is not None and seq.constraint.batched]
         if constrained:
             self._masks.expect(constrained, inputs)
 
-    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int,
-               rows: Optional[list[int]] = None) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
+    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int
+               ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
-        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler). Each
-        sequence's row of `logits` and `inputs` is its slot, or its entry of `rows`."""
-        rows = [seq.slot for seq in occupied] if rows is None else rows
+        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
         if not self._begun:
-            self.begin(occupied, inputs, rows)
+            self.begin(occupied, inputs)
         self._begun = False
         processed = logits
         changed: list[tuple[int, mx.array]] = []
         masked: list[tuple[RowConstraint, int, Optional[mx.array]]] = []
-        for seq, slot in zip(occupied, rows):
+        for seq in occupied:
+            slot = seq.slot
             constrained = seq.constraint is not None and seq.constraint.batched
             if not seq.processors and not constrained:
                 continue
@@ -134,12 +131,12 @@ class StepSampler:
             block = self._masks.masked_rows([constraint for constraint, _, _ in masked], block)
             processed = _put_rows(processed, slots, block)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
-        tokens = self._draw(logprobs, occupied, rows, slot_count)
+        tokens = self._draw(logprobs, occupied, slot_count)
         wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
         if not wanting:
             return tokens, None, wanting
         specs = [occupied[i].spec for i in wanting]
-        slots = [rows[i] for i in wanting]
+        slots = [occupied[i].slot for i in wanting]
         index = mx.array(slots, dtype=mx.int32)
         raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
         if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
@@ -149,14 +146,13 @@ class StepSampler:
                                  for spec, slot, keep in zip(specs, slots, raw)])
         return tokens, LogprobGather(gathered, tokens[index], [s.top_logprobs for s in specs]), wanting
 
-    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], rows: list[int], slot_count: int
-              ) -> mx.array:
+    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
         read); the others sample their own rows, in slot order."""
         groups: dict[int, tuple[Any, list[int], bool]] = {}
-        for seq, slot in zip(occupied, rows):
-            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(slot)
+        for seq in occupied:
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
         base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
         tokens = (base[0](logprobs) if base is not None else mx.zeros((slot_count,))).astype(mx.uint32)
         for group in groups.values():

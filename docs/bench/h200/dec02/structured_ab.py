@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.variant == "late":
         begin_late()
-    cfg = BenchConfig(max_num_seqs=args.rows, prompt_tokens=64, new_tokens=64, repeats=args.repeats)
+    cfg = BenchConfig(out=args.out, max_num_seqs=args.rows, prompt_tokens=64, new_tokens=64, repeats=args.repeats)
     result = structured(cfg, args.model, "compiled")
     result["variant"] = args.variant
     args.out.write_text(json.dumps(result, indent=1))
