@@ -107,7 +107,8 @@ class AsyncJobStream(AsyncIterator[dict[str, Any]]):
         with broker_errors():
             following = await self._follow()
             wake = self._wake
-            if wake.woken or wake.lost or time.monotonic() >= self._next_check:
+            # (Entries read already come first: a job's end entry is written before its done message.)
+            if not following.buffered and (wake.woken or wake.lost or time.monotonic() >= self._next_check):
                 wake.woken.clear()
                 wake.lost = False
                 self._next_check = time.monotonic() + STATE_CHECK_S

@@ -191,6 +191,8 @@ class StreamHub:
             pass  # the read ends by itself within its block
         finally:
             self._waking = False
+        if self._reading is not None and self._reading != self._positions():
+            self._wake()  # a stream joined after this unblock went out, and missed the read that began
 
     def _fail(self, exc: BaseException) -> None:
         """Hand the read's failure to every follower now waiting; the next take reads again."""

@@ -3,6 +3,7 @@ recommends them, on a real redis-server; and no pickle anywhere on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from mlxq.redis_server import find_redis_server, free_port
-from producer import Client
+from producer import AsyncClient, Client
 from tests.workers import start_fake_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 PRODUCER_ACL = (
     "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:canceled:* ~rq:scheduled:* "
     "~rq:deferred:* ~mlxq:cancel:* %R~rq:results:* %R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* "
-    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info"
+    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info +client|unblock"
 )
 WORKER_ACL = (
     "worker on >worker-secret resetkeys ~rq:* ~mlxq:* resetchannels &rq:pubsub:* &mlxq:done:* "
@@ -112,9 +113,12 @@ def test_rediss_and_least_privilege_acl_users_run_the_whole_pipeline(tls_acl_red
     try:
         results = producer.wait_many(job_ids, timeout=60)
         cancelled = producer.wait(doomed, timeout=10)
+        streamed, hub_wakes = asyncio.run(_stream_as(url("producer", "producer-secret")))
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
+    assert [e["event"] for e in streamed][-1] == "end" and sum(len(e.get("token_ids", ())) for e in streamed) == 5
+    assert hub_wakes  # the producer's ACL lets its stream reads be woken (CLIENT UNBLOCK)
     assert all(r.status == "finished" and len(r.choices[0].token_ids) == 5 for r in results.values()), out
     assert cancelled.status == "cancelled"
 
@@ -126,6 +130,13 @@ def test_rediss_and_least_privilege_acl_users_run_the_whole_pipeline(tls_acl_red
     worker_conn = redis.Redis.from_url(url("worker", "worker-secret"))
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker_conn.get("billing:secret")
+
+
+async def _stream_as(url: str) -> tuple[list[dict], bool]:
+    async with AsyncClient(url) as client:
+        job_id = await client.submit({"prompt_token_ids": [3, 4], "max_tokens": 5, "stream": True})
+        events = [event async for event in client.stream(job_id, timeout=60)]
+        return events, client._streams._client_id is not None
 
 
 def test_a_producer_cannot_forge_a_result_or_a_token_stream(tls_acl_redis):
