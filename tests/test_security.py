@@ -19,7 +19,7 @@ from tests.workers import start_fake_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
-# Kept in step with the README's "Least-privilege ACL" section.
+# Kept in step with docs/operations.md's "Redis ACLs" section.
 PRODUCER_ACL = (
     "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:canceled:* ~rq:scheduled:* "
     "~rq:deferred:* ~mlxq:cancel:* %R~rq:results:* %R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* "
