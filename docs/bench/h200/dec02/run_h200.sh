@@ -18,7 +18,7 @@ install)
   ;;
 structured)  # half of 256 rows constrained against none, on the compiled engine
   (cd /tmp && timeout ${ST_TIMEOUT:-240} python3 -m mlxq.bench.structured --model /tmp/m --max-num-seqs 256 \
-    --prompt-tokens 64 --new-tokens 64 --repeats 3 --decode compiled --out $OUT/structured-256.json > $OUT/structured.log 2>&1)
+    --prompt-tokens 64 --new-tokens 64 --repeats ${ST_REPEATS:-3} --decode compiled --out $OUT/structured-256.json > $OUT/structured.log 2>&1)
   tail -8 $OUT/structured.log
   ;;
 structured-ab)  # the masks started early (the engine's way) and late, alternating, one process each
@@ -30,7 +30,7 @@ structured-ab)  # the masks started early (the engine's way) and late, alternati
 lj)  # the late joiner end to end (one worker); $2: a label, the rest: settings for the worker
   label=$2; shift 2
   (cd /tmp && env "$@" MLXQ_DECODE_WARMUP_TOKENS=512 timeout ${LJ_TIMEOUT:-200} bash -c \
-    "$BENCH --prompt-tokens 128 --new-tokens 128 --arms '' --scenario late-joiner --late-delay 0.5 --out /tmp/lj-$label" \
+    "$BENCH --prompt-tokens 128 --new-tokens 128 --arms '' --scenario late-joiner --late-delay 0.5 --late-joins ${LJ_JOINS:-8} --out /tmp/lj-$label" \
     > /tmp/lj-$label.log 2>&1)
   grep -h "late joiner" /tmp/lj-$label/table.md || tail -5 /tmp/lj-$label.log
   cp /tmp/lj-$label/report.json $OUT/lj-$label-report.json 2>/dev/null
