@@ -323,3 +323,53 @@ def test_calls_of_one_loop_turn_share_one_run() -> None:
 
     asyncio.run(main())
     assert runs == [[0, 1, 2, 3, 4], [5], [12, 13]]
+
+
+def test_single_admissions_of_one_turn_share_one_call_and_keep_their_own_answers(redis_url: str) -> None:
+    """Concurrent requests' admissions run in one script call, each under the caps as if alone: the
+    tenant's cap holds in order, another tenant is not counted against it, and a job whose enqueue
+    fails leaves its tenant's set while the others stay enqueued."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from producer.api.admission import Admission
+    from producer.api.auth import ApiError
+    from schemas.command_batch import CommandBatch
+    from producer.wire import NO_CONNECTION
+
+    acme, globex = Tenant("acme"), Tenant("globex")
+
+    def pushing(job_id: str, broken: bool = False) -> CommandBatch:
+        batch = CommandBatch(NO_CONNECTION)
+        batch.rpush("rq:queue:mlxq:m", job_id)
+        if broken:
+            batch.execute_command("INCR", "rq:queue:mlxq:m")  # a list: WRONGTYPE
+        return batch
+
+    async def main() -> list[Any]:
+        connection = aioredis.Redis.from_url(redis_url)
+        admission = Admission(connection, tenant_cap=3, max_queue_depth=0)
+        calls = 0
+        script = admission._each_script
+
+        async def counting(**kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await script(**kwargs)
+
+        admission._each_script = counting  # type: ignore[assignment]
+        jobs = [(acme, f"a{i}", i == 1) for i in range(5)] + [(globex, "g0", False)]
+        outcomes = await asyncio.gather(*(admission.admit_one(tenant, job_id, "mlxq:m", pushing(job_id, broken))
+                                          for tenant, job_id, broken in jobs), return_exceptions=True)
+        await connection.aclose()
+        assert calls == 1
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    conn = redis.Redis.from_url(redis_url)
+    assert outcomes[0] is None and outcomes[2] is None and outcomes[3] is None and outcomes[5] is None
+    assert isinstance(outcomes[1], redis.ResponseError) and "WRONGTYPE" in str(outcomes[1])
+    assert isinstance(outcomes[4], ApiError) and outcomes[4].status == 429  # acme's fourth, over its cap of 3
+    assert {m.decode() for m in conn.zrange(api_keys.in_flight(acme.tag), 0, -1)} == {"a0", "a2", "a3"}
+    assert [m.decode() for m in conn.lrange("rq:queue:mlxq:m", 0, -1)] == ["a0", "a1", "a2", "a3", "g0"]

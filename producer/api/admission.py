@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 from rq import Queue
 from rq.job import Job
 
@@ -30,41 +32,62 @@ __all__ = ["Admission", "SettlingReader"]
 SET_TTL_S = 7 * 24 * 3600  # an idle tenant's set expires
 GRACE_S = 30
 
-# KEYS[1] the tenant's set, KEYS[2] the queue's list (or "" for no depth check).
-# ARGV: cap, max depth (0: none), now, set ttl, grace, the commands that enqueue the ids (a
-# CommandBatch's packed argument, or "" for none), then the ids. Returns -1 (queue too deep) or the
-# number of ids admitted, from the first; the commands run only when every id was admitted, and the
-# ids leave the set again if one of them fails (its error is the reply).
-_ADMIT = """
-local cap, depth, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if depth > 0 and KEYS[2] ~= '' and redis.call('LLEN', KEYS[2]) >= depth then return -1 end
-local want = #ARGV - 6
-local n = redis.call('ZCARD', KEYS[1])
-if n + want > cap then
-  local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-  for i = 1, #entries, 2 do
-    local member, score = entries[i], tonumber(entries[i + 1])
-    if redis.call('EXISTS', '""" + keys.result_key("") + """' .. member) == 1
-        or (score < now - tonumber(ARGV[5])
-        and redis.call('EXISTS', '""" + Job.redis_job_namespace_prefix + """' .. member) == 0) then
-      redis.call('ZREM', KEYS[1], member)
+# admit(set, queue, first, last, packed, cap, depth, now, ttl, grace): admit the ids ARGV[first..last]
+# into the tenant's sorted set `set` under its cap (after sweeping out ids that ended, when full), unless
+# the list `queue` ("" for none) holds `depth` or more (0: no limit); run the packed commands `packed`
+# ("" for none) once every id was admitted, taking the ids out again if one fails. Returns -1 (queue
+# too deep), the number of ids admitted from the first, or the failed command's error reply.
+_ADMIT_FUNCTION = """
+local function admit(set, queue, first, last, packed, cap, depth, now, ttl, grace)
+  if depth > 0 and queue ~= '' and redis.call('LLEN', queue) >= depth then return -1 end
+  local want = last - first + 1
+  local n = redis.call('ZCARD', set)
+  if n + want > cap then
+    local entries = redis.call('ZRANGE', set, 0, -1, 'WITHSCORES')
+    for i = 1, #entries, 2 do
+      local member, score = entries[i], tonumber(entries[i + 1])
+      if redis.call('EXISTS', '""" + keys.result_key("") + """' .. member) == 1
+          or (score < now - grace
+          and redis.call('EXISTS', '""" + Job.redis_job_namespace_prefix + """' .. member) == 0) then
+        redis.call('ZREM', set, member)
+      end
+    end
+    n = redis.call('ZCARD', set)
+  end
+  local admitted = math.min(math.max(cap - n, 0), want)
+  for i = 0, admitted - 1 do redis.call('ZADD', set, now, ARGV[first + i]) end
+  if admitted > 0 then redis.call('EXPIRE', set, ttl) end
+  if packed ~= '' and admitted == want then""" + RUN_COMMANDS + """
+    for _, reply in ipairs(replies) do
+      if type(reply) == 'table' and reply.err then
+        for i = first, last do redis.call('ZREM', set, ARGV[i]) end
+        return reply
+      end
     end
   end
-  n = redis.call('ZCARD', KEYS[1])
+  return admitted
 end
-local admitted = math.min(math.max(cap - n, 0), want)
-for i = 1, admitted do redis.call('ZADD', KEYS[1], now, ARGV[6 + i]) end
-if admitted > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
-if ARGV[6] ~= '' and admitted == want then
-  local packed = ARGV[6]""" + RUN_COMMANDS + """
-  for _, reply in ipairs(replies) do
-    if type(reply) == 'table' and reply.err then
-      for i = 1, want do redis.call('ZREM', KEYS[1], ARGV[6 + i]) end
-      return reply
-    end
-  end
+"""
+
+# KEYS[1] the tenant's set, KEYS[2] the queue's list (or "" for no depth check). ARGV: cap, max depth
+# (0: none), now, set ttl, grace, the commands that enqueue the ids (or ""), then the ids.
+_ADMIT = _ADMIT_FUNCTION + """
+return admit(KEYS[1], KEYS[2], 7, #ARGV, ARGV[6], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
+             ARGV[4], tonumber(ARGV[5]))
+"""
+
+# One job each of several requests: KEYS per job its tenant's set and its queue's list; ARGV: cap, max
+# depth, now, set ttl, grace, then per job its id and the commands that enqueue it. Returns per job
+# what `admit` returns, a failed command's error as its message (the others are not undone).
+_ADMIT_EACH = _ADMIT_FUNCTION + """
+local out = {}
+for j = 1, #KEYS / 2 do
+  local reply = admit(KEYS[2 * j - 1], KEYS[2 * j], 4 + 2 * j, 4 + 2 * j, ARGV[5 + 2 * j], tonumber(ARGV[1]),
+                      tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]))
+  if type(reply) == 'table' then reply = reply.err end
+  out[j] = reply
 end
-return admitted
+return out
 """
 
 # KEYS: per job its result key, its RQ hash and its tenant's set; ARGV: the job ids. Returns per job
@@ -86,6 +109,9 @@ class Admission:
     def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
         self._connection = connection
         self._script = connection.register_script(_ADMIT)
+        self._each_script = connection.register_script(_ADMIT_EACH)
+        # Single jobs admitted in one turn of the event loop (concurrent requests) share one call.
+        self._admit_each: Coalescer[tuple[Tenant, str, str, bytes], int | bytes] = Coalescer(self._admit_many)
         self._settle_script = connection.register_script(_SETTLE)
         self._settle: Coalescer[tuple[Tenant, str], tuple[bytes | None, bytes | None]] = Coalescer(self._settle_many)
         self.tenant_cap = tenant_cap
@@ -104,14 +130,26 @@ class Admission:
                   *job_ids]))
 
     async def admit_one(self, tenant: Tenant, job_id: str, queue: str, enqueue: CommandBatch | None = None) -> None:
-        """Admit one job, and enqueue it with `enqueue`, or answer 429 (and enqueue nothing)."""
-        admitted = await self.admit(tenant, [job_id], queue, enqueue)
+        """Admit one job, and enqueue it with `enqueue`, or answer 429 (and enqueue nothing). Jobs
+        admitted by concurrent requests in one turn of the event loop share one Redis call."""
+        commands = enqueue.take()[1] if enqueue is not None and len(enqueue) else b""
+        admitted = await self._admit_each((tenant, job_id, queue, commands))
+        if isinstance(admitted, bytes):
+            raise ResponseError(admitted.decode(errors="replace"))
         if admitted == -1:
             raise ApiError(429, f"The queue {queue!r} holds {self.max_queue_depth} jobs or more; retry later",
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
         if admitted == 0:
             raise ApiError(429, f"This tenant has {self.tenant_cap} jobs in flight, its limit; retry later",
                            "rate_limit_exceeded", code="too_many_jobs_in_flight", headers={"Retry-After": "1"})
+
+    async def _admit_many(self, jobs: Sequence[tuple[Tenant, str, str, bytes]]) -> list[int | bytes]:
+        script_keys = [key for tenant, _, queue, _ in jobs
+                       for key in (api_keys.in_flight(tenant.tag), f"{Queue.redis_queue_namespace_prefix}{queue}")]
+        args: list[Any] = [self.tenant_cap, self.max_queue_depth, time.time(), SET_TTL_S, GRACE_S]
+        for _, job_id, _, commands in jobs:
+            args += [job_id, commands]
+        return list(await self._each_script(keys=script_keys, args=args))
 
     async def release(self, tenant: Tenant, job_ids: Sequence[str]) -> None:
         if job_ids:
