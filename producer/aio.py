@@ -388,7 +388,7 @@ class AsyncClient:
         return self.connection.connection_pool.connection_kwargs.get("socket_timeout")
 
     async def close(self) -> None:
-        """Stop the done listener; close the connection if this client opened it."""
+        """Stop the stream reader and the done listener; close the connection if this client opened it."""
         await self._streams.close_all()
         await self._listener.close()
         if self._owns_connection:

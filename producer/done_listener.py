@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from producer.errors import BrokerError
 from schemas import keys
 
-__all__ = ["DoneListener", "DoneWake"]
+__all__ = ["DoneListener", "DoneWake", "stop_reader"]
 
 
 @dataclass(eq=False)
@@ -113,11 +113,17 @@ class DoneListener:
     async def close(self) -> None:
         task, pubsub = self._task, self._pubsub
         self._task = self._pubsub = None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_reader(task)
         if pubsub is not None:
             await pubsub.aclose()
+
+
+async def stop_reader(task: Optional[asyncio.Task[None]]) -> None:
+    """Cancel a task that reads Redis and wait until it has ended. redis-py can swallow a cancel
+    that lands while a command starts, so it is cancelled again until it ends; what it raised is
+    dropped (its readers were told already)."""
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=0.1)
+    if task is not None and not task.cancelled():
+        task.exception()

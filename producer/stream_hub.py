@@ -18,6 +18,7 @@ from typing import Any, Optional
 import redis
 import redis.asyncio as aioredis
 
+from producer.done_listener import stop_reader
 from producer.wire import STREAM_BATCH, block_slice
 
 __all__ = ["FALLBACK_BLOCK_MS", "Following", "StreamHub"]
@@ -40,7 +41,6 @@ class Following:
     def __init__(self, key: str, after: str) -> None:
         self.key = key
         self.after = _position(after)  # the last entry it was given, or has seen by other means
-        self.after_id = after
         self.buffered: list[Entry] = []
         self.waiter: Optional[asyncio.Future[None]] = None
         self.closed = False
@@ -53,7 +53,7 @@ class Following:
     def _advance(self, entry_id: Any) -> None:
         position = _position(entry_id)
         if position > self.after:
-            self.after, self.after_id = position, entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            self.after = position
 
     def interrupt(self) -> None:
         """End the reader's wait now, with whatever it has (maybe nothing)."""
@@ -116,12 +116,7 @@ class StreamHub:
 
     async def close_all(self) -> None:
         task, self._task = self._task, None
-        # redis-py can swallow a cancel that lands while a command starts: cancel until it ends.
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.1)
-        if task is not None and not task.cancelled():
-            task.exception()  # retrieved: it was handed to the readers already
+        await stop_reader(task)
 
     # --- the hub's task -------------------------------------------------------------------
     def _ensure_reading(self) -> None:
@@ -174,8 +169,8 @@ class StreamHub:
         """Each followed stream and the earliest place one of its followers is at."""
         positions = {}
         for key, followers in self._following.items():
-            earliest = min(followers, key=lambda f: f.after)
-            positions[key] = earliest.after_id
+            major, minor = min(following.after for following in followers)
+            positions[key] = f"{major}-{minor}"
         return positions
 
     def _wake(self) -> None:

@@ -92,10 +92,9 @@ def structured(cfg: BenchConfig, model_path: str, decode: str = "auto") -> dict[
     from mlx_lm import load
 
     from worker.loading import engine_for_model
+    from worker.batch_loop import GIL_SWITCH_INTERVAL_S
     from worker.scheduler import BatchScheduler
     from worker.settings import WorkerSettings
-
-    from worker.batch_loop import GIL_SWITCH_INTERVAL_S
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the worker's loop runs its steps
     rows = cfg.max_num_seqs

@@ -70,7 +70,8 @@ end
 """
 
 # KEYS[1] the tenant's set, KEYS[2] the queue's list (or "" for no depth check). ARGV: cap, max depth
-# (0: none), now, set ttl, grace, the commands that enqueue the ids (or ""), then the ids.
+# (0: none), now, set ttl, grace, the commands that enqueue the ids (or ""), then the ids. The
+# gateway's batches call it with no queue and no commands.
 _ADMIT = _ADMIT_FUNCTION + """
 return admit(KEYS[1], KEYS[2], 7, #ARGV, ARGV[6], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
              ARGV[4], tonumber(ARGV[5]))
@@ -117,17 +118,12 @@ class Admission:
         self.tenant_cap = tenant_cap
         self.max_queue_depth = max_queue_depth
 
-    async def admit(self, tenant: Tenant, job_ids: Sequence[str], queue: str | None,
-                    enqueue: CommandBatch | None = None) -> int:
-        """Admit up to len(job_ids) of the tenant's new jobs; how many were (from the first). With a
-        `queue`, none when it is over the depth limit. `enqueue` (the commands that enqueue them) runs
-        in the same atomic call once all are admitted."""
-        queue_key = f"{Queue.redis_queue_namespace_prefix}{queue}" if queue else ""
-        commands = enqueue.take()[1] if enqueue is not None and len(enqueue) else b""
+    async def admit(self, tenant: Tenant, job_ids: Sequence[str]) -> int:
+        """Admit up to len(job_ids) of the tenant's new jobs (a batch's lines, which it enqueues
+        itself); how many were, from the first."""
         return int(await self._script(
-            keys=[api_keys.in_flight(tenant.tag), queue_key],
-            args=[self.tenant_cap, self.max_queue_depth if queue else 0, time.time(), SET_TTL_S, GRACE_S, commands,
-                  *job_ids]))
+            keys=[api_keys.in_flight(tenant.tag), ""],
+            args=[self.tenant_cap, 0, time.time(), SET_TTL_S, GRACE_S, b"", *job_ids]))
 
     async def admit_one(self, tenant: Tenant, job_id: str, queue: str, enqueue: CommandBatch | None = None) -> None:
         """Admit one job, and enqueue it with `enqueue`, or answer 429 (and enqueue nothing). Jobs

@@ -245,7 +245,7 @@ class BatchDriver:
                 lines.append((job_id, text, parse_line(text, number + 1, settings.limits, state.object.endpoint),
                               scanned))
             scanned = (number + 1, end)
-        admitted = await self._gw.admission.admit(state.tenant, [job_id for job_id, *_ in lines], None) if lines else 0
+        admitted = await self._gw.admission.admit(state.tenant, [job_id for job_id, *_ in lines]) if lines else 0
         taken = lines[:admitted]
         position = scanned if admitted == len(lines) else lines[admitted][3]
         valid = [(job_id, text, line) for job_id, text, line, _ in taken if isinstance(line, BatchLine)]

@@ -41,7 +41,6 @@ class StepSampler:
         self._samplers = SamplerPool(fence=lambda sampler: fenced(sampler, self._fill_masks))
         self._masks: Optional[MaskBatch] = None  # made with the first constrained row
         self._no_tokens = mx.array([], dtype=mx.int32)
-        self._begun = False  # `begin` was called for the step `sample` builds next
 
     def row(self, spec: SequenceSpec) -> SequenceSampling:
         """A sequence's sampler and processors, each guarded so that its failure ends that sequence
@@ -74,8 +73,7 @@ class StepSampler:
     def begin(self, occupied: Sequence["DecodingSequence"], inputs: mx.array) -> None:
         """Before a step is built: its constrained rows' matchers start taking the tokens fed to it and
         computing their masks (worker/engines/constraints.py `MaskBatch.expect`), so that the work
-        overlaps with building the step. `sample` begins the step itself where this was not called."""
-        self._begun = True
+        overlaps with building the step. Each step calls it, then `sample`."""
         self._samplers.seeded.begin()
         if self._masks is None:
             return
@@ -89,15 +87,12 @@ class StepSampler:
     def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int
                ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
-        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler)."""
-        if not self._begun:
-            self.begin(occupied, inputs)
-        self._begun = False
+        logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler). The step
+        was begun (`begin`) with the same rows and inputs."""
         processed = logits
         changed: list[tuple[int, mx.array]] = []
         masked: list[tuple[RowConstraint, int, Optional[mx.array]]] = []
         for seq in occupied:
-            slot = seq.slot
             constrained = seq.constraint is not None and seq.constraint.batched
             if not seq.processors and not constrained:
                 continue
@@ -105,19 +100,19 @@ class StepSampler:
             if seq.custom:
                 assert seq.context is not None
                 if seq.launches:  # the token it is fed now joins its context
-                    seq.context = mx.concatenate([seq.context, inputs[slot:slot + 1].astype(mx.int32)])
+                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
                 context = seq.context
             row_logits = None
             if seq.processors:
-                row_logits = logits[slot:slot + 1]
+                row_logits = logits[seq.slot:seq.slot + 1]
                 for processor in seq.processors:
                     row_logits = processor(context, row_logits)
             if constrained:
                 assert seq.constraint is not None
-                masked.append((seq.constraint, slot, row_logits))
+                masked.append((seq.constraint, seq.slot, row_logits))
             elif seq.custom:
                 assert row_logits is not None
-                changed.append((slot, row_logits))
+                changed.append((seq.slot, row_logits))
         if changed:
             processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
         if masked:
@@ -140,11 +135,11 @@ class StepSampler:
         index = mx.array(slots, dtype=mx.int32)
         raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
         if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
-            gathered = logprobs[index]
+            rows = logprobs[index]
         else:
-            gathered = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
-                                 for spec, slot, keep in zip(specs, slots, raw)])
-        return tokens, LogprobGather(gathered, tokens[index], [s.top_logprobs for s in specs]), wanting
+            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                             for spec, slot, keep in zip(specs, slots, raw)])
+        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
 
     def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
