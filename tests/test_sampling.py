@@ -5,6 +5,8 @@ BatchGenerator (TextEngine) and mlxq's compiled decode path (CompiledEngine)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -27,7 +29,8 @@ def model_and_tokenizer(tiny_model_dir):
     return load(tiny_model_dir)
 
 
-@pytest.fixture(params=[TextEngine, CompiledEngine], ids=["batch-generator", "compiled"])
+@pytest.fixture(params=[TextEngine, CompiledEngine, partial(CompiledEngine, first_token_from_prefill=True)],
+                ids=["batch-generator", "compiled", "compiled-first-token-from-the-prefill"])
 def engine_class(request):
     return request.param
 

@@ -23,9 +23,10 @@ from schemas.constraints import MAX_JSON_SCHEMA_CHARS
 from tests.workers import start_worker, stop
 
 
-@pytest.fixture(scope="module", params=["batch-generator", "compiled"])
+@pytest.fixture(scope="module", params=["batch-generator", "compiled", "compiled-first-token-from-the-prefill"])
 def engine(tiny_model_dir, request):
-    """Both text engines: mlx-lm's BatchGenerator and mlxq's compiled decode path."""
+    """Both text engines: mlx-lm's BatchGenerator and mlxq's compiled decode path (its first
+    tokens sampled by a decode step, the CPU's way, and from the prefill, a GPU's way)."""
     import worker  # noqa: F401
     from mlx_lm import load
 
@@ -33,8 +34,10 @@ def engine(tiny_model_dir, request):
     from worker.engines.text import TextEngine
 
     model, tokenizer = load(tiny_model_dir)
-    engine_class = TextEngine if request.param == "batch-generator" else CompiledEngine
-    return engine_class(model, tokenizer, max_num_seqs=16)
+    if request.param == "batch-generator":
+        return TextEngine(model, tokenizer, max_num_seqs=16)
+    return CompiledEngine(model, tokenizer, max_num_seqs=16,
+                          first_token_from_prefill=request.param == "compiled-first-token-from-the-prefill")
 
 
 class _Recording:

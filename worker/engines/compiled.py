@@ -7,11 +7,14 @@ The next step is built and handed to the device (`mx.async_eval`) before the tok
 flight are read back, so the host's work for step k+1 runs while the device computes step k; a
 step's tokens are therefore returned by the following `step()` call.
 
-Prompts are prefilled here, a prefill batch at a time, right-padded into their slots: every prompt
-token but the last, whose token enters the next decode step (as mlx-lm's `generate_step` does),
-which samples the first generated token. Sampling, logits processors, seeds, logprobs, the prefix
-cache and the n choices sharing one prefill are the text engine's (worker/engines/text.py):
-the same modules, the same per-row rules, in the order mlx-lm applies them.
+Prompts are prefilled here, a prefill batch at a time, right-padded into their slots. On a GPU the
+prefill takes every prompt token and the first generated token is sampled from its logits at the
+last one (as mlx-lm's BatchGenerator does), so a sequence joining a decoding batch needs no decode
+step before its first token. On the CPU, where the prefill would pay the vocabulary projection at
+every prompt position, it takes every token but the last, whose token enters the next decode step
+(as mlx-lm's `generate_step` does), which samples the first token. Sampling, logits processors,
+seeds, logprobs, the prefix cache and the n choices sharing one prefill are the text engine's
+(worker/engines/text.py): the same modules, the same per-row rules, in the order mlx-lm applies them.
 
 Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
 run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
@@ -50,9 +53,20 @@ log = logging.getLogger("mlxq.engine")
 # the call that admits them, costs the overlap of that step with the host's next one; under
 # steady churn (sequences joining every step) that would be every step. At most EAGER_MAX such
 # calls at once; one more is allowed per EAGER_REFILL_STEPS decode steps. Other joiners get their
-# first token one call later.
+# first token one call later. (Only where a decode step samples first tokens: see below.)
 EAGER_MAX = 4
 EAGER_REFILL_STEPS = 16
+
+# Whether the prefill samples the first token, unless the caller says: on a GPU, where the
+# vocabulary projection at every prompt position costs little and each model call costs the host
+# milliseconds of kernel launches however few its rows.
+def first_token_from_prefill_by_default() -> bool:
+    return bool(mx.default_device() == mx.gpu)
+
+
+# That prefill's logits (every position of its chunk: the model returns them all) may take at most
+# this many bytes; a bigger prefill batch (a wave) leaves its first tokens to a decode step.
+FIRST_TOKEN_LOGITS_MAX_BYTES = 256 << 20
 
 class CompiledEngine:
     def __init__(
@@ -69,8 +83,11 @@ class CompiledEngine:
         overlap: bool = True,
         adapters: Optional[AdapterCatalog] = None,
         adapter_memory_bytes: int = 0,
+        first_token_from_prefill: Optional[bool] = None,
     ) -> None:
         self.model = model
+        self._first_at_prefill = (first_token_from_prefill_by_default() if first_token_from_prefill is None
+                                  else first_token_from_prefill)
         # LoRA adapters per row (worker/engines/lora.py): its state is an input of the compiled step.
         self._lora = LoraBank(model, adapters or AdapterCatalog(), adapter_memory_bytes)
         self._overlap = overlap  # False: every step is read back in the call that launched it
@@ -212,20 +229,30 @@ class CompiledEngine:
 
     def step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
-        return the tokens of the step handed over by the previous call. Sequences just admitted
-        get their first token in this call, while the eager allowance lasts (or when nothing was
-        decoding): the step that samples it is read back at once and the call returns without
-        launching another, so the first tokens go out without waiting for the next step's graph
-        to be built; the next call launches and returns nothing of its own."""
+        return the tokens of the step handed over by the previous call.
+
+        Sequences just admitted get their first token in this call. Where their prefill sampled it
+        and no other prompt waits, the call returns those tokens at once and launches nothing: the
+        step in flight stays in flight for the next call to read back, so the batch keeps its
+        overlap and a joiner's first token waits for its own prefill alone. Where a decode step
+        samples it, that step is read back at once while the eager allowance lasts (or when
+        nothing was decoding) and the call returns without launching another; the next call
+        launches and returns nothing of its own."""
         started = time.perf_counter()
         refused, self._refused = self._refused, []
         decoding = self._table.any_occupied()
-        admitted, prefill_s = self._admit()
+        admitted, prefill_s, first = self._admit()  # first: the tokens the prefill sampled (None: a step will)
+        if first is not None and not self._waiting:
+            events = refused + self._collect(first)
+            self._count(events, started, prefill_s)
+            return events
         self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
         launched = self._launch() if self._table.any_occupied() else None
         events = refused + (self._collect(previous) if previous is not None else [])
-        eager = admitted and (not decoding or self._eager_allowance >= 1)
+        if first is not None:
+            events += self._collect(first)
+        eager = admitted and first is None and (not decoding or self._eager_allowance >= 1)
         if launched is not None and (eager or not self._overlap):
             self._eager_allowance -= bool(eager and decoding and self._overlap)
             events += self._collect(launched)
@@ -233,9 +260,12 @@ class CompiledEngine:
         self._in_flight = launched
         if not self._table.any_occupied() and not self._waiting:  # idle: give the buffers' memory back
             self._table.release()
+        self._count(events, started, prefill_s)
+        return events
+
+    def _count(self, events: list[TokenEvent], started: float, prefill_s: float) -> None:
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
         self._counters.decode_s += time.perf_counter() - started - prefill_s
-        return events
 
     def remove(self, uids: list[str]) -> None:
         gone = set()
@@ -314,10 +344,11 @@ class CompiledEngine:
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         return cache
 
-    def _admit(self) -> tuple[int, float]:
+    def _admit(self) -> tuple[int, float, Optional[LaunchedStep]]:
         """Move waiting sequences into free slots, in order: those with nothing left to prefill,
         and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
-        beyond the first). Returns how many, and the seconds spent prefilling."""
+        beyond the first). Returns how many, the seconds spent prefilling, and the first tokens
+        if the prefill sampled them (lazy; None where a decode step will)."""
         room = self._table.free
         taken: list[WaitingPrompt] = []
         prefills = budget = 0
@@ -331,53 +362,87 @@ class CompiledEngine:
                 budget += rest
             taken.append(self._waiting.popleft())
         if not taken:
-            return 0, 0.0
+            return 0, 0.0, None
         started = time.perf_counter()
-        span = max(e.cached for e in taken) + max(len(e.rest) for e in taken)
+        width = min(max(len(e.rest) for e in taken) + 1, self._prefill_step_size)
+        logits_bytes = len(taken) * width * self._vocab_size * mx.zeros((), self._layout.dtype).itemsize
+        with_last = self._first_at_prefill and logits_bytes <= FIRST_TOKEN_LOGITS_MAX_BYTES
+        span = max(e.cached for e in taken) + max(len(e.to_prefill(with_last)) for e in taken)
         table = self._table
         table.reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
         assert table.buffers is not None and table.inputs is not None
         for entry in taken:
             table.place(entry.seq)
-            entry.seq.position = len(entry.seq.prompt) - 1
+            entry.seq.position = len(entry.seq.prompt) - (0 if with_last else 1)
         by_cache: dict[int, list[WaitingPrompt]] = {}
         for entry in taken:
             if entry.cache is not None:
                 by_cache.setdefault(id(entry.cache), []).append(entry)
         for entries in by_cache.values():
             table.buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
-        prefilling = [e for e in taken if e.rest]
-        if prefilling:
-            self._prefill_slots(prefilling)
+        prefilling = [e for e in taken if e.to_prefill(with_last)]
+        last_logits = self._prefill_slots(prefilling, with_last) if prefilling else None
         slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
-        table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
+        first: Optional[LaunchedStep] = None
+        if last_logits is None:
+            table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
+        else:  # every one was prefilled, its last prompt token too
+            assert len(prefilling) == len(taken)
+            first = self._sample_first([e.seq for e in taken], last_logits)
+            table.inputs[slots] = first.tokens.astype(table.inputs.dtype)
         if not prefilling:
-            return len(taken), 0.0
-        mx.eval(table.buffers.arrays())
+            return len(taken), 0.0, None
+        if first is None:
+            mx.eval(table.buffers.arrays())
+        # else the first tokens' read waits for the prefill, and the next launch writes the buffers
         seconds = time.perf_counter() - started
-        self._counters.add_own_prefill(sum(len(e.rest) for e in prefilling), seconds)
-        return len(taken), seconds
+        self._counters.add_own_prefill(sum(len(e.to_prefill(with_last)) for e in prefilling), seconds)
+        return len(taken), seconds, first
 
-    def _prefill_slots(self, entries: list[WaitingPrompt]) -> None:
-        """Prefill every entry's rest of prompt into its slot, right-padded, in one batch (in
-        chunks of prefill_step_size positions); padding positions lie past each slot's position,
-        where the mask hides them until decoding overwrites them."""
+    def _sample_first(self, seqs: list[DecodingSequence], logits: mx.array) -> LaunchedStep:
+        """The first tokens of `seqs`, from their prefill's logits at each last prompt position
+        (row i of `logits` is seqs[i]'s), as a step that sampled them."""
+        rows = list(range(len(seqs)))
+        inputs = mx.array([seq.prompt[-1] for seq in seqs], dtype=mx.uint32)
+        self._sampling.begin(seqs, inputs)
+        tokens, gather, wanting = self._sampling.sample(logits, inputs, seqs, len(seqs), rows=rows)
+        errors = [seq.error for seq in seqs]
+        for seq in seqs:
+            seq.launches += 1  # its next input, the token sampled now, joins its context
+        return LaunchedStep(tokens, list(zip(rows, seqs)), errors, gather, wanting, self._version)
+
+    def _prefill_slots(self, entries: list[WaitingPrompt], with_last: bool) -> Optional[mx.array]:
+        """Prefill every entry's tokens into its slot, right-padded, in one batch (in chunks of
+        prefill_step_size positions); padding positions lie past each slot's position, where the
+        mask hides them until decoding overwrites them. `with_last`: the last prompt token too,
+        and returns the logits at each entry's last prompt position, a row per entry."""
         buffers = self._table.buffers
         assert buffers is not None
         slots = [e.seq.slot for e in entries]
-        rests = [e.rest for e in entries]
+        rests = [e.to_prefill(with_last) for e in entries]
         width = max(len(r) for r in rests)
         part = buffers.gather(slots, max(e.cached for e in entries) + width)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
+        last: list[tuple[int, mx.array]] = []  # (entry, its logits at its last position)
         for start in range(0, width, self._prefill_step_size):
             if start:
-                mx.eval(part.arrays())
+                mx.eval(part.arrays(), [row for _, row in last])
             caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
                                        self._layout.grouped_mask)
+            chunk = tokens[:, start:start + self._prefill_step_size]
             with self._lora.rows([e.seq.adapter_slot for e in entries]):
-                self.model(tokens[:, start:start + self._prefill_step_size], cache=caches)
+                logits = self.model(chunk, cache=caches)
             part.absorb(caches)
+            if with_last:
+                ending = [i for i, r in enumerate(rests) if start <= len(r) - 1 < start + chunk.shape[1]]
+                if ending:
+                    rows = logits[mx.array(ending), mx.array([len(rests[i]) - 1 - start for i in ending])]
+                    last += zip(ending, rows)
         buffers.scatter(slots, part)
+        if not with_last:
+            return None
+        last.sort(key=lambda pair: pair[0])
+        return mx.stack([row for _, row in last])
 
     # --- decoding -------------------------------------------------------------------------
     def _launch(self) -> LaunchedStep:

@@ -47,6 +47,10 @@ class WaitingPrompt:
         """The prompt tokens to prefill: all but those cached and the last."""
         return self.seq.prompt[self.cached:-1]
 
+    def to_prefill(self, with_last: bool) -> list[int]:
+        """The rest, and with `with_last` the last prompt token too (its first token is sampled then)."""
+        return self.seq.prompt[self.cached:] if with_last else self.rest
+
 
 @dataclass
 class LaunchedStep:

@@ -84,15 +84,17 @@ class StepSampler:
         if constrained:
             self._masks.expect(constrained, inputs)
 
-    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int
-               ) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
+    def sample(self, logits: mx.array, inputs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int,
+               rows: Optional[list[int]] = None) -> tuple[mx.array, Optional[LogprobGather], list[int]]:
         """Each row's processors, then its sampler (rows sharing one sampler in one call), and the
         logprobs of the rows that asked: mlx-lm's order (processors, log-softmax, sampler). The step
-        was begun (`begin`) with the same rows and inputs."""
+        was begun (`begin`) with the same rows and inputs. Each sequence's row of `logits` and
+        `inputs` is its slot, or its entry of `rows`."""
+        rows = [seq.slot for seq in occupied] if rows is None else rows
         processed = logits
         changed: list[tuple[int, mx.array]] = []
         masked: list[tuple[RowConstraint, int, Optional[mx.array]]] = []
-        for seq in occupied:
+        for seq, slot in zip(occupied, rows):
             constrained = seq.constraint is not None and seq.constraint.batched
             if not seq.processors and not constrained:
                 continue
@@ -100,19 +102,19 @@ class StepSampler:
             if seq.custom:
                 assert seq.context is not None
                 if seq.launches:  # the token it is fed now joins its context
-                    seq.context = mx.concatenate([seq.context, inputs[seq.slot:seq.slot + 1].astype(mx.int32)])
+                    seq.context = mx.concatenate([seq.context, inputs[slot:slot + 1].astype(mx.int32)])
                 context = seq.context
             row_logits = None
             if seq.processors:
-                row_logits = logits[seq.slot:seq.slot + 1]
+                row_logits = logits[slot:slot + 1]
                 for processor in seq.processors:
                     row_logits = processor(context, row_logits)
             if constrained:
                 assert seq.constraint is not None
-                masked.append((seq.constraint, seq.slot, row_logits))
+                masked.append((seq.constraint, slot, row_logits))
             elif seq.custom:
                 assert row_logits is not None
-                changed.append((seq.slot, row_logits))
+                changed.append((slot, row_logits))
         if changed:
             processed = _put_rows(processed, [slot for slot, _ in changed], mx.concatenate([row for _, row in changed]))
         if masked:
@@ -126,28 +128,29 @@ class StepSampler:
             block = self._masks.masked_rows([constraint for constraint, _, _ in masked], block)
             processed = _put_rows(processed, slots, block)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
-        tokens = self._draw(logprobs, occupied, slot_count)
+        tokens = self._draw(logprobs, occupied, rows, slot_count)
         wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
         if not wanting:
             return tokens, None, wanting
         specs = [occupied[i].spec for i in wanting]
-        slots = [occupied[i].slot for i in wanting]
+        slots = [rows[i] for i in wanting]
         index = mx.array(slots, dtype=mx.int32)
         raw = [needs_raw_capture(occupied[i].spec, occupied[i].constraint is not None) for i in wanting]
         if not any(raw) and all(s.logprobs_mode == "raw" for s in specs):
-            rows = logprobs[index]
+            distributions = logprobs[index]
         else:
-            rows = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
-                             for spec, slot, keep in zip(specs, slots, raw)])
-        return tokens, LogprobGather(rows, tokens[index], [s.top_logprobs for s in specs]), wanting
+            distributions = mx.stack([requested_distribution(spec, logprobs[slot], logits[slot] if keep else None)
+                                      for spec, slot, keep in zip(specs, slots, raw)])
+        return tokens, LogprobGather(distributions, tokens[index], [s.top_logprobs for s in specs]), wanting
 
-    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], slot_count: int) -> mx.array:
+    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], rows: list[int], slot_count: int
+              ) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
         read); the others sample their own rows, in slot order."""
         groups: dict[int, tuple[Any, list[int], bool]] = {}
-        for seq in occupied:
-            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(seq.slot)
+        for seq, slot in zip(occupied, rows):
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(slot)
         base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
         tokens = (base[0](logprobs) if base is not None else mx.zeros((slot_count,))).astype(mx.uint32)
         for group in groups.values():
