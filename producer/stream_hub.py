@@ -78,6 +78,8 @@ class StreamHub:
         self._reading: Optional[dict[str, str]] = None  # the streams of the read that blocks now
         self._client_id: Optional[int] = None  # of the hub's connection, for CLIENT UNBLOCK
         self._waking = False
+        # Whether the server let the hub's reads be woken (CLIENT UNBLOCK), once it asked; None before.
+        self.wakes_allowed: Optional[bool] = None
 
     def follow(self, key: str, after: str) -> Following:
         """Follow the stream `key` from after the entry `after`; `close` it when done."""
@@ -159,8 +161,10 @@ class StreamHub:
         try:
             client_id = int(await connection.client_id())
             await self._connection.execute_command("CLIENT", "UNBLOCK", client_id)  # is it allowed?
+            self.wakes_allowed = True
             return client_id
         except redis.ResponseError as exc:
+            self.wakes_allowed = False
             log.info("stream reads wake by polling every %d ms: the server refuses CLIENT ID/UNBLOCK (%s)",
                      FALLBACK_BLOCK_MS, exc)
             return None

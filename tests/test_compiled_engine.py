@@ -50,6 +50,22 @@ def assert_matches_alone(model, requests: dict, results: dict, eos: set[int]) ->
         assert choice.logprobs == pytest.approx(logprobs, abs=1e-3), job_id
 
 
+def test_the_first_token_comes_from_the_prefill_by_default_on_cuda_alone(monkeypatch):
+    """The platform branch (the autouse fixture replaces it for every other test here)."""
+    monkeypatch.undo()
+
+    class Cuda:
+        def __init__(self, available: bool) -> None:
+            self.is_available = lambda: available
+
+    monkeypatch.setattr(compiled.mx, "cuda", Cuda(True), raising=False)
+    assert compiled.first_token_from_prefill_by_default()
+    monkeypatch.setattr(compiled.mx, "cuda", Cuda(False))
+    assert not compiled.first_token_from_prefill_by_default()
+    monkeypatch.delattr(compiled.mx, "cuda")  # a build without the CUDA module (Metal)
+    assert not compiled.first_token_from_prefill_by_default()
+
+
 def test_the_bucket_ladder_pads_by_at_most_a_third():
     assert ladder(32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
     assert ladder(700, 128) == [128, 192, 256, 384, 512, 768]
@@ -131,6 +147,51 @@ def test_a_joiner_gets_its_first_token_in_the_step_it_joins_and_what_it_gets_alo
         if a.top_logprobs:
             assert [[t.token_id for t in top] for top in b.top_logprobs] == \
                    [[t.token_id for t in top] for top in a.top_logprobs]
+
+
+def test_a_joiners_first_token_from_its_prefill_comes_alone_and_the_step_in_flight_stays(model_and_tokenizer,
+                                                                                         first_token_from):
+    """From the prefill: the joiner's call prefills its whole prompt, returns its first token and
+    launches nothing, and the batch's step in flight is read back by the next call. From a step:
+    the call prefills all but the last token and reads back the step that samples it, with the
+    batch's tokens. A joiner cached but its last token takes a decode step either way. Everything
+    is what each request gives alone."""
+    from_prefill = first_token_from == "prefill"
+    model, tokenizer = model_and_tokenizer
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=8, prefix_cache_bytes=1 << 26)
+    scheduler = BatchScheduler(engine, max_num_seqs=8)
+    body = {"max_tokens": 10, "temperature": 0, "logprobs": True, "ignore_eos": True, "stream": True}
+    longs = {f"long{i}": {**body, "prompt_token_ids": prompt_ids(i, 6), "max_tokens": 40} for i in range(3)}
+    for job_id, request in longs.items():
+        assert scheduler.admit(job_id, request) is None
+    for _ in range(4):
+        scheduler.step()
+    scheduler.take_stream_deltas()
+    counters = engine.stats().counters
+    joiner = {**body, "prompt_token_ids": prompt_ids(9, 23)}
+    assert scheduler.admit("joiner", joiner) is None
+    scheduler.step()
+    after = engine.stats().counters
+    got = {d.job_id for d in scheduler.take_stream_deltas() if d.token_ids}
+    assert got == ({"joiner"} if from_prefill else {"joiner", *longs})
+    assert after["prefill_tokens"] - counters["prefill_tokens"] == (23 if from_prefill else 22)
+    assert after["decode_steps"] - counters["decode_steps"] == (0 if from_prefill else 1)
+    scheduler.step()
+    got = {d.job_id for d in scheduler.take_stream_deltas() if d.token_ids}
+    assert got == (set(longs) if from_prefill else set())  # the step in flight, launched before the joiner / a launch alone
+    results = run_all(scheduler, {})
+    assert_matches_alone(model, {**longs, "joiner": joiner}, results, set())
+    assert scheduler.admit("long", longs["long0"]) is None
+    for _ in range(3):
+        scheduler.step()
+    scheduler.take_stream_deltas()
+    counters = engine.stats().counters
+    assert scheduler.admit("again", joiner) is None  # its prompt cached but the last token
+    scheduler.step()
+    after = engine.stats().counters
+    assert "again" in {d.job_id for d in scheduler.take_stream_deltas() if d.token_ids}
+    assert after["prefill_tokens"] == counters["prefill_tokens"] and after["decode_steps"] > counters["decode_steps"]
+    assert run_all(scheduler, {})["again"].choices[0].token_ids == results["joiner"].choices[0].token_ids
 
 
 def test_past_the_eager_allowance_joiners_get_their_first_token_one_step_later(model_and_tokenizer, first_token_from):

@@ -60,7 +60,7 @@ def test_many_streams_each_get_their_own_entries_once_and_in_order(redis_url: st
                 cursor[key] += 1
             for key, task in readers.items():
                 assert await task == streams[key]
-            assert hub._client_id is not None  # this server lets the hub wake its read
+            assert hub.wakes_allowed is True  # this server lets the hub wake its read
 
     run(scenario)
 
@@ -94,7 +94,7 @@ def test_without_client_unblock_the_hub_polls(redis_url: str, redis_conn: redis.
         async with _hub(url) as (connection, hub):
             following = hub.follow("s", "0-0")
             await asyncio.sleep(0.1)
-            assert hub._client_id is None
+            assert hub.wakes_allowed is False
             later = hub.follow("t", "0-0")
             await connection.xadd("t", {"v": "y"})
             entries = await asyncio.wait_for(hub.take(later, 60), 10)

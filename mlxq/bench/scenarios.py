@@ -199,11 +199,12 @@ def analyze_steps(steps: list[list[Any]], burst: int, running: int) -> dict[str,
 LATE_JOIN_SPREAD_S = 0.02
 
 
-def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[Any], joins: int, rng: random.Random
-                     ) -> tuple[list[tuple[Any, float]], list[Any]]:
-    """Long jobs decode; `joins` short jobs join them one after another, each submitted a random
-    part of a decode step after the one before ended (so joins land anywhere in the worker's turn).
-    Returns each short job's result with its submit time, and the long jobs' results."""
+def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[Any], joining: list[Any],
+                     rng: random.Random) -> tuple[list[tuple[Any, float]], list[Any]]:
+    """Long jobs decode; short jobs join them one after another, one per prompt of `joining` (prompts
+    no job had before: nothing of theirs is in the prefix cache), each submitted a random part of a
+    decode step after the one before ended (so joins land anywhere in the worker's turn). Returns
+    each short job's result with its submit time, and the long jobs' results."""
     longs = [BenchRequest(i, prompts[i], cfg.late_long_tokens) for i in range(cfg.late_long)]
     # The long jobs stream, so we can wait until every one of them is past its prefill and
     # decoding: the short job must join a decoding batch, not queue behind prompts.
@@ -212,10 +213,9 @@ def _late_join_round(cfg: BenchConfig, client: Any, queue: str, prompts: list[An
     _wait_decoding(client, long_ids, timeout=cfg.request_timeout_s)
     time.sleep(cfg.late_delay_s)
     shorts = []
-    for join in range(joins):
+    for join, prompt in enumerate(joining):
         time.sleep(rng.uniform(0, LATE_JOIN_SPREAD_S))
         submitted = time.time()
-        prompt = prompts[cfg.late_long + join % (len(prompts) - cfg.late_long)]
         short_id = client.submit(payload(BenchRequest(join, prompt, cfg.late_short_tokens)), queue=queue,
                                  timeout=JOB_TIMEOUT_S)
         shorts.append((client.wait(short_id, timeout=cfg.request_timeout_s), submitted))
@@ -232,17 +232,22 @@ def _first_token_after_submit(result: Any, submitted: float) -> Optional[float]:
 
 def late_joiner(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: ClusterFactory) -> dict[str, Any]:
     cluster = make_cluster(1, max(cfg.max_num_seqs, cfg.late_long + 1))
-    prompts = make_prompts(tokenizer, cfg.late_long + 9, cfg.prompt_tokens, seed=cfg.seed, salt="late")
+    # The long jobs', the warm-up's, then one fresh prompt per join (the first round's, then the reported).
+    warm_prompts = 8
+    prompts = make_prompts(tokenizer, cfg.late_long + warm_prompts + 1 + cfg.late_joins, cfg.prompt_tokens,
+                           seed=cfg.seed, salt="late")
+    joining = prompts[cfg.late_long + warm_prompts:]
     rng = random.Random(cfg.seed)
     cluster.start()
     try:
         client = cluster.client
         assert client is not None
-        cluster.warm(all_at_once([BenchRequest(i, p, cfg.warmup_tokens) for i, p in enumerate(prompts[-8:])], "warm"))
+        warm = prompts[cfg.late_long:cfg.late_long + warm_prompts]
+        cluster.warm(all_at_once([BenchRequest(i, p, cfg.warmup_tokens) for i, p in enumerate(warm)], "warm"))
         # A first round also compiles the shapes a late join creates (a one-prompt prefill beside a
         # running batch: slow the first time on a GPU); the second is reported.
-        warmup, _ = _late_join_round(cfg, client, cluster.queue, prompts, 1, rng)
-        shorts, long_results = _late_join_round(cfg, client, cluster.queue, prompts, cfg.late_joins, rng)
+        warmup, _ = _late_join_round(cfg, client, cluster.queue, prompts, joining[:1], rng)
+        shorts, long_results = _late_join_round(cfg, client, cluster.queue, prompts, joining[1:], rng)
     finally:
         cluster.stop()
     step_times = []

@@ -7,13 +7,13 @@ The next step is built and handed to the device (`mx.async_eval`) before the tok
 flight are read back, so the host's work for step k+1 runs while the device computes step k; a
 step's tokens are therefore returned by the following `step()` call.
 
-Prompts are prefilled here, a prefill batch at a time, right-padded into their slots. On a GPU the
-prefill takes every prompt token and the first generated token is sampled from its logits at the
-last one (as mlx-lm's BatchGenerator does), so a sequence joining a decoding batch needs no decode
-step before its first token. On the CPU, where the prefill would pay the vocabulary projection at
-every prompt position, it takes every token but the last, whose token enters the next decode step
-(as mlx-lm's `generate_step` does), which samples the first token. Sampling, logits processors,
-seeds, logprobs, the prefix cache and the n choices sharing one prefill are the text engine's
+Prompts are prefilled a prefill batch at a time into their slots (worker/engines/slot_prefill.py).
+On CUDA the prefill takes every prompt token and the first generated token is sampled from its
+logits at the last one (as mlx-lm's BatchGenerator does), so a sequence joining a decoding batch
+needs no decode step before its first token. Elsewhere, and for prompts with nothing to prefill but
+their last token, it takes every token but the last, whose token enters the next decode step (as
+mlx-lm's `generate_step` does), which samples the first token. Sampling, logits processors, seeds,
+logprobs, the prefix cache and the n choices sharing one prefill are the text engine's
 (worker/engines/text.py): the same modules, the same per-row rules, in the order mlx-lm applies them.
 
 Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
@@ -43,6 +43,7 @@ from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_re
 from worker.engines.step_sampling import StepSampler
 from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
+from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
 from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
@@ -57,11 +58,13 @@ log = logging.getLogger("mlxq.engine")
 EAGER_MAX = 4
 EAGER_REFILL_STEPS = 16
 
-# Whether the prefill samples the first token, unless the caller says: on a GPU, where the
-# vocabulary projection at every prompt position costs little and each model call costs the host
-# milliseconds of kernel launches however few its rows.
+# Whether the prefill samples the first token, unless the caller says: on CUDA, where each model
+# call costs the host milliseconds of kernel launches however few its rows, and the vocabulary
+# projection at every prompt position costs the device little (docs/engine.md, "First tokens"). The
+# CPU and Metal, where that was not measured to pay, keep the decode step.
 def first_token_from_prefill_by_default() -> bool:
-    return bool(mx.default_device() == mx.gpu)
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
 
 
 # That prefill's logits (every position of its chunk: the model returns them all) may take at most
@@ -99,6 +102,7 @@ class CompiledEngine:
         self._prefill_step_size = prefill_step_size
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
+        self._prefill = SlotPrefill(model, self._lora, self._layout.grouped_mask, prefill_step_size)
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
         self._version = 0  # of the weights now (swap_weights)
@@ -208,10 +212,16 @@ class CompiledEngine:
 
     def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
         """Compile the decode step for every slot bucket up to max_num_seqs (or those of `slots`)
-        at every length bucket up to `max_tokens`: how many shapes, and the seconds it took."""
+        at every length bucket up to `max_tokens`, and run one lone prompt's prefill (on CUDA the
+        first run of its kernels took 0.4 s, a stall for a batch the first joiner would join): how
+        many shapes, and the seconds it took."""
         buckets = self._table.ladder() if slots is None else sorted({self._table.shape_for(n, 1)[0] for n in slots})
         shapes = [(n, length) for n in buckets for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
-        return len(shapes), self._decode.warm_up(self._layout, shapes)
+        seconds = self._decode.warm_up(self._layout, shapes)
+        started = time.perf_counter()
+        cache, logits = self._prefill.on_own_cache([0] * min(max_tokens, MIN_LENGTH_BUCKET))
+        mx.eval(logits[:, -1, :], [c.state for c in cache])
+        return len(shapes), seconds + time.perf_counter() - started
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
@@ -241,8 +251,8 @@ class CompiledEngine:
         started = time.perf_counter()
         refused, self._refused = self._refused, []
         decoding = self._table.any_occupied()
-        admitted, prefill_s, first = self._admit()  # first: the tokens the prefill sampled (None: a step will)
-        if first is not None and not self._waiting:
+        prefill_s, first, stepping = self._admit()
+        if first is not None and not stepping and not self._waiting:
             events = refused + self._collect(first)
             self._count(events, started, prefill_s)
             return events
@@ -252,7 +262,7 @@ class CompiledEngine:
         events = refused + (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
-        eager = admitted and first is None and (not decoding or self._eager_allowance >= 1)
+        eager = stepping > 0 and (not decoding or self._eager_allowance >= 1)
         if launched is not None and (eager or not self._overlap):
             self._eager_allowance -= bool(eager and decoding and self._overlap)
             events += self._collect(launched)
@@ -335,20 +345,18 @@ class CompiledEngine:
                        ) -> list[Any]:
         """Run `tokens` through the model (under the adapter in `adapter_slot`) on top of `cache`
         (mlx-lm caches; fresh ones if None), in place: a prefix several sequences start from."""
-        cache = make_prompt_cache(self.model) if cache is None else cache
         started = time.perf_counter()
-        for start in range(0, len(tokens), self._prefill_step_size):
-            with self._lora.rows([adapter_slot]):
-                self.model(mx.array(tokens[start:start + self._prefill_step_size])[None], cache=cache)
-            mx.eval([c.state for c in cache])
+        cache, _ = self._prefill.on_own_cache(tokens, cache, adapter_slot)
+        mx.eval([c.state for c in cache])
         self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
         return cache
 
-    def _admit(self) -> tuple[int, float, Optional[LaunchedStep]]:
+    def _admit(self) -> tuple[float, Optional[LaunchedStep], int]:
         """Move waiting sequences into free slots, in order: those with nothing left to prefill,
         and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
-        beyond the first). Returns how many, the seconds spent prefilling, and the first tokens
-        if the prefill sampled them (lazy; None where a decode step will)."""
+        beyond the first). Returns the seconds spent prefilling, the first tokens the prefill
+        sampled (lazy; None if it sampled none), and how many admitted sequences take their first
+        token from a decode step instead (nothing to prefill but the last token, or on the CPU)."""
         room = self._table.free
         taken: list[WaitingPrompt] = []
         prefills = budget = 0
@@ -362,10 +370,11 @@ class CompiledEngine:
                 budget += rest
             taken.append(self._waiting.popleft())
         if not taken:
-            return 0, 0.0, None
+            return 0.0, None, 0
         started = time.perf_counter()
-        width = min(max(len(e.rest) for e in taken) + 1, self._prefill_step_size)
-        logits_bytes = len(taken) * width * self._vocab_size * mx.zeros((), self._layout.dtype).itemsize
+        prefilling = [e for e in taken if e.rest]
+        width = min(max((len(e.rest) for e in prefilling), default=0) + 1, self._prefill_step_size)
+        logits_bytes = len(prefilling) * width * self._vocab_size * mx.zeros((), self._layout.dtype).itemsize
         with_last = self._first_at_prefill and logits_bytes <= FIRST_TOKEN_LOGITS_MAX_BYTES
         span = max(e.cached for e in taken) + max(len(e.to_prefill(with_last)) for e in taken)
         table = self._table
@@ -373,31 +382,35 @@ class CompiledEngine:
         assert table.buffers is not None and table.inputs is not None
         for entry in taken:
             table.place(entry.seq)
-            entry.seq.position = len(entry.seq.prompt) - (0 if with_last else 1)
+            entry.seq.position = entry.cached + len(entry.to_prefill(with_last))
         by_cache: dict[int, list[WaitingPrompt]] = {}
         for entry in taken:
             if entry.cache is not None:
                 by_cache.setdefault(id(entry.cache), []).append(entry)
         for entries in by_cache.values():
             table.buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
-        prefilling = [e for e in taken if e.to_prefill(with_last)]
-        last_logits = self._prefill_slots(prefilling, with_last) if prefilling else None
-        slots = mx.array([e.seq.slot for e in taken], dtype=mx.int32)
+        last_logits = None
+        if len(prefilling) == 1 and not prefilling[0].cached:
+            last_logits = self._prefill.alone_into_slot(table.buffers, prefilling[0], with_last)
+        elif prefilling:
+            last_logits = self._prefill.batch(table.buffers, prefilling, with_last)
+        stepping = [e for e in taken if not (with_last and e.rest)]
+        if stepping:
+            slots = mx.array([e.seq.slot for e in stepping], dtype=mx.int32)
+            table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in stepping], dtype=table.inputs.dtype)
         first: Optional[LaunchedStep] = None
-        if last_logits is None:
-            table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in taken], dtype=table.inputs.dtype)
-        else:  # every one was prefilled, its last prompt token too
-            assert len(prefilling) == len(taken)
-            first = self._sample_first([e.seq for e in taken], last_logits)
+        if last_logits is not None:
+            first = self._sample_first([e.seq for e in prefilling], last_logits)
+            slots = mx.array([e.seq.slot for e in prefilling], dtype=mx.int32)
             table.inputs[slots] = first.tokens.astype(table.inputs.dtype)
         if not prefilling:
-            return len(taken), 0.0, None
+            return 0.0, None, len(stepping)
         if first is None:
             mx.eval(table.buffers.arrays())
-        # else the first tokens' read waits for the prefill, and the next launch writes the buffers
+        # else reading the first tokens waits for the prefill, and the next launch writes the buffers
         seconds = time.perf_counter() - started
         self._counters.add_own_prefill(sum(len(e.to_prefill(with_last)) for e in prefilling), seconds)
-        return len(taken), seconds, first
+        return seconds, first, len(stepping)
 
     def _sample_first(self, seqs: list[DecodingSequence], logits: mx.array) -> LaunchedStep:
         """The first tokens of `seqs`, from their prefill's logits at each last prompt position
@@ -410,39 +423,6 @@ class CompiledEngine:
         for seq in seqs:
             seq.launches += 1  # its next input, the token sampled now, joins its context
         return LaunchedStep(tokens, list(zip(rows, seqs)), errors, gather, wanting, self._version)
-
-    def _prefill_slots(self, entries: list[WaitingPrompt], with_last: bool) -> Optional[mx.array]:
-        """Prefill every entry's tokens into its slot, right-padded, in one batch (in chunks of
-        prefill_step_size positions); padding positions lie past each slot's position, where the
-        mask hides them until decoding overwrites them. `with_last`: the last prompt token too,
-        and returns the logits at each entry's last prompt position, a row per entry."""
-        buffers = self._table.buffers
-        assert buffers is not None
-        slots = [e.seq.slot for e in entries]
-        rests = [e.to_prefill(with_last) for e in entries]
-        width = max(len(r) for r in rests)
-        part = buffers.gather(slots, max(e.cached for e in entries) + width)
-        tokens = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
-        last: list[tuple[int, mx.array]] = []  # (entry, its logits at its last position)
-        for start in range(0, width, self._prefill_step_size):
-            if start:
-                mx.eval(part.arrays(), [row for _, row in last])
-            caches = part.layer_caches(mx.array([e.cached + start for e in entries], dtype=mx.int32),
-                                       self._layout.grouped_mask)
-            chunk = tokens[:, start:start + self._prefill_step_size]
-            with self._lora.rows([e.seq.adapter_slot for e in entries]):
-                logits = self.model(chunk, cache=caches)
-            part.absorb(caches)
-            if with_last:
-                ending = [i for i, r in enumerate(rests) if start <= len(r) - 1 < start + chunk.shape[1]]
-                if ending:
-                    rows = logits[mx.array(ending), mx.array([len(rests[i]) - 1 - start for i in ending])]
-                    last += zip(ending, rows)
-        buffers.scatter(slots, part)
-        if not with_last:
-            return None
-        last.sort(key=lambda pair: pair[0])
-        return mx.stack([row for _, row in last])
 
     # --- decoding -------------------------------------------------------------------------
     def _launch(self) -> LaunchedStep:

@@ -48,8 +48,9 @@ class WaitingPrompt:
         return self.seq.prompt[self.cached:-1]
 
     def to_prefill(self, with_last: bool) -> list[int]:
-        """The rest, and with `with_last` the last prompt token too (its first token is sampled then)."""
-        return self.seq.prompt[self.cached:] if with_last else self.rest
+        """The rest, and with `with_last` the last prompt token too where there is a rest (its first
+        token is sampled then); a prompt cached but its last token takes it in a decode step."""
+        return self.seq.prompt[self.cached:] if with_last and self.rest else self.rest
 
 
 @dataclass
