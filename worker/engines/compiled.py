@@ -374,7 +374,7 @@ class CompiledEngine:
         started = time.perf_counter()
         prefilling = [e for e in taken if e.rest]
         width = min(max((len(e.rest) for e in prefilling), default=0) + 1, self._prefill_step_size)
-        logits_bytes = len(prefilling) * width * self._vocab_size * mx.zeros((), self._layout.dtype).itemsize
+        logits_bytes = len(prefilling) * width * self._vocab_size * self._layout.dtype.size
         with_last = self._first_at_prefill and logits_bytes <= FIRST_TOKEN_LOGITS_MAX_BYTES
         span = max(e.cached for e in taken) + max(len(e.to_prefill(with_last)) for e in taken)
         table = self._table
