@@ -93,3 +93,32 @@ def test_the_loop_gates_bookkeeping_only_while_steps_are_long_and_off_its_cpu() 
     assert turn(0.010, 0.0003) == (pytest.approx(0.010), True)
     # a step the loop's thread spends mostly on its CPU (host-bound) ungates at once
     assert turn(0.020, 0.0003, step_cpu_s=0.015) == (pytest.approx(0.010), False)
+
+
+def test_a_stop_ends_the_backoff_of_an_upkeep_task_against_a_redis_that_is_gone() -> None:
+    """A stopping worker drops upkeep tasks; one asleep in a long backoff held the stop for all of it."""
+    import redis
+
+    from mlxq.redis_server import free_port
+    from worker.bookkeeping import Bookkeeper
+    from worker.redis_health import RedisHealth
+
+    gone = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    health = RedisHealth(gone, first_backoff_s=60, max_backoff_s=60)
+    attempts: list[float] = []
+
+    def upkeep() -> None:
+        attempts.append(time.monotonic())
+        gone.ping()  # refused: nothing listens there
+
+    keeper = Bookkeeper(health).start()
+    keeper.submit(upkeep, upkeep=True)
+    deadline = time.monotonic() + 10
+    while health.up and time.monotonic() < deadline:  # redis-py retries a refused connect itself first
+        time.sleep(0.01)
+    assert not health.up, "the task never met the refused connection"
+    time.sleep(0.2)  # into the backoff
+    started = time.monotonic()
+    keeper.stop(timeout=120)
+    assert time.monotonic() - started < 30, "the stop waited out the task's 60 s backoff"
+    assert len(attempts) == 1 and keeper.idle

@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from mlxq.redis_server import RedisServer
 from producer import Client
-from tests.workers import rq_ends_as, start_fake_worker, started_registry_empty, stop, wait_for
+from tests.workers import rq_ends_as, rq_status, start_fake_worker, started_registry_empty, stop, wait_for
 from worker.engines.fake import HANG_IN_STEP, RAISE_IN_STEP, fake_token
 
 pytestmark = pytest.mark.slow
@@ -366,14 +366,18 @@ def test_a_worker_whose_redis_is_gone_still_stops_cleanly_on_sigterm():
     try:
         worker = start_fake_worker(server.url, name="orphan")
         client = Client(server.url)
-        assert client.wait(client.submit(long_request(85, 2)), timeout=60).status == "finished"
+        job_id = client.submit(long_request(85, 2))
+        assert client.wait(job_id, timeout=60).status == "finished"
+        # The result key is written before the job's RQ end: wait for that too, or the stop would
+        # rightly wait out its grace for a result Redis never took (the next test).
+        wait_for(lambda: rq_status(server.url, job_id) == JobStatus.FINISHED, timeout=30, what="the job's RQ end")
     finally:
         server.stop()
     time.sleep(4)  # the loop and the bookkeeping thread meet the dead connection
     assert worker.poll() is None, "losing Redis must not stop a worker"
     out = stop(worker, timeout=25)  # inside the 30 s grace the pending results get
     assert worker.returncode == 0, out
-    assert "stopped without deregistering" in out and "Traceback" not in out
+    assert "stopped without deregistering" in out and "Traceback" not in out, out
 
 
 def test_a_warm_stop_with_redis_gone_and_results_unwritten_ends_after_the_grace():
@@ -390,7 +394,7 @@ def test_a_warm_stop_with_redis_gone_and_results_unwritten_ends_after_the_grace(
     worker.send_signal(signal.SIGTERM)  # warm: the jobs finish decoding, their results cannot be written
     out = stop(worker, timeout=30)
     assert worker.returncode == 0, out
-    assert "the results of 4 jobs were not written" in out and "Traceback" not in out
+    assert "the results of 4 jobs were not written" in out and "Traceback" not in out, out
 
 
 def test_a_warm_stop_is_recorded_while_the_running_jobs_finish(redis_url):

@@ -124,6 +124,10 @@ class BatchLoop:
             raise
         return taken
 
+    def _stop_waiting(self) -> bool:
+        """Whether a backoff the loop sleeps through should end early: a stop was requested."""
+        return self._rq.stop_requested
+
     def _grace_over(self) -> bool:
         """Stopping, with nothing left to compute but results Redis is not taking: whether the grace
         for it to come back (MLXQ_STOP_GRACE_S) is over. Then the bookkeeping gives up on them and
@@ -155,7 +159,7 @@ class BatchLoop:
         taken = 0
         # A stopping loop with nothing to compute does not sleep through the backoff: its grace runs.
         backoff = not len(self.scheduler) and not self._rq.stop_requested
-        if not self._health.up and self._health.try_reconnect(wait=backoff):
+        if not self._health.up and self._health.try_reconnect(wait=backoff, stop_waiting=self._stop_waiting):
             self._rq.beat_now()  # before any sweep can take our jobs for abandoned
         if self._health.up:
             room = 0 if self._rq.stop_requested or not self.admitting else self.scheduler.free_slots
@@ -209,7 +213,7 @@ class BatchLoop:
                 taken = self._source.wait(round_s)
             except REDIS_ERRORS as exc:
                 self._health.lost(exc)
-                self._health.try_reconnect(wait=True)
+                self._health.try_reconnect(wait=True, stop_waiting=self._stop_waiting)
                 continue
             if taken is not None:
                 return taken

@@ -117,14 +117,18 @@ class Bookkeeper:
                 self._lock.notify_all()
 
     def _run_until_done(self, task: Task, upkeep: bool) -> None:
+        def dropped() -> bool:
+            return self._given_up or (upkeep and self._stopping)
+
         while True:
             try:
                 task()
             except REDIS_ERRORS as exc:
                 self._health.lost(exc)
-                if self._given_up or (upkeep and self._stopping):
+                if not dropped():
+                    self._health.pause(stop_waiting=dropped)  # a stop ends the backoff of a task it drops
+                if dropped():
                     return
-                self._health.pause()
                 continue
             except Exception:
                 log.exception("bookkeeping task failed; the job is left to the abandoned-job sweep")

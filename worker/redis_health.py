@@ -10,13 +10,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import redis
 
 log = logging.getLogger("mlxq.worker")
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# A backoff is slept in slices this long, so a stop request ends it within one slice.
+WAKE_SLICE_S = 0.1
+
+
+def _sleep_unless(delay: float, stop_waiting: Optional[Callable[[], bool]]) -> None:
+    """Sleep `delay` seconds, or less once `stop_waiting()` says so (checked every WAKE_SLICE_S)."""
+    deadline = time.monotonic() + delay
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or (stop_waiting is not None and stop_waiting()):
+            return
+        time.sleep(min(left, WAKE_SLICE_S))
 
 
 class RedisHealth:
@@ -57,15 +69,18 @@ class RedisHealth:
             since, self.down_since = self.down_since, None
         log.warning("Redis is back after %.1f s", time.monotonic() - since)
 
-    def try_reconnect(self, wait: bool = False) -> bool:
-        """Ping when the backoff allows (sleeping until then if `wait`). True if Redis is back."""
+    def try_reconnect(self, wait: bool = False, stop_waiting: Optional[Callable[[], bool]] = None) -> bool:
+        """Ping when the backoff allows (sleeping until then if `wait`, unless `stop_waiting()` turns
+        true meanwhile). True if Redis is back."""
         if self.down_since is None:
             return True
         delay = self._next_try - time.monotonic()
         if delay > 0:
             if not wait:
                 return False
-            time.sleep(delay)
+            _sleep_unless(delay, stop_waiting)
+            if time.monotonic() < self._next_try:
+                return False  # woken early: the caller is stopping
         try:
             self._probe.ping()
         except REDIS_ERRORS:
@@ -74,11 +89,12 @@ class RedisHealth:
         self.answered()
         return True
 
-    def pause(self) -> None:
-        """Wait out the current backoff before trying a failed call again (the bookkeeping thread)."""
+    def pause(self, stop_waiting: Optional[Callable[[], bool]] = None) -> None:
+        """Wait out the current backoff before trying a failed call again (the bookkeeping thread),
+        or less once `stop_waiting()` says the call is no longer worth retrying."""
         with self._lock:
             delay = self._backoff
-        time.sleep(delay)
+        _sleep_unless(delay, stop_waiting)
         self._grow_backoff()
 
     def _grow_backoff(self) -> None:
