@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,8 @@ def stop(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # the worker prints every thread's stack: why it did not stop
+        time.sleep(1)
         proc.kill()
         out, _ = proc.communicate()
     return out or ""

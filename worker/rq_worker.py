@@ -10,6 +10,7 @@ It knows nothing of MLX; the scheduler knows nothing of Redis.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import signal
 import threading
@@ -156,6 +157,8 @@ class BatchWorker(SimpleWorker):
         dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT,
     ) -> bool:
         self.bootstrap(logging_level, date_format, log_format)
+        # `kill -USR1 <pid>` prints every thread's stack: what a worker that will not stop is doing.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._dequeue_strategy = dequeue_strategy
         if with_scheduler:
             self._start_scheduler(burst, logging_level, date_format, log_format)
