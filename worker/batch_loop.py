@@ -352,6 +352,14 @@ class BatchLoop:
     def _update_snapshot(self) -> None:
         self.running = tuple(self._table.values())
 
+    def describe_in_flight(self) -> str:
+        """The table as an operator reads it (SIGUSR1): each job, whether it is in the engine, being
+        prepared, or handed to the bookkeeping thread."""
+        held = set(self.scheduler.job_ids)
+        return "; ".join(f"{job_id!r}: " + ("ending" if f.ending else "in the engine" if job_id in held
+                                            else "preparing" if job_id in self._preparing else "nowhere")
+                         for job_id, f in list(self._table.items())) or "none"
+
     def running_ids(self) -> list[str]:
         """The jobs in the table, from the snapshot (any thread may ask)."""
         return [inflight.job.id for inflight in self.running]

@@ -157,8 +157,10 @@ class BatchWorker(SimpleWorker):
         dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT,
     ) -> bool:
         self.bootstrap(logging_level, date_format, log_format)
-        # `kill -USR1 <pid>` prints every thread's stack: what a worker that will not stop is doing.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # `kill -USR1 <pid>` prints every thread's stack (at once, even with the loop stuck in a step)
+        # and then, from the loop's thread, the jobs in flight: what a worker that will not stop is doing.
+        signal.signal(signal.SIGUSR1, self._log_in_flight)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self._dequeue_strategy = dequeue_strategy
         if with_scheduler:
             self._start_scheduler(burst, logging_level, date_format, log_format)
@@ -206,6 +208,10 @@ class BatchWorker(SimpleWorker):
                 self.log.warning("Worker %s: stopped without deregistering (Redis unreachable: %s); its "
                                  "entry expires with its heartbeat", self.name, exc)
         return taken > 0
+
+    def _log_in_flight(self, signum: int, frame: Optional[FrameType]) -> None:
+        loop = self._loop
+        self.log.warning("Worker %s: jobs in flight: %s", self.name, loop.describe_in_flight() if loop else "none")
 
     def _start_metrics(self) -> WorkerMetrics:
         metrics = WorkerMetrics(self.name, self.settings.served_alias,
