@@ -37,6 +37,12 @@ def stream_key(job_id: str) -> str:
     return f"{PREFIX}stream:{job_id}"
 
 
+def wake_key(token: str) -> str:
+    """A stream private to one AsyncClient's stream reader (a random token names it): an entry added
+    there wakes the reader's blocking read (producer/stream_hub.py)."""
+    return f"{PREFIX}wake:{token}"
+
+
 def cancel_key(job_id: str) -> str:
     return f"{PREFIX}cancel:{job_id}"
 

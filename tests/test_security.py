@@ -21,9 +21,10 @@ pytestmark = pytest.mark.slow
 
 # Kept in step with docs/operations.md's "Redis ACLs" section.
 PRODUCER_ACL = (
-    "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:canceled:* ~rq:scheduled:* "
-    "~rq:deferred:* ~mlxq:cancel:* %R~rq:results:* %R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* "
-    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info +client|unblock"
+    "producer on >producer-secret resetkeys ~rq:job:* ~rq:queues ~mlxq:cancel:* ~mlxq:wake:* %R~rq:results:* "
+    "%R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* -@all +@read +@write +@transaction +@pubsub "
+    "+@connection -@dangerous -scan -randomkey -pubsub|channels -pubsub|shardchannels -client|tracking "
+    "+eval +evalsha +info (~rq:queue:* +rpush +lrem +llen) (~rq:canceled:* +zadd) (~rq:scheduled:* +zrem)"
 )
 WORKER_ACL = (
     "worker on >worker-secret resetkeys ~rq:* ~mlxq:* resetchannels &rq:pubsub:* &mlxq:done:* "

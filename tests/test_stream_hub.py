@@ -60,14 +60,14 @@ def test_many_streams_each_get_their_own_entries_once_and_in_order(redis_url: st
                 cursor[key] += 1
             for key, task in readers.items():
                 assert await task == streams[key]
-            assert hub.wakes_allowed is True  # this server lets the hub wake its read
+            assert hub.wakes_allowed is True  # this server lets the hub write its wake stream
 
     run(scenario)
 
 
 def test_a_stream_followed_while_the_read_blocks_joins_it_at_once(redis_url: str, monkeypatch) -> None:
     """With reads that block for a minute, a second stream's entry still arrives: the hub's read
-    is woken for it (CLIENT UNBLOCK)."""
+    is woken for it (an entry in its wake stream)."""
     monkeypatch.setattr(producer.stream_hub, "block_slice", lambda left, socket_timeout: 60.0)
 
     async def scenario() -> None:
@@ -84,11 +84,11 @@ def test_a_stream_followed_while_the_read_blocks_joins_it_at_once(redis_url: str
     run(scenario)
 
 
-def test_without_client_unblock_the_hub_polls(redis_url: str, redis_conn: redis.Redis) -> None:
-    """An ACL user without +client|unblock: the hub's reads block briefly instead, and deliver."""
-    redis_conn.acl_setuser("no-unblock", enabled=True, passwords=["+pw"], keys=["*"],
-                           commands=["+@all", "-client|unblock"])
-    url = redis_url.replace("redis://", "redis://no-unblock:pw@")
+def test_without_its_wake_stream_the_hub_polls(redis_url: str, redis_conn: redis.Redis) -> None:
+    """An ACL user without the wake streams' keys (mlxq:wake:*): the hub's reads block briefly
+    instead, and deliver."""
+    redis_conn.acl_setuser("no-wake", enabled=True, passwords=["+pw"], keys=["~s", "~t"], commands=["+@all"])
+    url = redis_url.replace("redis://", "redis://no-wake:pw@")
 
     async def scenario() -> None:
         async with _hub(url) as (connection, hub):
@@ -105,7 +105,7 @@ def test_without_client_unblock_the_hub_polls(redis_url: str, redis_conn: redis.
     try:
         run(scenario)
     finally:
-        redis_conn.acl_deluser("no-unblock")
+        redis_conn.acl_deluser("no-wake")
 
 
 def test_entries_a_reader_saw_by_itself_are_not_given_again(redis_url: str) -> None:
