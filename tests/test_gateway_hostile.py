@@ -1,10 +1,13 @@
-"""Streams through the gateway under attack, against a real redis-server and a real fake-engine worker:
-one tenant's bad `Last-Event-ID`, another client ending the shared stream read with an error, a stream
-whose own read fails. Each costs at most the stream that caused it, and no job is cancelled for it."""
+"""The gateway under attack, against a real redis-server and a real fake-engine worker.
+
+Streams: one tenant's bad `Last-Event-ID`, another client ending the shared stream read with an error,
+a stream whose own read fails; each costs at most the stream that caused it, and no job is cancelled
+for it. Scripts flushed in a loop cost no request."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +21,7 @@ import redis
 from mlxq.redis_server import RedisServer
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
-from tests.workers import rq_status, start_fake_worker, stop, wait_for
+from tests.workers import ScriptFlusher, rq_status, start_fake_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +34,8 @@ class Stack:
     url: str
     base: str
     conn: redis.Redis
-    worker_log: list[str]
+    worker: subprocess.Popen[str]
+    worker_lines: list[str]
 
     def headers(self, tenant: str, **more: Any) -> dict[str, Any]:
         return {"Authorization": f"Bearer {KEYS[tenant]}", **more}
@@ -40,20 +44,32 @@ class Stack:
         raw = self.conn.get(keys.result_key(job_id))
         return GenerationResult.model_validate_json(raw) if raw else None
 
+    @property
+    def worker_log(self) -> str:
+        """The worker's output so far (what a failing assertion shows)."""
+        return "".join(self.worker_lines[-200:])
+
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
         worker = start_fake_worker(server.url, "--model", "fake", step_delay_s=0.02)
-        log: list[str] = []
+        lines: list[str] = []
+        assert worker.stdout is not None
+        threading.Thread(target=lambda: lines.extend(iter(worker.stdout.readline, "")), daemon=True).start()
         try:
             wait_live(conn, "fake")
             entries = ",".join(key_entry(tenant, key) for tenant, key in KEYS.items())
             with running_gateway(server.url, api_keys=entries) as base:
-                yield Stack(server.url, base, conn, log)
+                yield Stack(server.url, base, conn, worker, lines)
         finally:
-            log.append(stop(worker))
+            worker.terminate()  # its output is drained by the thread above
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
             conn.close()
 
 
@@ -184,3 +200,35 @@ def test_a_stream_whose_own_read_fails_ends_alone_and_its_job_is_not_cancelled(s
     assert not stack.conn.exists(keys.cancel_key(broken.job_id))
     assert rq_status(stack.url, broken.job_id) == "queued" and stack.result(broken.job_id) is None
     assert beside.done and not beside.errors and beside.text == expected, (beside.errors, stack.worker_log)
+
+
+def test_scripts_flushed_in_a_loop_cost_no_request(stack: Stack) -> None:
+    """Admission (the gateway's scripts), enqueueing and the worker's polls all run scripts: with the
+    server's script cache emptied about every millisecond, blocking and streamed requests of two
+    tenants still all answer 200 with their text, and the worker lives on."""
+    prompts = [("acme", f"f{i}") for i in range(4)] + [("globex", f"g{i}") for i in range(4)]
+    expected = {prompt: _alone(stack, tenant, prompt) for tenant, prompt in prompts}
+    answers: dict[str, Any] = {}
+
+    def blocking(tenant: str, prompt: str) -> None:
+        response = httpx.post(f"{stack.base}/chat/completions", headers=stack.headers(tenant), timeout=60,
+                              json={"model": "fake", "messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": TOKENS})
+        answers[prompt] = (response.status_code, response.json())
+
+    with ScriptFlusher(redis.Redis.from_url(stack.url)) as flusher:
+        streams = [ChatStream(stack, tenant, prompt) for tenant, prompt in prompts[::2]]
+        callers = [threading.Thread(target=blocking, args=p) for p in prompts[1::2]]
+        for thread in [*streams, *callers]:
+            thread.start()
+            time.sleep(0.05)
+        for thread in [*streams, *callers]:
+            thread.join(timeout=60)
+    assert flusher.flushes > 100
+    for stream in streams:
+        assert stream.status == 200 and stream.done and not stream.errors, (stream.errors, stack.worker_log)
+        assert stream.text == expected[stream.body["messages"][0]["content"]]
+    for prompt, (status, body) in answers.items():
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == expected[prompt]
+    assert stack.worker.poll() is None, stack.worker_log
