@@ -173,6 +173,7 @@ def plan_jobs(
             kwargs={"request": request.to_payload()},
             timeout=options.timeout,
             result_ttl=options.result_ttl,
+            failure_ttl=keys.failure_ttl(None, options.result_ttl),  # a failed job is kept as long as a result
             ttl=options.ttl,
             description=describe(request),
             job_id=job_id,

@@ -2,12 +2,17 @@
 
 Streams: one tenant's bad `Last-Event-ID`, another client ending the shared stream read with an error,
 a stream whose own read fails; each costs at most the stream that caused it, and no job is cancelled
-for it. Scripts flushed in a loop cost no request."""
+for it. Scripts flushed in a loop cost no request. Small lies (a job read as `finished` without its
+result, `"yes"` taken for true) and slow clients (held connections) are gone."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +23,7 @@ import httpx
 import pytest
 import redis
 
-from mlxq.redis_server import RedisServer
+from mlxq.redis_server import RedisServer, free_port
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
 from tests.workers import ScriptFlusher, rq_status, start_fake_worker, wait_for
@@ -232,3 +237,157 @@ def test_scripts_flushed_in_a_loop_cost_no_request(stack: Stack) -> None:
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == expected[prompt]
     assert stack.worker.poll() is None, stack.worker_log
+
+
+# ---------------------------------------------------------------- small lies and slow clients
+
+
+def test_a_job_read_while_it_ends_is_never_finished_without_its_result(stack: Stack) -> None:
+    """`GET /v1/jobs/{id}` polled by eight clients at once while the job ends (its result key written as a
+    worker writes it, first, then RQ's status): status and result come from one read, so no answer is
+    `finished` with `result: null`."""
+    announce(stack.conn, "nobody-serves-it", "idle-model")
+    job_ids = [httpx.post(f"{stack.base}/jobs", headers=stack.headers("acme"), timeout=30,
+                          json={"model": "idle-model", "prompt": f"p{i}"}).json()["id"] for i in range(30)]
+    current = [job_ids[0]]
+    answers: list[tuple[str, Any]] = []
+    stopping = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(headers=stack.headers("acme"), timeout=30) as http:
+            while not stopping.is_set():
+                body = http.get(f"{stack.base}/jobs/{current[0]}").json()
+                answers.append((body["status"], body["result"]))
+
+    pollers = [threading.Thread(target=poll) for _ in range(8)]
+    for thread in pollers:
+        thread.start()
+    rng = random.Random(5)
+    for job_id in job_ids:
+        current[0] = job_id
+        time.sleep(rng.uniform(0.02, 0.06))
+        ended = GenerationResult(id=job_id, status="finished", choices=[], worker="test")
+        stack.conn.set(keys.result_key(job_id), ended.model_dump_json(), ex=600)
+        time.sleep(rng.uniform(0.0, 0.01))
+        stack.conn.hset(f"rq:job:{job_id}", "status", "finished")
+        time.sleep(0.02)
+    stopping.set()
+    for thread in pollers:
+        thread.join(timeout=30)
+    final = [(status, result) for status, result in answers if status == "finished"]
+    assert len(final) > len(job_ids), len(answers)
+    lies = [answer for answer in final if answer[1] is None]
+    assert not lies, f"{len(lies)} of {len(final)} reads said finished without a result"
+
+
+def test_a_json_boolean_is_a_boolean(stack: Stack) -> None:
+    """`logprobs: "yes"` (or a number in a string) is refused naming the field, as OpenAI refuses it."""
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for field, value in (("logprobs", "yes"), ("stream", "true"), ("max_tokens", "5"), ("temperature", "0.5"),
+                         ("n", 1.0), ("ignore_eos", 1), ("top_logprobs", "2")):
+        response = httpx.post(f"{stack.base}/chat/completions", headers=stack.headers("acme"), timeout=30,
+                              json={**chat, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+    response = httpx.post(f"{stack.base}/jobs", headers=stack.headers("acme"), timeout=30,
+                          json={"model": "fake", "prompt": "x", "logprobs": "yes"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs", response.text
+    ok = httpx.post(f"{stack.base}/chat/completions", headers=stack.headers("acme"), timeout=30,
+                    json={**chat, "logprobs": True, "temperature": 0})  # an integer where a number goes: fine
+    assert ok.status_code == 200, ok.text
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closed `sock` within `seconds`, and what it sent before."""
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True, received
+            received += data
+    except socket.timeout:
+        return False, received
+    except ConnectionResetError:
+        return True, received
+
+
+def _slow_clients(base: str) -> dict[str, socket.socket]:
+    """Three clients that never finish a request: silent, a header a byte at a time, a body never sent."""
+    host, port = base.removeprefix("http://").split("/")[0].split(":")
+    clients = {name: socket.create_connection((host, int(port))) for name in ("silent", "trickle", "no-body")}
+    clients["trickle"].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    clients["no-body"].sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    return clients
+
+
+def _keep_trickling(sock: socket.socket, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        try:
+            sock.sendall(b"X")
+        except OSError:
+            return
+
+
+def test_slow_clients_are_cut_off_and_responses_are_not(stack: Stack) -> None:
+    """With 1 s deadlines: a connection that sends nothing, one that sends its header a byte every 0.2 s
+    and one that never finishes its body are each closed (a 408 where the head was incomplete), while
+    a blocking request and a stream that take longer than the deadlines are answered whole."""
+    entries = ",".join(key_entry(tenant, key) for tenant, key in KEYS.items())
+    with running_gateway(stack.url, api_keys=entries, header_timeout_s=1, body_timeout_s=1) as base:
+        clients = _slow_clients(base)
+        stop = threading.Event()
+        threading.Thread(target=_keep_trickling, args=(clients["trickle"], stop), daemon=True).start()
+        slow_answer = ChatStream(Stack(stack.url, base, stack.conn, stack.worker, stack.worker_lines), "acme", "slow",
+                                 max_tokens=150)  # about 3 s of tokens
+        slow_answer.start()
+        blocking = httpx.post(f"{base}/chat/completions", headers=stack.headers("globex"), timeout=60,
+                              json={"model": "fake", "messages": [{"role": "user", "content": "b"}],
+                                    "max_tokens": 150})
+        outcomes = {name: _closed_within(sock, 15) for name, sock in clients.items()}
+        stop.set()
+        slow_answer.join(timeout=60)
+        for sock in clients.values():
+            sock.close()
+    for name, (closed, sent) in outcomes.items():
+        assert closed, f"the {name} client was not cut off"
+        if name != "no-body":
+            assert sent.startswith(b"HTTP/1.1 408"), (name, sent)
+    assert blocking.status_code == 200, blocking.text
+    assert slow_answer.done and not slow_answer.errors and slow_answer.finish == "length", slow_answer.errors
+
+
+def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
+    """`mlxq api` as a process, configured by the environment as docs/configuration.md writes it:
+    `MLXQ_API_ADMIN_TENANTS=ops` lets ops (only) drive the control plane, and the header deadline
+    cuts off a silent client."""
+    keys_ = {"ops": "sk-ops-1", "acme": "sk-acme-1"}
+    port = free_port()
+    env = {**os.environ, "MLXQ_REDIS_URL": stack.url, "MLXQ_API_ADMIN_TENANTS": "ops",
+           "MLXQ_API_KEYS": ",".join(key_entry(tenant, key) for tenant, key in keys_.items()),
+           "MLXQ_API_HEADER_TIMEOUT_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "api", "--port", str(port), "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_for(lambda: proc.poll() is not None or _answers(base), timeout=60, what="mlxq api to listen")
+        assert proc.poll() is None, proc.communicate()[0]
+        answers = {tenant: httpx.post(f"{base}/control/fake/reset_prefix_cache", json={"timeout": 5}, timeout=30,
+                                      headers={"Authorization": f"Bearer {key}"}).status_code
+                   for tenant, key in keys_.items()}
+        silent = socket.create_connection(("127.0.0.1", port))
+        closed, sent = _closed_within(silent, 15)
+        silent.close()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert answers == {"ops": 200, "acme": 403}, out
+    assert closed and sent.startswith(b"HTTP/1.1 408"), out
+
+
+def _answers(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/models", timeout=2).status_code in (200, 401)
+    except httpx.HTTPError:
+        return False

@@ -19,6 +19,7 @@ from producer.api.gateway import current_tenant, gateway
 from producer.aio_stream import AsyncJobStream
 from producer.errors import InvalidRequest, JobNotFound, MlxqError
 from producer.openai_responses import error_body
+from producer.wire import public_status
 from schemas import GenerationRequest, GenerationResult
 
 __all__ = ["router"]
@@ -52,9 +53,10 @@ async def create_job(body: GenerationRequest, request: Request, priority: Option
 @router.get("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)
 async def get_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> JobObject:
     client = gateway(request).client
-    try:
-        result = await client.result(_owned(tenant, job_id))
-        status = result.status if result is not None else await client.status(job_id)
+    try:  # status and result from one read: never `finished` beside a result read a moment before
+        state = (await client._read_states([_owned(tenant, job_id)]))[0]
+        result = await client._settled(state)
+        status = result.status if result is not None else public_status(state)
     except JobNotFound:
         raise not_found("job", job_id) from None
     return JobObject(id=job_id, status=status, result=result)
