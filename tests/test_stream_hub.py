@@ -250,6 +250,30 @@ def test_a_lost_connection_is_read_again_without_failing_a_stream(redis_url: str
     run(scenario)
 
 
+def test_a_wake_stream_someone_else_broke_turns_wakes_into_polls(redis_url: str, redis_conn: redis.Redis,
+                                                                 monkeypatch) -> None:
+    """The hub's wake stream overwritten with a string by another client: the hub reads on, polling,
+    and a stream followed afterwards still gets its entries."""
+    monkeypatch.setattr(producer.stream_hub, "block_slice", lambda left, socket_timeout: 60.0)
+
+    async def scenario() -> None:
+        async with _hub(redis_url) as (connection, hub):
+            first = asyncio.create_task(_collect(hub, "first", 3))
+            await asyncio.sleep(0.2)
+            assert hub.wakes_allowed is True
+            redis_conn.set(hub._wake_key, "not a stream")
+            second = asyncio.create_task(_collect(hub, "second", 3))  # its wake fails; the read then does
+            for i in range(3):
+                await connection.xadd("first", {"v": str(i)})
+                await connection.xadd("second", {"v": str(i)})
+                await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(second, 10) == [b"0", b"1", b"2"]
+            assert await asyncio.wait_for(first, 10) == [b"0", b"1", b"2"]
+            assert hub.wakes_allowed is False
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("bad", ["99999999999999999999", "18446744073709551616-0", "1-18446744073709551616",
                                  "1²", "１-0", "-1", "1-", "1--2", " 1", "1 ", "1-2-3", "0x10", "1e3", "", "$", ">",
                                  "+", "1-*"])
