@@ -195,12 +195,12 @@ class StreamHub:
             reply = await connection.xread(reading, block=max(1, int(block_s * 1000)), count=STREAM_BATCH)
         except redis.ResponseError as exc:
             log.info("stream reads: the shared read failed (%s); reading each stream alone", exc)
-            reply = None
+        else:
+            self._deliver(reply or ())
+            return
         finally:
             self._reading = None
-        if reply is not None:
-            self._deliver(reply)
-        elif not self._deliver(await self._read_each(reading)):
+        if not self._deliver(await self._read_each(reading)):
             await asyncio.sleep(FALLBACK_BLOCK_MS / 1000)  # an error no stream explains: no busy loop
 
     async def _read_each(self, reading: dict[str, str]) -> list[tuple[Any, list[Entry]]]:
