@@ -57,8 +57,7 @@ def as_job_fields(reply: Any) -> Optional[JobFields]:
 
 def fetch_job_fields(connection: redis.Redis, job_id: str, max_job_bytes: int) -> Optional[JobFields]:
     """A job's hash (or why it cannot be sent) by id, outside a poll; None if there is no such key."""
-    return as_job_fields(Script(connection, _FETCH_SCRIPT)(keys=[Job.key_for(job_id)],
-                                                                   args=[max_job_bytes]))
+    return as_job_fields(Script(connection, _FETCH_SCRIPT)(keys=[Job.key_for(job_id)], args=[max_job_bytes]))
 
 
 @dataclass(frozen=True)
