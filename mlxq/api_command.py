@@ -39,6 +39,7 @@ def _run(args: argparse.Namespace) -> int:
         import uvicorn
         from pydantic import ValidationError
 
+        from producer.api.http_deadlines import uvicorn_options
         from producer.api.settings import GatewaySettings
     except ImportError as exc:
         print(f"mlxq api: the gateway needs the api extra (pip install 'mlxq[api]'): {exc}", file=sys.stderr)
@@ -57,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
               f"pass --insecure to listen on {args.host} anyway", file=sys.stderr)
         return 2
     uvicorn.run("producer.api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
-                log_level=args.log_level, proxy_headers=False)
+                log_level=args.log_level, proxy_headers=False, **uvicorn_options())
     return 0
 
 

@@ -80,9 +80,8 @@ async def execute_batch(
     args = ("EVALSHA", RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, packed)
     try:
         replies = await connection.execute_command(*args)
-    except redis.exceptions.NoScriptError:  # a restarted or flushed server
-        await connection.script_load(RUN_SCRIPT)
-        replies = await connection.execute_command(*args)
+    except redis.exceptions.NoScriptError:  # a restarted or flushed server: the call carries the script
+        replies = await connection.execute_command("EVAL", RUN_SCRIPT, *args[2:])
     except redis.exceptions.ResponseError as exc:
         if unless_exists or not str(exc).lower().startswith("unknown command"):
             raise

@@ -378,8 +378,7 @@ class Client:
         key = keys.stream_key(cursor.job_id)
         with broker_errors():
             if cursor.live:  # one round trip per event while the stream flows; its job's state after a silence
-                batch = self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
-                                              count=STREAM_BATCH)
+                batch = self._blocking_read(key, cursor.last_event_id, block_s)
                 if batch:
                     return cursor.from_entries(batch[0][1])
             for _ in range(2):  # an end event can arrive between the first read and the state's
@@ -393,9 +392,16 @@ class Client:
                 return cursor.from_result(settled, bool(self.connection.exists(key)))
             if cursor.live:
                 return []  # it waited its slice already
-            batch = self.connection.xread({key: cursor.last_event_id}, block=max(1, int(block_s * 1000)),
-                                          count=STREAM_BATCH)
+            batch = self._blocking_read(key, cursor.last_event_id, block_s)
             return cursor.from_entries(batch[0][1]) if batch else []
+
+    def _blocking_read(self, key: str, after: str, block_s: float) -> Any:
+        try:
+            return self.connection.xread({key: after}, block=max(1, int(block_s * 1000)), count=STREAM_BATCH)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("UNBLOCKED"):
+                raise
+            return []  # another client ended the wait early (CLIENT UNBLOCK ... ERROR): nothing came
 
     def _socket_timeout(self) -> float | None:
         return self.connection.connection_pool.connection_kwargs.get("socket_timeout")

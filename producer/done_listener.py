@@ -101,7 +101,8 @@ class DoneListener:
                 continue
             if message is None or message["type"] != "pmessage":
                 continue
-            job_id = message["channel"][prefix:].decode()
+            # Anyone allowed to publish there may: a channel that names no job id wakes no one.
+            job_id = message["channel"][prefix:].decode(errors="replace")
             for wake in list(self._waits.get(job_id, ())):
                 wake.notify(job_id)
 

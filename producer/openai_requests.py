@@ -34,14 +34,15 @@ COMPLETIONS_PATH = "/v1/completions"
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """What chat and completions share: OpenAI's sampling fields, then mlxq's extensions."""
+    """What chat and completions share: OpenAI's sampling fields, then mlxq's extensions. Strict, as
+    GenerationRequest: a JSON boolean, number or string where one is expected, never `"yes"` or `"5"`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=512)
     max_tokens: Optional[int] = Field(None, ge=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ def plan_jobs(
             kwargs={"request": request.to_payload()},
             timeout=options.timeout,
             result_ttl=options.result_ttl,
+            failure_ttl=keys.failure_ttl(None, options.result_ttl),  # a failed job is kept as long as a result
             ttl=options.ttl,
             description=describe(request),
             job_id=job_id,
@@ -391,6 +393,23 @@ def block_slice(timeout_left: float | None, socket_timeout: float | None) -> flo
     return max(cap, 0.001)
 
 
+# A Redis stream entry id: two unsigned 64-bit integers, `<ms>-<seq>` (`<ms>` alone means seq 0).
+_EVENT_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
+_STREAM_ID_PART_MAX = 2**64 - 1
+
+
+def parse_event_id(text: Any, field: str = "last_event_id") -> tuple[int, int]:
+    """An event id as (ms, seq); InvalidRequest naming `field` unless it is one Redis takes (ASCII
+    digits, each part below 2**64): a bad id checked here never reaches a read shared with others."""
+    match = _EVENT_ID.fullmatch(text) if isinstance(text, str) else None
+    if match is not None:
+        major, minor = int(match[1]), int(match[2] or 0)
+        if major <= _STREAM_ID_PART_MAX and minor <= _STREAM_ID_PART_MAX:
+            return major, minor
+    shown = repr(text)[:48]
+    raise InvalidRequest(f"{field}: {shown} is not an event id (<ms>-<seq>: two integers of 0 to 2**64-1)", field)
+
+
 class StreamCursor:
     """Where one reader of a job's token stream is, and which events to yield from what Redis returned.
 
@@ -404,7 +423,8 @@ class StreamCursor:
 
     def __init__(self, job_id: str, last_event_id: str | None = None) -> None:
         self.job_id = job_id
-        self.last_event_id = last_event_id or STREAM_START
+        major, minor = parse_event_id(last_event_id or STREAM_START)
+        self.last_event_id = f"{major}-{minor}"
         self.ended = False
 
     @property

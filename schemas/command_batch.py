@@ -88,9 +88,9 @@ class CommandBatch(CoreCommands):
         packed = hiredis.pack_command(("EVALSHA", RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, commands))
         try:
             replies = self._send(packed)
-        except redis.exceptions.NoScriptError:  # a restarted or flushed server
-            self._connection.script_load(RUN_SCRIPT)
-            replies = self._send(packed)
+        except redis.exceptions.NoScriptError:  # a restarted or flushed server: the call carries the script
+            replies = self._send(hiredis.pack_command(("EVAL", RUN_SCRIPT, len(unless_exists), *unless_exists,
+                                                       commands)))
         except redis.exceptions.ResponseError as exc:
             if unless_exists or not str(exc).lower().startswith("unknown command"):
                 raise

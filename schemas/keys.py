@@ -29,12 +29,28 @@ def result_key_ttl(job_result_ttl: int | None) -> int | None:
     return None if job_result_ttl < 0 else max(job_result_ttl, 1)
 
 
+def failure_ttl(job_failure_ttl: int | None, job_result_ttl: int | None) -> int:
+    """Seconds RQ keeps a failed or cancelled job's records (its hash with the request, its
+    `rq:results:<id>` entry, its failed-registry entry): the job's own `failure_ttl` if it set one,
+    else as long as its result key lives (-1: forever), never RQ's default of a year."""
+    if job_failure_ttl is not None:
+        return job_failure_ttl
+    ttl = result_key_ttl(job_result_ttl)
+    return -1 if ttl is None else ttl
+
+
 def result_key(job_id: str) -> str:
     return f"{PREFIX}result:{job_id}"
 
 
 def stream_key(job_id: str) -> str:
     return f"{PREFIX}stream:{job_id}"
+
+
+def wake_key(token: str) -> str:
+    """A stream private to one AsyncClient's stream reader (a random token names it): an entry added
+    there wakes the reader's blocking read (producer/stream_hub.py)."""
+    return f"{PREFIX}wake:{token}"
 
 
 def cancel_key(job_id: str) -> str:

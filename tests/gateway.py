@@ -16,6 +16,7 @@ import uvicorn
 
 from mlxq.redis_server import free_port
 from producer.api.app import create_app
+from producer.api.http_deadlines import uvicorn_options
 from producer.api.settings import GatewaySettings
 from schemas import keys
 from schemas.presence import WorkerPresence
@@ -32,7 +33,7 @@ def running_gateway(redis_url: str, **settings: Any) -> Iterator[str]:
     config = GatewaySettings(redis_url=redis_url, **settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
+                                           lifespan="on", **uvicorn_options()))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

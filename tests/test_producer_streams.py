@@ -16,7 +16,7 @@ import redis
 from rq.job import Job
 
 import producer
-from producer import AsyncClient, Client, GenerationResult, JobNotFound, StreamExpired, WaitTimeout
+from producer import AsyncClient, Client, GenerationResult, InvalidRequest, JobNotFound, StreamExpired, WaitTimeout
 from schemas import TopLogprob, keys
 from schemas.events import EndStreamEvent, TokenStreamEvent, encode_event
 from tests.clients import client, kind, make_client, new_client  # noqa: F401  (fixtures)
@@ -209,6 +209,42 @@ def test_stream_errors(client: Any, redis_conn: redis.Redis) -> None:
     with pytest.raises(StreamExpired) as expired:
         next(stream)
     assert expired.value.job_id == job_id and isinstance(expired.value, LookupError)
+
+
+@pytest.mark.parametrize("bad", ["99999999999999999999", "1\u00b2", "1-", "-1", "1-2-3", " 1"])
+def test_a_last_event_id_redis_would_refuse_is_refused_naming_it(client: Any, bad: str) -> None:
+    job_id = client.submit({"prompt": "x", "stream": True})
+    with pytest.raises(InvalidRequest, match="last_event_id") as info:
+        client.stream(job_id, timeout=5, last_event_id=bad)
+    assert info.value.field == "last_event_id"
+    resumed = client.stream(job_id, timeout=5, last_event_id="18446744073709551615-18446744073709551615")
+    assert resumed.last_event_id == "18446744073709551615-18446744073709551615"  # the largest id Redis has
+
+
+def test_a_stream_read_another_client_unblocks_with_an_error_reads_on(client: Any, redis_conn: redis.Redis) -> None:
+    """`CLIENT UNBLOCK <id> ERROR` from another client, at a stream's blocking read, costs it nothing."""
+    job_id = client.submit({"prompt": "x", "stream": True})
+    emit(redis_conn, job_id, 0, [1], "a")
+    stream = client.stream(job_id, timeout=30)
+    assert next(stream)["text"] == "a"
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.extend(_drain(stream)))
+    reader.start()
+    for i in range(20):
+        time.sleep(0.05)
+        for blocked in [int(c["id"]) for c in redis_conn.client_list() if c.get("cmd") == "xread"]:
+            redis_conn.execute_command("CLIENT", "UNBLOCK", blocked, "ERROR")
+        emit(redis_conn, job_id, 0, [2 + i], "b")
+    end(redis_conn, job_id, ["a" + "b" * 20])
+    reader.join(timeout=30)
+    assert [e.get("text") for e in got] == ["b"] * 20 + [None] and got[-1]["event"] == "end", got
+
+
+def _drain(stream: Any) -> list[Any]:
+    try:
+        return list(stream)
+    except Exception as exc:  # shown by the assertion
+        return [exc]
 
 
 def test_blocking_reads_outlast_the_socket_timeout(redis_url: str, redis_conn: redis.Redis) -> None:

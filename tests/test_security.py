@@ -15,15 +15,17 @@ import redis
 
 from mlxq.redis_server import find_redis_server, free_port
 from producer import AsyncClient, Client
-from tests.workers import start_fake_worker, stop, wait_for
+from schemas import keys
+from tests.workers import ScriptFlusher, start_fake_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
 # Kept in step with docs/operations.md's "Redis ACLs" section.
 PRODUCER_ACL = (
-    "producer on >producer-secret resetkeys ~rq:queue:* ~rq:job:* ~rq:queues ~rq:canceled:* ~rq:scheduled:* "
-    "~rq:deferred:* ~mlxq:cancel:* %R~rq:results:* %R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* "
-    "-@all +@read +@write +@transaction +@pubsub +@connection +@scripting -@dangerous +info +client|unblock"
+    "producer on >producer-secret resetkeys ~rq:job:* ~rq:queues ~mlxq:cancel:* ~mlxq:wake:* %R~rq:results:* "
+    "%R~mlxq:result:* %R~mlxq:stream:* resetchannels &mlxq:done:* -@all +@read +@write +@transaction +@pubsub "
+    "+@connection -@dangerous -function -scan -randomkey -pubsub|channels -pubsub|shardchannels -client|tracking "
+    "+eval +evalsha +info (~rq:queue:* +rpush +lrem +llen) (~rq:canceled:* +zadd) (~rq:scheduled:* +zrem)"
 )
 WORKER_ACL = (
     "worker on >worker-secret resetkeys ~rq:* ~mlxq:* resetchannels &rq:pubsub:* &mlxq:done:* "
@@ -181,3 +183,89 @@ def test_jobs_on_the_wire_are_json(redis_url):
     func, instance, args, kwargs = json.loads(data)
     assert func == "worker.tasks.generate" and instance is None and args == []
     assert kwargs == {"request": {"prompt": "hi", "max_tokens": 2, "metadata": {"k": "v"}}}
+
+
+def test_the_producer_acl_leaves_out_what_producers_do_not_need(tls_acl_redis):
+    """No script or function cache commands, no listing of keys or channels (ids of other tenants' jobs),
+    no waking or tracking of other clients, no deleting, trimming, popping or listing a queue; what
+    producers do keeps working (enqueue through EVALSHA, cancel through LREM, queue lengths)."""
+    url, _ = tls_acl_redis
+    producer = Client(url("producer", "producer-secret"))
+    job_id = producer.submit({"prompt_token_ids": [3, 4], "max_tokens": 5})
+    queue = "rq:queue:mlxq"
+    raw = redis.Redis.from_url(url("producer", "producer-secret"))
+    admin = redis.Redis.from_url(url("admin", "admin-secret"))
+    other = admin.client_id()
+    refused = {
+        "SCRIPT FLUSH": lambda: raw.script_flush(),
+        "SCRIPT KILL": lambda: raw.script_kill(),
+        "FUNCTION FLUSH": lambda: raw.function_flush(),
+        "FUNCTION LOAD": lambda: raw.function_load("#!lua name=x\nredis.register_function('f', function() end)"),
+        "FCALL": lambda: raw.fcall("f", 0),
+        "SCAN": lambda: raw.scan(0, match="rq:job:*"),
+        "RANDOMKEY": lambda: raw.randomkey(),
+        "KEYS": lambda: raw.keys("rq:*"),
+        "CLIENT UNBLOCK": lambda: raw.client_unblock(other, error=True),
+        "CLIENT TRACKING": lambda: raw.execute_command("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "rq:job:"),
+        "PUBSUB CHANNELS": lambda: raw.pubsub_channels(),
+        "DEL queue": lambda: raw.delete(queue),
+        "UNLINK queue": lambda: raw.unlink(queue),
+        "RENAME queue": lambda: raw.rename(queue, "rq:queue:elsewhere"),
+        "LTRIM queue": lambda: raw.ltrim(queue, 1, 0),
+        "LPOP queue": lambda: raw.lpop(queue),
+        "LMOVE queue": lambda: raw.lmove(queue, "rq:queue:elsewhere"),
+        "LRANGE queue": lambda: raw.lrange(queue, 0, -1),
+        "LINDEX queue": lambda: raw.lindex(queue, 0),
+        "EXPIRE queue": lambda: raw.expire(queue, 1),
+        "SET queue": lambda: raw.set(queue, "x"),
+        "ZRANGE scheduled": lambda: raw.zrange("rq:scheduled:mlxq", 0, -1),
+        "ZREMRANGEBYRANK scheduled": lambda: raw.zremrangebyrank("rq:scheduled:mlxq", 0, -1),
+    }
+    allowed = []
+    for name, command in refused.items():
+        try:
+            command()
+            allowed.append(name)
+        except redis.exceptions.NoPermissionError:
+            pass
+    assert not allowed, f"the producer ACL allows {allowed}"
+    assert admin.lrange(queue, 0, -1) == [job_id.encode()]  # untouched
+    assert raw.llen(queue) == 1
+    assert producer.cancel(job_id) and admin.llen(queue) == 0
+
+
+def test_scripts_flushed_in_a_loop_cost_no_job_under_the_acls(tls_acl_redis):
+    """A real worker and producers holding the documented ACLs, with the server's script cache emptied
+    about every millisecond (by an admin: producers may not): every job still finishes, streams end
+    whole, a queued job still cancels, and the worker lives on."""
+    url, _ = tls_acl_redis
+    producer = Client(url("producer", "producer-secret"))
+    admin = redis.Redis.from_url(url("admin", "admin-secret"))
+    worker = start_fake_worker(url("worker", "worker-secret"), name="acl-flush", step_delay_s=0.01)
+    try:
+        wait_for(lambda: admin.exists(keys.worker_key("acl-flush")), timeout=60, what="the worker to start")
+        with ScriptFlusher(admin) as flusher:
+            ids = [producer.submit({"prompt_token_ids": [3, i], "max_tokens": 8}) for i in range(10)]
+            ids += producer.submit_many([{"prompt_token_ids": [4, i], "max_tokens": 8} for i in range(20)])
+            streamed = asyncio.run(_streams_as(url("producer", "producer-secret"), 4))
+            results = producer.wait_many(ids, timeout=60)
+            alive = worker.poll() is None
+        flushes = flusher.flushes
+    finally:
+        out = stop(worker)
+    assert alive and worker.returncode == 0, out
+    assert flushes > 100
+    assert all(r.status == "finished" and len(r.choices[0].token_ids) == 8 for r in results.values()), out
+    for events in streamed:
+        assert events[-1]["event"] == "end" and sum(len(e.get("token_ids", ())) for e in events) == 8, out
+
+
+async def _streams_as(url: str, count: int) -> list[list[dict]]:
+    async with AsyncClient(url) as client:
+        ids = [await client.submit({"prompt_token_ids": [5, i], "max_tokens": 8, "stream": True})
+               for i in range(count)]
+
+        async def read(job_id: str) -> list[dict]:
+            return [event async for event in client.stream(job_id, timeout=60)]
+
+        return list(await asyncio.gather(*(read(job_id) for job_id in ids)))

@@ -129,3 +129,39 @@ def test_no_secret_in_logs_help_info_or_errors(redis_server, tmp_path):
     assert "MLXQ_MAX_NUM_SEQS" in outputs["a bad setting"]
     leaked = [what for what, text in outputs.items() if SECRET in text]
     assert leaked == [], {what: outputs[what][-2000:] for what in leaked}
+
+
+# Every setting holding several values, in the comma-separated form docs/configuration.md writes, and
+# what it must read as. A new such setting without an entry here fails the test below.
+LIST_SETTINGS = {
+    "MLXQ_API_KEYS": ("ops:" + "ab" * 32 + ", acme:" + "cd" * 32, lambda s: [k.tenant for k in s.api_keys],
+                      ["ops", "acme"]),
+    "MLXQ_API_ADMIN_TENANTS": ("ops", lambda s: s.admin_tenants, ("ops",)),
+    "MLXQ_API_MODELS": ("qwen, llama", lambda s: s.models, ("qwen", "llama")),
+    "MLXQ_PRIORITIES": ("high,default", lambda s: s.priorities, ("high", "default")),
+    "MLXQ_CALLBACK_ALLOWLIST": ("myapp.hooks.,other.", lambda s: s.callback_allowlist, ("myapp.hooks.", "other.")),
+}
+
+
+def _list_fields(model: type) -> dict[str, str]:
+    """{variable: field name} of the fields of `model` typed as tuples."""
+    found = {}
+    for name, field in model.model_fields.items():
+        if getattr(field.annotation, "__origin__", None) is tuple or field.annotation is tuple:
+            alias = field.validation_alias.choices[0] if field.validation_alias else None
+            found[alias or (env_name(name) if model is WorkerSettings else f"MLXQ_API_{name.upper()}")] = name
+    return found
+
+
+@pytest.mark.parametrize("variable", sorted(LIST_SETTINGS))
+def test_every_list_setting_takes_its_documented_comma_separated_form(variable, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no .env
+    listed = {**_list_fields(GatewaySettings), **_list_fields(WorkerSettings)}
+    assert set(listed) == set(LIST_SETTINGS), "a list setting without a case here"
+    value, read, expected = LIST_SETTINGS[variable]
+    monkeypatch.setenv(variable, value)
+    if variable.startswith("MLXQ_API_") or variable == "MLXQ_PRIORITIES":
+        assert read(GatewaySettings()) == expected
+    if not variable.startswith("MLXQ_API_"):
+        monkeypatch.setenv("MLXQ_MODEL", "m")
+        assert read(WorkerSettings.from_env()) == expected

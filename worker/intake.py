@@ -18,6 +18,7 @@ import redis
 from rq.job import JOB_ID_PATTERN, Job, JobStatus
 from rq.utils import parse_timeout, str_to_date
 
+from schemas.scripts import Script
 from schemas.serializer import JSON_SERIALIZER
 
 # Longest job id a worker identifies: its result key is written under it.
@@ -56,8 +57,7 @@ def as_job_fields(reply: Any) -> Optional[JobFields]:
 
 def fetch_job_fields(connection: redis.Redis, job_id: str, max_job_bytes: int) -> Optional[JobFields]:
     """A job's hash (or why it cannot be sent) by id, outside a poll; None if there is no such key."""
-    return as_job_fields(connection.register_script(_FETCH_SCRIPT)(keys=[Job.key_for(job_id)],
-                                                                   args=[max_job_bytes]))
+    return as_job_fields(Script(connection, _FETCH_SCRIPT)(keys=[Job.key_for(job_id)], args=[max_job_bytes]))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 import redis
 
 from schemas import keys
+from schemas.scripts import Script
 from worker.intake import READ_JOB_LUA, JobFields, as_job_fields
 
 log = logging.getLogger("mlxq.worker")
@@ -134,8 +135,8 @@ class Poller:
         self._member_ttl_s = member_ttl_s  # a member that has not polled for this long has left its group
         self._max_job_bytes = max_job_bytes  # a bigger job hash is not sent back: it fails unread
         self._connection = connection
-        self._script = connection.register_script(POLL_SCRIPT)
-        self._read = connection.register_script(READ_SCRIPT)
+        self._script = Script(connection, POLL_SCRIPT)
+        self._read = Script(connection, READ_SCRIPT)
         # Ended jobs still in the running set. The next poll removes them before it looks for
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.

@@ -115,6 +115,8 @@ def _prepare(connection: redis.Redis, registry: StartedJobRegistry, job_id: str,
         connection.hset(job.key, mapping=capped)
     if job.should_retry:
         return None
+    if job.failure_ttl is None:  # rq's cleanup would keep the failed job a year
+        connection.hset(job.key, "failure_ttl", keys.failure_ttl(None, job.result_ttl))
     return abandoned_result(job), job.result_ttl
 
 

@@ -17,6 +17,7 @@ import redis
 from rq import Queue
 from rq.job import Job
 
+from schemas.scripts import Script
 from worker.intake import Unreadable, fetch_job_fields, read_job
 
 log = logging.getLogger("mlxq.worker")
@@ -50,7 +51,8 @@ def apply(job: Job, error_type: Optional[str], max_retries: int, first_backoff_s
 
 def cap_stored_retries(connection: redis.Redis, job_ids: Iterable[str], max_retries: int) -> None:
     """Lower `retries_left` in job hashes that ask for more (before rq's own cleanup retries them)."""
-    script = connection.register_script(
+    script = Script(
+        connection,
         "for _, key in ipairs(KEYS) do "
         "local left = tonumber(redis.call('HGET', key, 'retries_left') or '') "
         "if left and left > tonumber(ARGV[1]) then redis.call('HSET', key, 'retries_left', ARGV[1]) end end")

@@ -161,6 +161,7 @@ class RQJobs:
         written; a refused job's callbacks never run. Callbacks get a thread-safe timeout."""
         job, queue = ending.job, ending.queue
         job.ended_at = now()
+        job.failure_ttl = keys.failure_ttl(job.failure_ttl, job.result_ttl)  # not RQ's year
         with self._as_current(ending.execution):
             if result.status == "cancelled":
                 self._worker._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry

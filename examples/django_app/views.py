@@ -36,8 +36,11 @@ def create_job(request: HttpRequest) -> JsonResponse:
 @require_GET
 def job(request: HttpRequest, job_id: str) -> JsonResponse:
     try:
+        # The status first, then the result: a job that ends between the two reads has its result read
+        # (the other order could answer "finished" with no text).
+        status = client().status(job_id)
         result = client().result(job_id)
-        status = result.status if result is not None else client().status(job_id)
+        status = result.status if result is not None else status
     except JobNotFound:
         return JsonResponse({"error": f"no job {job_id}"}, status=404)
     text = result.choices[0].text if result is not None and result.choices else None

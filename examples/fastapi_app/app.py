@@ -70,8 +70,11 @@ async def create_job(ask: Ask) -> dict[str, str]:
 async def get_job(job_id: str) -> dict[str, Any]:
     assert client is not None
     try:
+        # The status first, then the result: a job that ends between the two reads has its result read
+        # (the other order could answer "finished" with no text).
+        status = await client.status(job_id)
         result = await client.result(job_id)
-        status = result.status if result is not None else await client.status(job_id)
+        status = result.status if result is not None else status
     except JobNotFound:
         raise HTTPException(404, f"no job {job_id}") from None
     return {"id": job_id, "status": status,

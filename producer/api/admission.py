@@ -26,6 +26,7 @@ from producer.errors import broker_errors
 from producer.wire import JobState, job_state
 from schemas import keys
 from schemas.command_batch import RUN_COMMANDS, CommandBatch
+from schemas.scripts import AsyncScript
 
 __all__ = ["Admission", "SettlingReader"]
 
@@ -109,11 +110,11 @@ return replies
 class Admission:
     def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
         self._connection = connection
-        self._script = connection.register_script(_ADMIT)
-        self._each_script = connection.register_script(_ADMIT_EACH)
+        self._script = AsyncScript(connection, _ADMIT)
+        self._each_script = AsyncScript(connection, _ADMIT_EACH)
         # Single jobs admitted in one turn of the event loop (concurrent requests) share one call.
         self._admit_each: Coalescer[tuple[Tenant, str, str, bytes], int | bytes] = Coalescer(self._admit_many)
-        self._settle_script = connection.register_script(_SETTLE)
+        self._settle_script = AsyncScript(connection, _SETTLE)
         self._settle: Coalescer[tuple[Tenant, str], tuple[bytes | None, bytes | None]] = Coalescer(self._settle_many)
         self.tenant_cap = tenant_cap
         self.max_queue_depth = max_queue_depth

@@ -1,5 +1,6 @@
 """The gateway's FastAPI application: routes, OpenAI-shaped errors, body limits, and the batch driver
-running beside the routes. `create_app(settings)`; `mlxq api` serves it with uvicorn."""
+running beside the routes. `create_app(settings)`; `mlxq api` serves it with uvicorn, with the
+deadlines of producer/api/http_deadlines.py (`uvicorn_options()`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from producer.api import routes_control, routes_dashboard, routes_files, routes_
 from producer.api.auth import ApiError
 from producer.api.batch_driver import BatchDriver
 from producer.api.gateway import Gateway
+from producer.api.http_deadlines import STATE_KEY, HttpDeadlines
 from producer.api.settings import GatewaySettings
 from producer.errors import BrokerError, InvalidRequest
 from producer.openai_responses import error_body
@@ -34,12 +36,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         gw = Gateway.build(settings)
         app.state.gateway = gw
         driver = asyncio.get_running_loop().create_task(BatchDriver(gw, gw.batches).run(), name="mlxq-batch-driver")
-        try:
-            yield
+        try:  # the lifespan state reaches uvicorn's connections: the deadlines of DeadlineProtocol
+            yield {STATE_KEY: HttpDeadlines(settings.header_timeout_s, settings.body_timeout_s)}
         finally:
             driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):

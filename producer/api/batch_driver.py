@@ -36,6 +36,7 @@ from producer.errors import JobNotFound
 from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
+from schemas.scripts import AsyncScript
 
 __all__ = ["BatchDriver"]
 
@@ -76,8 +77,8 @@ class BatchDriver:
         self._gw = gateway
         self._batches = batches
         self._connection = gateway.client.connection
-        self._collect = self._connection.register_script(_COLLECT)
-        self._release = self._connection.register_script(_RELEASE)
+        self._collect = AsyncScript(self._connection, _COLLECT)
+        self._release = AsyncScript(self._connection, _RELEASE)
         self._owner = uuid.uuid4().hex
 
     async def run(self) -> None:

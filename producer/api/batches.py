@@ -40,13 +40,13 @@ def parse_window(text: str) -> int:
 
 
 class OutputExpiresAfter(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     anchor: Literal["created_at"]
     seconds: int = Field(ge=3600, le=30 * 24 * 3600)
 
 
 class BatchCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: str
     completion_window: str = "24h"

@@ -22,7 +22,7 @@ RESPONSES = {**ERRORS, 403: {"model": ErrorBody, "description": "This API key's 
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     timeout: float = Field(60, gt=0, le=3600)
 
 

@@ -15,9 +15,11 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from producer.api.auth import ERRORS, Tenant, not_found
-from producer.api.gateway import Gateway, current_tenant, gateway
-from producer.errors import JobNotFound, MlxqError
+from producer.api.gateway import current_tenant, gateway
+from producer.aio_stream import AsyncJobStream
+from producer.errors import InvalidRequest, JobNotFound, MlxqError
 from producer.openai_responses import error_body
+from producer.wire import public_status
 from schemas import GenerationRequest, GenerationResult
 
 __all__ = ["router"]
@@ -51,9 +53,10 @@ async def create_job(body: GenerationRequest, request: Request, priority: Option
 @router.get("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)
 async def get_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> JobObject:
     client = gateway(request).client
-    try:
-        result = await client.result(_owned(tenant, job_id))
-        status = result.status if result is not None else await client.status(job_id)
+    try:  # status and result from one read: never `finished` beside a result read a moment before
+        state = (await client._read_states([_owned(tenant, job_id)]))[0]
+        result = await client._settled(state)
+        status = result.status if result is not None else public_status(state)
     except JobNotFound:
         raise not_found("job", job_id) from None
     return JobObject(id=job_id, status=status, result=result)
@@ -78,21 +81,18 @@ async def job_events(job_id: str, request: Request, tenant: Tenant = Depends(cur
         await gw.client.status(_owned(tenant, job_id))
     except JobNotFound:
         raise not_found("job", job_id) from None
-    if last_event_id is not None and not _is_event_id(last_event_id):
-        return JSONResponse(error_body("Last-Event-ID: not an event id", param="Last-Event-ID"), status_code=400)
-    return EventSourceResponse(_events(gw, job_id, last_event_id), ping=15)
+    try:  # checked here, before the response starts: a bad id is this request's 400, nobody else's error
+        stream = gw.client.stream(job_id, timeout=gw.settings.request_timeout_s, last_event_id=last_event_id)
+    except InvalidRequest as exc:
+        message = str(exc).replace("last_event_id", "Last-Event-ID", 1)
+        return JSONResponse(error_body(message, param="Last-Event-ID"), status_code=400)
+    return EventSourceResponse(_events(stream), ping=15)
 
 
-async def _events(gw: Gateway, job_id: str, last_event_id: Optional[str]) -> AsyncIterator[ServerSentEvent]:
-    stream = gw.client.stream(job_id, timeout=gw.settings.request_timeout_s, last_event_id=last_event_id)
+async def _events(stream: AsyncJobStream) -> AsyncIterator[ServerSentEvent]:
     try:
         async for event in stream:
             yield ServerSentEvent(data=json.dumps(event), event=event["event"], id=stream.last_event_id)
     except MlxqError as exc:
         yield ServerSentEvent(data=json.dumps(error_body(str(exc), "server_error", code=type(exc).__name__)),
                               event="error")
-
-
-def _is_event_id(text: str) -> bool:
-    major, _, minor = text.partition("-")
-    return major.isdigit() and (minor.isdigit() or minor == "")

@@ -116,10 +116,11 @@ async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation
 
 
 async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:
-    """The SSE messages of one streamed response; cancelling the iteration (a disconnect) cancels the
-    job. The events read together go out in one write, each choice's tokens in one chunk."""
+    """The SSE messages of one streamed response. Cancelling the iteration (a disconnect) or running out
+    of time cancels the job; a failed read of its stream does not. The events read together go out in
+    one write, each choice's tokens in one chunk."""
     writer = ChunkWriter(body, job_id, created)
-    ended = False
+    ended = runs_on = False
     try:
         opening = writer.opening()
         if opening:
@@ -143,13 +144,18 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                 yield _sse(*messages)
                 if ended:
                     break
-        except MlxqError as exc:
-            yield _sse(error_body(str(exc), "server_error", code=type(exc).__name__))
+        except WaitTimeout as exc:  # as a blocking request's: the job is cancelled (below)
+            yield _sse(error_body(f"{exc}; the job was cancelled", "timeout", code="timeout"))
+        except MlxqError as exc:  # the stream's read failed, not the job: it runs on, holding its slot
+            runs_on = True  # until its result exists (admission's sweep then frees it)
+            yield _sse(error_body(f"{exc}; the job goes on, its result will be at /v1/jobs/{job_id}",
+                                  "server_error", code=type(exc).__name__))
         yield b"data: [DONE]\r\n\r\n"
     finally:
-        if not ended:
+        if not ended and not runs_on:
             await gw.cancel_quietly(job_id)
-        await _release(gw, tenant, job_id)
+        if not runs_on:
+            await _release(gw, tenant, job_id)
 
 
 def _sse(*messages: dict[str, Any]) -> bytes:

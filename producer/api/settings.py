@@ -39,10 +39,14 @@ class GatewaySettings(BaseSettings):
     # Serve without keys on a non-loopback address (everyone is tenant "default").
     insecure: bool = False
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # JSON request bodies
+    # A request's line and headers must arrive within this (from the connection's opening or the
+    # request's first byte), then its body within body_timeout_s; else the connection is closed.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(300.0, gt=0)
     max_queue_depth: int = Field(10_000, ge=0)  # 429 when the target queue is this deep; 0: no limit
     tenant_max_in_flight: int = Field(1024, ge=1)  # a tenant's jobs submitted and not ended, at most
     # Tenants that may drive the control plane (/v1/control: weights, pause, abort; docs/rl.md), comma-separated.
-    admin_tenants: tuple[str, ...] = ()
+    admin_tenants: Annotated[tuple[str, ...], NoDecode] = ()
     # /metrics and /dashboard (fleet numbers, no job's content) ask for an API key too (docs/operations.md).
     ops_require_key: bool = False
     history_interval_s: float = Field(5.0, gt=0)  # /dashboard: a fleet sample this often (one per fleet)
