@@ -218,6 +218,38 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     rq_maintenance_runs_clean(redis_url, ["mlxq"])
 
 
+def test_keys_changed_under_running_jobs_cost_only_those_jobs_and_a_warm_stop_still_ends(redis_url):
+    """A producer turned a running job's hash into a list (and another's stream into a string): ending
+    them in RQ met WRONGTYPE, the loop kept them forever, and a warm stop never ended."""
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    long = {"prompt_token_ids": [5, 6, 7], "max_tokens": 40}
+    hijacked = client.submit(long)
+    silenced = client.submit({**long, "stream": True})
+    good = [client.submit(long) for _ in range(3)]
+    worker = start_fake_worker(redis_url, name="hijacked", env=WORKER_ENV, step_delay_s=0.05)
+    log = drain(worker)
+    try:
+        wait_for(lambda: all(client.status(j) == "started" for j in [hijacked, silenced, *good]), timeout=60,
+                 what="every job running")
+        conn.delete(f"rq:job:{hijacked}")
+        conn.rpush(f"rq:job:{hijacked}", "junk")
+        conn.delete(keys.stream_key(silenced))
+        conn.set(keys.stream_key(silenced), "junk")
+        results = client.wait_many(good, timeout=60)
+        wait_for(lambda: result_of(conn, hijacked) is not None and result_of(conn, silenced) is not None,
+                 timeout=60, what="the hijacked jobs' result keys")
+        after = client.wait(client.submit(GOOD_REQUEST), timeout=60)
+        assert worker.poll() is None, "the worker died"
+    finally:
+        stop(worker)
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]  # a warm stop ends: the loop holds no job it cannot end
+    assert all(r.status == "finished" and len(r.choices[0].token_ids) == 40 for r in results.values()), results
+    assert after.status == "finished"
+    assert "WRONGTYPE" in out, out[-3000:]
+
+
 # --- the same, generated: every field rq reads, with values a producer might write ------------------
 
 DATES = st.sampled_from(["2026-11-30T00:00:00.000000Z", "2026-11-30T00:00:00Z"]) | st.text(max_size=12)

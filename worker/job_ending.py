@@ -11,6 +11,7 @@ goes back to the loop (`done`), which alone removes it from its table of running
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -32,7 +33,10 @@ from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
 from worker.publish import (Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable,
                             restart_stream)
+from worker.redis_health import REDIS_ERRORS
 from worker.settings import WorkerSettings
+
+log = logging.getLogger("mlxq.worker")
 
 
 @dataclass(frozen=True)
@@ -128,10 +132,12 @@ class JobEnding:
         """A job that has not ended back to its queue, to run again: `alone` after it was in the engine
         when a step failed; else because the control plane asked (weights swapped, a pause)."""
         def requeue() -> None:
-            if ending.streams:
-                restart_stream(self._connection, ending.job_id, "the job went back to its queue to run again")
-            self._rq.requeue(ending, alone)
-            self.done.put(ending)
+            def send_back() -> None:
+                if ending.streams:
+                    restart_stream(self._connection, ending.job_id, "the job went back to its queue to run again")
+                self._rq.requeue(ending, alone)
+
+            self._end_in_rq([ending], send_back)
 
         self._bookkeeper.submit(requeue)
 
@@ -178,12 +184,28 @@ class JobEnding:
         force; a result that could not be built ends its job as failed."""
         gate = self._bookkeeper.gate
         for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
-            self._rq.finish_successes([e for e in chunk if e.outcome.result().status == "finished"], gate.wait)
+            successes = [e for e in chunk if e.outcome.result().status == "finished"]
+            self._end_in_rq(successes, lambda: self._rq.finish_successes(successes, gate.wait))
             for ending in chunk:
                 if ending.outcome.result().status != "finished":
-                    self._rq.finish_failure(ending, ending.outcome.result())
-                self.done.put(ending)
+                    self._end_failed(ending)
 
     def _end_failed(self, ending: Ending) -> None:
-        self._rq.finish_failure(ending, ending.outcome.result())
-        self.done.put(ending)
+        self._end_in_rq([ending], lambda: self._rq.finish_failure(ending, ending.outcome.result()))
+
+    def _end_in_rq(self, endings: list[Ending], end: Callable[[], None]) -> None:
+        """Run `end` (the jobs' writes in RQ's terms), then hand the jobs back to the loop. A lost
+        Redis propagates (the bookkeeping thread retries the task); any other error, such as a job
+        key a producer changed under a running job (WRONGTYPE), is logged and the jobs go back to
+        the loop all the same: a batch's commands all run whatever one of them meets
+        (CommandBatch), so a broken key costs only its own job's writes, and the loop never holds
+        a job it can no longer end (a warm stop would wait for it forever)."""
+        try:
+            end()
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            log.exception("ending %s in RQ's terms failed; what could be written was",
+                          ", ".join(e.job_id for e in endings))
+        for ending in endings:
+            self.done.put(ending)
