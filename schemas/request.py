@@ -237,7 +237,7 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
 def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> None:
     """The cheap image checks, before any decoding: how many, and how large an inline one can be."""
     images = [(f"messages[{i}].content[{j}].image_url", part.image_url.url)
-              for i, message in enumerate(request.messages or []) if not isinstance(message.content, str)
+              for i, message in enumerate(request.messages or []) if isinstance(message.content, list)
               for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
     if len(images) > limits.max_images:
         raise ValueError(f"messages: {len(images)} images exceed the limit of {limits.max_images} per request "

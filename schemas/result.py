@@ -56,6 +56,7 @@ class PromptLogprobs(_Model):
     tokens at position i (an empty list at 0), when asked for (`prompt_logprobs` > 0)."""
 
     token_ids: list[int]
+    tokens: list[str]  # each token's text
     logprobs: list[Optional[float]]
     top_logprobs: Optional[list[list[TopLogprob]]] = None
 

@@ -271,7 +271,8 @@ class JobOutput:
                          ) -> PromptLogprobs:
         named = None if tops is None else [[TopLogprob(token_id=t, token=self._token_text(t), logprob=lp)
                                             for t, lp in row] for row in tops]
-        return PromptLogprobs(token_ids=self.prompt_token_ids, logprobs=logprobs, top_logprobs=named)
+        return PromptLogprobs(token_ids=self.prompt_token_ids, tokens=[self._token_text(t) for t in self.prompt_token_ids],
+                              logprobs=logprobs, top_logprobs=named)
 
     def _constraint_complete(self, choice: ChoiceState) -> Optional[bool]:
         """None unconstrained; else whether the text is a complete match: the engine's word on the

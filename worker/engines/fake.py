@@ -29,7 +29,8 @@ def fake_chat_template(request: GenerationRequest) -> str:
     """The fake engine's chat template: `role: text` lines (the gateway's chat tests run on it)."""
     lines = []
     for message in request.messages or []:
-        parts = [message.content] if isinstance(message.content, str) else [getattr(p, "text", "") for p in message.content]
+        content = message.content or ""
+        parts = [content] if isinstance(content, str) else [getattr(p, "text", "") for p in content]
         lines.append(f"{message.role}: {''.join(parts)}")
     return "\n".join(lines) + "\nassistant:"
 

@@ -427,6 +427,8 @@ def _template_messages(request: GenerationRequest) -> tuple[list[dict[str, Any]]
     assert request.messages is not None
     messages, sources = [], []
     for i, message in enumerate(request.messages):
+        if message.tool_calls or message.content is None:
+            raise RequestRejected(f"messages[{i}].tool_calls: this worker's vision engine does not serve tool calls")
         entry: dict[str, Any] = {"role": message.role}
         if message.name is not None:
             entry["name"] = message.name
