@@ -48,6 +48,8 @@ class Choice(_Model):
     tool_calls: Optional[list[ToolCall]] = None
     reasoning_content: Optional[str] = None
     tool_call_error: Optional[str] = None
+    # The stop string that ended the choice (finish_reason "stop" by a stop string); null otherwise.
+    stop_sequence: Optional[str] = None
 
 
 class PromptLogprobs(_Model):

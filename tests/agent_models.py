@@ -16,7 +16,8 @@ from pathlib import Path
 THINK_TOOL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 # Written for these tests: system, tools, the history (calls and answers), then the reply's start. With
-# enable_thinking false the reply starts after an empty think block.
+# enable_thinking false the reply starts after an empty think block; with open_think (a variable only
+# chat_template_kwargs set) inside an open one, as DeepSeek-R1's template leaves it.
 THINKING_TOOL_TEMPLATE = (
     "{%- if tools or messages[0].role == 'system' %}<|im_start|>system\n"
     "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
@@ -33,7 +34,8 @@ THINKING_TOOL_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- elif open_think is defined and open_think %}<think>\n{% endif %}"
     "{%- endif %}"
 )
 

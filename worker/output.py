@@ -48,6 +48,7 @@ class ChoiceState:
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     # A streamed reply read for reasoning and tool calls, split as its text is handed out (worker/replies.py).
     reply: Optional[ReplyParser] = None
+    stop_sequence: Optional[str] = None  # the stop string that ended it
 
     @property
     def done(self) -> bool:
@@ -176,6 +177,8 @@ class JobOutput:
         if stop_at is not None:
             choice.text_end = stop_at
             choice.finish_reason = "stop"
+            choice.stop_sequence = next(s for s in self.request.stop_strings
+                                        if choice.detokenizer.text.startswith(s, stop_at))  # type: ignore[union-attr]
         elif event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
         if not choice.done:
@@ -265,7 +268,8 @@ class JobOutput:
                       top_logprobs=choice.top_logprobs, finish_reason=finish_reason,  # type: ignore[arg-type]
                       constraint_complete=self._constraint_complete(choice),
                       weight_version=choice.weight_versions[0][1] if choice.weight_versions else None,
-                      weight_versions=choice.weight_versions if len(choice.weight_versions) > 1 else None, **parsed)
+                      weight_versions=choice.weight_versions if len(choice.weight_versions) > 1 else None,
+                      stop_sequence=choice.stop_sequence, **parsed)
 
     def _prompt_logprobs(self, logprobs: list[Optional[float]], tops: Optional[list[list[tuple[int, float]]]]
                          ) -> PromptLogprobs:

@@ -16,7 +16,8 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.api import routes_control, routes_dashboard, routes_files, routes_jobs, routes_metrics, routes_openai
+from producer.api import (routes_anthropic, routes_control, routes_dashboard, routes_files, routes_jobs, routes_metrics,
+                          routes_openai)
 from producer.api.auth import ApiError
 from producer.api.batch_driver import BatchDriver
 from producer.api.gateway import Gateway
@@ -49,7 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="mlxq gateway", version="1", lifespan=lifespan,
                   description="OpenAI-compatible chat, completions, files and batches over mlxq's queue, and "
                               "mlxq's own jobs. See docs/gateway.md.")
-    for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_control.router,
+    for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router, routes_control.router,
                    routes_metrics.router, routes_dashboard.router):
         app.include_router(router)
     _add_error_handlers(app)
