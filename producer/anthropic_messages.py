@@ -9,7 +9,8 @@ and reasoning; `tools` (`name`, `description`, `input_schema`) to function tools
 `any` (required), `tool` (named), `none`, with `disable_parallel_tool_use`; `thinking` enabled or
 disabled to the chat template's `enable_thinking`; `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `max_tokens`, `metadata.user_id` (ignored). `cache_control` marks are accepted and ignored (mlxq's
-prefix cache needs none). A reply's reasoning is a `thinking` block (with an empty signature), its
+prefix cache needs none). mlxq's own `seed`, `guided_regex`, `guided_grammar`, `chat_template_kwargs`
+and `tool_call_format` are taken as on its OpenAI routes. A reply's reasoning is a `thinking` block (with an empty signature), its
 tool calls `tool_use` blocks; stop reasons `end_turn`, `max_tokens`, `stop_sequence`, `tool_use`.
 """
 
@@ -129,6 +130,12 @@ class MessagesRequest(BaseModel):
     thinking: Optional[ThinkingParam] = None
     metadata: Optional[dict[str, Any]] = None  # user_id: accepted, ignored
     cache_control: Optional[dict[str, Any]] = None
+    # mlxq's own, as on its OpenAI routes (docs/tools.md).
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tool_call_format: Optional[str] = None
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
@@ -154,7 +161,7 @@ def to_generation_request(body: MessagesRequest, limits: RequestLimits | None = 
         raise InvalidRequest("messages: a last assistant message (prefill) is not supported", "messages")
     payload: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
                                "stream": body.stream}
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "seed", "guided_regex", "guided_grammar", "tool_call_format"):
         if getattr(body, name) is not None:
             payload[name] = getattr(body, name)
     if body.stop_sequences:
@@ -171,8 +178,11 @@ def to_generation_request(body: MessagesRequest, limits: RequestLimits | None = 
                                   else {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         if choice.disable_parallel_tool_use:
             payload["parallel_tool_calls"] = False
+    kwargs = dict(body.chat_template_kwargs or {})
     if body.thinking is not None and body.thinking.type != "adaptive":
-        payload["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+        kwargs["enable_thinking"] = body.thinking.type == "enabled"
+    if kwargs:
+        payload["chat_template_kwargs"] = kwargs
     try:
         return GenerationRequest.validate_payload(payload, limits)
     except Exception as exc:  # InvalidRequestError: name the Anthropic field where it differs
