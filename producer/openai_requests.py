@@ -173,7 +173,9 @@ def to_generation_request(
             payload["top_logprobs"] = body.top_logprobs or 0
     else:
         _refuse_unserved_completion_fields(body)
-        payload["prompt" if isinstance(body.prompt, str) else "prompt_token_ids"] = body.prompt
+        prompt = body.prompts[0]  # (one prompt, perhaps in a list of one)
+        payload.pop("prompt_token_ids", None)
+        payload["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
         if body.logprobs is not None:
             payload["logprobs"] = True
             payload["top_logprobs"] = body.logprobs
@@ -205,7 +207,5 @@ def _refuse_unserved_completion_fields(body: CompletionRequest) -> None:
         raise InvalidRequest("suffix: not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest("best_of: only best_of == n is supported (every sample is returned)", "best_of")
-    if isinstance(body.prompt, str) and not body.prompt:
-        raise InvalidRequest("prompt: must not be empty", "prompt")
-    if isinstance(body.prompt, list) and not body.prompt:
+    if not body.prompts[0]:
         raise InvalidRequest("prompt: must not be empty", "prompt")
