@@ -7,7 +7,8 @@ or data-URL sources) to a user message; `tool_result` blocks to tool messages (f
 puts them); assistant text, `tool_use` and `thinking` blocks to an assistant message with tool calls
 and reasoning; `tools` (`name`, `description`, `input_schema`) to function tools; `tool_choice` `auto`,
 `any` (required), `tool` (named), `none`, with `disable_parallel_tool_use`; `thinking` enabled or
-disabled to the chat template's `enable_thinking`; `stop_sequences`, `temperature`, `top_p`, `top_k`,
+disabled to the chat template's `enable_thinking`; `output_config.format` (a JSON schema) to
+`response_format` (`effort` is ignored); `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `max_tokens`, `metadata.user_id` (ignored). `cache_control` marks are accepted and ignored (mlxq's
 prefix cache needs none). mlxq's own `seed`, `guided_regex`, `guided_grammar`, `chat_template_kwargs`
 and `tool_call_format` are taken as on its OpenAI routes. A reply's reasoning is a `thinking` block (with an empty signature), its
@@ -113,6 +114,18 @@ class ThinkingParam(BaseModel):
     display: Optional[str] = None
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Optional[OutputFormat] = None
+    effort: Optional[str] = None  # accepted, ignored
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -128,6 +141,7 @@ class MessagesRequest(BaseModel):
     tools: Optional[list[ToolParam]] = None
     tool_choice: Optional[ToolChoiceParam] = None
     thinking: Optional[ThinkingParam] = None
+    output_config: Optional[OutputConfig] = None
     metadata: Optional[dict[str, Any]] = None  # user_id: accepted, ignored
     cache_control: Optional[dict[str, Any]] = None
     # mlxq's own, as on its OpenAI routes (docs/tools.md).
@@ -178,6 +192,9 @@ def to_generation_request(body: MessagesRequest, limits: RequestLimits | None = 
                                   else {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         if choice.disable_parallel_tool_use:
             payload["parallel_tool_calls"] = False
+    if body.output_config is not None and body.output_config.format is not None:
+        payload["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": body.output_config.format.schema_}}
     kwargs = dict(body.chat_template_kwargs or {})
     if body.thinking is not None and body.thinking.type != "adaptive":
         kwargs["enable_thinking"] = body.thinking.type == "enabled"

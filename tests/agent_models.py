@@ -3,14 +3,13 @@
 - `make_thinking_tool_model`: the tiny random-weight model with a chat template written here that
   takes tools and thinks (a Qwen3-like shape: `<think>` tags, `<tool_call>` JSON calls, tool answers
   in `<tool_response>`), its tags special tokens of the tokenizer.
-- `make_chat_model`: a model whose replies must make sense. Today the tiny random model; the real
-  one (SmolLM2-135M-Instruct, converted from its GGUF) where MLXQ_TEST_CHAT_MODEL names its directory.
-  Tests that need text to make sense are marked so (`chat_model_dir` fixtures).
+
+Tests whose replies must make sense use the real model through their `chat_model_dir` fixture
+(tests/test_real_model_agents.py; today converted by tests/real_model.py).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 THINK_TOOL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
@@ -39,25 +38,8 @@ THINKING_TOOL_TEMPLATE = (
     "{%- endif %}"
 )
 
-CHAT_MODEL_ENV = "MLXQ_TEST_CHAT_MODEL"
-
 
 def make_thinking_tool_model(path: str | Path) -> Path:
     from worker.tiny_model import make_tiny_model
 
     return make_tiny_model(path, extra_special_tokens=THINK_TOOL_TOKENS, chat_template=THINKING_TOOL_TEMPLATE)
-
-
-def make_chat_model(path: str | Path) -> Path:
-    """The model for tests whose replies must make sense: the directory MLXQ_TEST_CHAT_MODEL names
-    (the real model, converted), else the tiny random one built at `path`."""
-    named = os.environ.get(CHAT_MODEL_ENV)
-    if named:
-        return Path(named)
-    from worker.tiny_model import make_tiny_model
-
-    return make_tiny_model(path)
-
-
-def chat_model_is_real() -> bool:
-    return bool(os.environ.get(CHAT_MODEL_ENV))

@@ -283,3 +283,11 @@ def test_anthropic_errors_in_anthropics_shape(stack: Stack) -> None:
         anthropic.Anthropic(base_url=stack.root, api_key="wrong", max_retries=0).messages.create(
             model="think", max_tokens=8, messages=ASK)
     assert denied.value.body["error"]["type"] == "authentication_error"
+
+
+def test_anthropic_structured_output(stack: Stack) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    message = stack.anthropic().messages.create(model="think", max_tokens=32, messages=ASK, extra_body={"seed": 1},
+                                                output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)  # type: ignore[union-attr]
