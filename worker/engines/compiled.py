@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, PromptScores, SequenceSpec, TokenEvent
-from worker.engines.prompt_scores import PromptScorer, ScoreRequest
+from worker.engines.prompt_scores import PromptScorer
 from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
 from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
@@ -361,30 +361,19 @@ class CompiledEngine:
         """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
         those that only asked that end now, the others wait for a slot holding the scoring's cache
         (all but their last token); the rest are returned for the ordinary path."""
-        scoring = [spec for spec in specs if spec.prompt_logprobs is not None]
-        if not scoring:
-            return specs
-        only = [spec for spec in scoring if spec.max_tokens == 0]
-        scored = self._scorer.score_only([ScoreRequest(s.prompt_token_ids, s.prompt_logprobs or 0, slot) for s in only])
-        for spec, scores in zip(only, scored):
-            self._refused.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, finish_reason="length",
-                                            prompt_logprobs=scores, empty=True))
-            if adapter is not None:
-                self._lora.unpin(adapter)  # the hold `_add` took for it
-        generating: dict[tuple[int, ...], list[SequenceSpec]] = {}
-        for spec in scoring:
-            if spec.max_tokens:
-                generating.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        for prompt, group in generating.items():
-            top = max(spec.prompt_logprobs or 0 for spec in group)
-            scores, cache = self._scorer.score_alone(ScoreRequest(list(prompt), top, slot))
-            for spec in group:
+        taken = self._scorer.take(specs, slot)
+        self._refused += taken.ended
+        if adapter is not None:
+            for _ in taken.ended:
+                self._lora.unpin(adapter)  # the hold `_add` took for each
+        for group in taken.going_on:
+            for spec in group.specs:
                 seq = self._sequence(spec)
                 seq.adapter, seq.adapter_slot = adapter, slot
                 self._by_uid[spec.uid] = seq
-                self._scores[spec.uid] = scores
-                self._waiting.append(WaitingPrompt(seq, cache, len(prompt) - 1 if cache is not None else 0))
-        return [spec for spec in specs if spec.prompt_logprobs is None]
+                self._scores[spec.uid] = group.scores
+                self._waiting.append(WaitingPrompt(seq, group.cache, group.cached))
+        return taken.rest
 
     def _sequence(self, spec: SequenceSpec) -> DecodingSequence:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker.engines.base import PromptScores
+from worker.engines.base import PromptScores, SequenceSpec, TokenEvent
 from worker.engines.counters import EngineCounters
 from worker.engines.sampling import LogprobGather
 
@@ -43,6 +43,29 @@ class ScoreRequest:
     adapter_slot: int = 0
 
 
+@dataclass
+class ScoredGroup:
+    """Sequences with one prompt, scored, that go on to generate from the scoring's cache."""
+
+    prompt: list[int]
+    specs: list[SequenceSpec]
+    scores: PromptScores
+    cache: Optional[list[Any]]  # all the prompt's tokens but the last (None: a one-token prompt)
+
+    @property
+    def cached(self) -> int:
+        return len(self.prompt) - 1 if self.cache is not None else 0
+
+
+@dataclass
+class ScoredSpecs:
+    """`PromptScorer.take`'s answer: what an engine's `add` does next with each sequence."""
+
+    rest: list[SequenceSpec]  # those that asked for no scores: the ordinary path
+    ended: list[TokenEvent]  # those that asked for scores only: their one (empty) event
+    going_on: list[ScoredGroup]
+
+
 class PromptScorer:
     def __init__(self, model: Any, vocab_size: int, step_size: int, rows: RowsContext,
                  counters: EngineCounters) -> None:
@@ -51,6 +74,26 @@ class PromptScorer:
         self._step_size = step_size
         self._rows = rows
         self._counters = counters
+
+    def take(self, specs: list[SequenceSpec], adapter_slot: int) -> ScoredSpecs:
+        """Score the prompts of the sequences that ask (run under the adapter in `adapter_slot`)."""
+        scoring = [spec for spec in specs if spec.prompt_logprobs is not None]
+        if not scoring:
+            return ScoredSpecs(specs, [], [])
+        only = [spec for spec in scoring if spec.max_tokens == 0]
+        scored = self.score_only([ScoreRequest(s.prompt_token_ids, s.prompt_logprobs or 0, adapter_slot) for s in only])
+        ended = [TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, finish_reason="length",
+                            prompt_logprobs=scores, empty=True) for spec, scores in zip(only, scored)]
+        groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
+        for spec in scoring:
+            if spec.max_tokens:
+                groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
+        going_on = []
+        for prompt, group in groups.items():
+            top = max(spec.prompt_logprobs or 0 for spec in group)
+            scores, cache = self.score_alone(ScoreRequest(list(prompt), top, adapter_slot))
+            going_on.append(ScoredGroup(list(prompt), group, scores, cache))
+        return ScoredSpecs([spec for spec in specs if spec.prompt_logprobs is None], ended, going_on)
 
     def score_alone(self, request: ScoreRequest) -> tuple[PromptScores, Optional[list[Any]]]:
         """One prompt's scores, and the cache of all its tokens but the last (None for a

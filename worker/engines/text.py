@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, PromptScores, SequenceSpec, TokenEvent
-from worker.engines.prompt_scores import PromptScorer, ScoreRequest
+from worker.engines.prompt_scores import PromptScorer
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
@@ -255,31 +255,17 @@ class TextEngine:
         """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
         those that only asked that end now, the others start from the scoring's cache; the rest
         are returned for the ordinary path."""
-        rest = [spec for spec in specs if spec.prompt_logprobs is None]
-        scoring = [spec for spec in specs if spec.prompt_logprobs is not None]
-        if scoring:
-            with mx.stream(self._generator.stream):
-                self._score(scoring, joining)
-        return rest
-
-    def _score(self, scoring: list[SequenceSpec], joining: bool) -> None:
-        only = [spec for spec in scoring if spec.max_tokens == 0]
-        for spec, scores in zip(only, self._scorer.score_only(
-                [ScoreRequest(spec.prompt_token_ids, spec.prompt_logprobs or 0, self._group_slot) for spec in only])):
-            self._early.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, finish_reason="length",
-                                          prompt_logprobs=scores, empty=True))
-            self._unpin(spec.uid)
-        generating: dict[tuple[int, ...], list[SequenceSpec]] = {}
-        for spec in scoring:
-            if spec.max_tokens:
-                generating.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        for prompt, group in generating.items():
-            top = max(spec.prompt_logprobs or 0 for spec in group)
-            scores, cache = self._scorer.score_alone(ScoreRequest(list(prompt), top, self._group_slot))
-            for spec in group:
-                self._scores[spec.uid] = scores
-            cached = len(prompt) - 1 if cache is not None else 0
-            self._start_group(list(prompt), group, joining, cache, cached, True)
+        if all(spec.prompt_logprobs is None for spec in specs):
+            return specs
+        with mx.stream(self._generator.stream):
+            taken = self._scorer.take(specs, self._group_slot)
+        self._early += taken.ended
+        for event in taken.ended:
+            self._unpin(event.uid)
+        for group in taken.going_on:
+            self._scores.update((spec.uid, group.scores) for spec in group.specs)
+            self._start_group(group.prompt, group.specs, joining, group.cache, group.cached, True)
+        return taken.rest
 
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
