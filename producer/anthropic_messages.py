@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from producer.errors import InvalidRequest
 from schemas import GenerationRequest, GenerationResult, RequestLimits
 from schemas.agents import TOOL_NAME_PATTERN
-from schemas.request import as_invalid_request
 
-__all__ = ["MessagesRequest", "MessageStreamWriter", "anthropic_error", "build_message", "parse_messages_request",
+__all__ = ["MESSAGES_PATH", "MessagesRequest", "MessageStreamWriter", "anthropic_error", "build_message",
            "to_generation_request"]
 
 MESSAGES_PATH = "/v1/messages"
@@ -150,16 +149,6 @@ class MessagesRequest(BaseModel):
     guided_grammar: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tool_call_format: Optional[str] = None
-
-
-def parse_messages_request(body: Any) -> MessagesRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"body: expected a JSON object, got {type(body).__name__}", "body")
-    try:
-        return MessagesRequest.model_validate(body)
-    except ValidationError as exc:
-        error = as_invalid_request(exc)
-        raise InvalidRequest(str(error), error.field) from None
 
 
 def to_generation_request(body: MessagesRequest, limits: RequestLimits | None = None) -> GenerationRequest:

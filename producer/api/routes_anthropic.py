@@ -1,56 +1,102 @@
 """`POST /v1/messages`: Anthropic's Messages API, blocking and streaming, over the same queue
-(producer/anthropic_messages.py says what translates). Errors come in Anthropic's shape. The API key
-may come as Anthropic's clients send it (`x-api-key`) or as a bearer token.
+(producer/anthropic_messages.py says what translates). Every error on this path comes in Anthropic's
+shape (the app's handlers reshape them: `is_anthropic_path`). The API key may come as Anthropic's
+clients send it (`x-api-key`) or as a bearer token.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
-from producer.anthropic_messages import (MessagesRequest, MessageStreamWriter, anthropic_error, build_message,
-                                         parse_messages_request, to_generation_request)
+from producer.anthropic_messages import (MESSAGES_PATH, MessagesRequest, MessageStreamWriter, anthropic_error,
+                                         build_message, to_generation_request)
 from producer.api.auth import ApiError, Tenant
-from producer.api.gateway import Gateway, gateway
+from producer.api.gateway import Gateway, gateway, invalid
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
 from producer.openai_responses import merge_token_events, result_error
 
-__all__ = ["router"]
+__all__ = ["is_anthropic_path", "router"]
 
 router = APIRouter()
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None
+    usage: MessageUsage
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorBody, "description": description}
+    for status, description in ((400, "Invalid request"), (401, "Missing or unknown API key"),
+                                (404, "Unknown model"), (413, "Body too large"),
+                                (429, "Queue too deep, or the tenant's jobs in flight at the cap"),
+                                (503, "No live worker serves the model"), (504, "No result in time"))
+}
+_STREAMED = {"text/event-stream": {"schema": {"type": "string"}, "description": "with stream=true: Anthropic's events"}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.rstrip("/") == MESSAGES_PATH
+
+
+_bearer = HTTPBearer(auto_error=False, description="An API key of the gateway (MLXQ_API_KEYS)")
+_api_key = APIKeyHeader(name="x-api-key", auto_error=False, description="The same key, as Anthropic's clients send it")
+
+
+async def messages_tenant(request: Request, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer),
+                          key: Optional[str] = Depends(_api_key)) -> Tenant:
+    header = f"{credentials.scheme} {credentials.credentials}" if credentials else (f"Bearer {key}" if key else None)
+    return gateway(request).auth.tenant(header)
 
 
 def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
     return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
 
 
-@router.post("/v1/messages", responses={200: {"description": "An Anthropic Message, or with stream=true its SSE events"}})
-async def messages(request: Request) -> Any:
+@router.post(MESSAGES_PATH, response_model=Message, responses={**_ERRORS, 200: {"content": _STREAMED}})
+async def messages(body: MessagesRequest, request: Request, tenant: Tenant = Depends(messages_tenant)) -> Any:
     gw = gateway(request)
     try:
-        tenant = _tenant(gw, request)
-        try:
-            body = parse_messages_request(json.loads(await request.body() or b"null"))
-            generation = to_generation_request(body, gw.settings.limits)
-        except json.JSONDecodeError as exc:
-            return _error(400, f"body: not JSON: {exc}")
-        except InvalidRequest as exc:
-            return _error(400, str(exc))
-        if body.stream:
-            job_id = await gw.submit(tenant, generation, None, validated=True)
-            return EventSourceResponse(_events(gw, tenant, body, job_id), headers={"x-mlxq-job-id": job_id}, ping=15)
-        try:
-            job_ids, results = await gw.run_blocking(tenant, [generation], None, request)
-        except WaitTimeout:
-            return _error(504, f"no result within {gw.settings.request_timeout_s} s; the job was cancelled")
-    except ApiError as exc:
-        return _error(exc.status, str(exc), exc.headers)
+        generation = to_generation_request(body, gw.settings.limits)
+    except InvalidRequest as exc:
+        raise invalid(exc) from None
+    if body.stream:
+        job_id = await gw.submit(tenant, generation, None, validated=True)
+        return EventSourceResponse(_events(gw, tenant, body, job_id), headers={"x-mlxq-job-id": job_id}, ping=15)
+    try:
+        job_ids, results = await gw.run_blocking(tenant, [generation], None, request)
+    except WaitTimeout:
+        raise ApiError(504, f"no result within {gw.settings.request_timeout_s} s; the job was cancelled") from None
     if results is None:
         return _error(499, "client disconnected")
     headers = {"x-mlxq-job-id": job_ids[0]}
@@ -60,12 +106,6 @@ async def messages(request: Request) -> Any:
     if results[0].status == "cancelled":
         return _error(500, "the request was cancelled before it ended", headers)
     return JSONResponse(build_message(body, job_ids[0], results[0]), headers=headers)
-
-
-def _tenant(gw: Gateway, request: Request) -> Tenant:
-    authorization = request.headers.get("authorization")
-    key = request.headers.get("x-api-key")
-    return gw.auth.tenant(authorization if authorization or key is None else f"Bearer {key}")
 
 
 async def _events(gw: Gateway, tenant: Tenant, body: MessagesRequest, job_id: str) -> AsyncIterator[dict[str, Any]]:
