@@ -23,6 +23,8 @@ from mlxq.redis_server import RedisServer
 from tests.gateway import key_entry, running_gateway, wait_live
 from tests.workers import start_worker, stop
 
+pytestmark = pytest.mark.slow  # a worker process and the gateway
+
 KEY = "sk-frameworks-test"
 
 
@@ -180,7 +182,6 @@ def _harness(runs: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
     return list(json.loads(out.read_text()))
 
 
-@pytest.mark.slow
 def test_lm_eval_harness_scores_equal_an_in_process_computation(stack: Stack, tmp_path: Path) -> None:
     import worker  # noqa: F401
     from mlx_lm import load

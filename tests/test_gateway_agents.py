@@ -22,6 +22,8 @@ from tests.agent_models import make_thinking_tool_model
 from tests.gateway import key_entry, running_gateway, wait_live
 from tests.workers import start_worker, stop
 
+pytestmark = pytest.mark.slow  # a worker process and the gateway
+
 KEY = "sk-agents-test"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

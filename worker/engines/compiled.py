@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
-from worker.engines.base import EngineStats, Prompt, PromptScores, SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.prompt_scores import PromptScorer
 from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
@@ -121,7 +121,6 @@ class CompiledEngine:
         # Events that need no step: sequences whose adapter could not be had when added, prompts only scored.
         self._refused: list[TokenEvent] = []
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
-        self._scores: dict[str, PromptScores] = {}  # a scored prompt's scores, until its sequence's first event
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -249,13 +248,7 @@ class CompiledEngine:
 
     def step(self) -> list[TokenEvent]:
         """One step (`_step`); a scored prompt's scores go on its sequence's first event."""
-        events = self._step()
-        if self._scores:
-            for event in events:
-                scores = self._scores.pop(event.uid, None)
-                if scores is not None:
-                    event.prompt_logprobs = scores
-        return events
+        return self._scorer.attach(self._step())
 
     def _step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
@@ -299,9 +292,9 @@ class CompiledEngine:
 
     def remove(self, uids: list[str]) -> None:
         gone = set()
+        self._scorer.forget(uids)
         for uid in uids:
             seq = self._by_uid.get(uid)
-            self._scores.pop(uid, None)
             if seq is not None:
                 gone.add(id(seq))
                 self._end(seq)
@@ -316,7 +309,7 @@ class CompiledEngine:
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
         self._refused = []
-        self._scores.clear()
+        self._scorer.clear()
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
         repair_random_state()
 
@@ -371,7 +364,6 @@ class CompiledEngine:
                 seq = self._sequence(spec)
                 seq.adapter, seq.adapter_slot = adapter, slot
                 self._by_uid[spec.uid] = seq
-                self._scores[spec.uid] = group.scores
                 self._waiting.append(WaitingPrompt(seq, group.cache, group.cached))
         return taken.rest
 

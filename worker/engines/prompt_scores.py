@@ -74,6 +74,8 @@ class PromptScorer:
         self._step_size = step_size
         self._rows = rows
         self._counters = counters
+        # The scores of prompts whose sequences go on, until their first event carries them (`attach`).
+        self._pending: dict[str, PromptScores] = {}
 
     def take(self, specs: list[SequenceSpec], adapter_slot: int) -> ScoredSpecs:
         """Score the prompts of the sequences that ask (run under the adapter in `adapter_slot`)."""
@@ -93,7 +95,25 @@ class PromptScorer:
             top = max(spec.prompt_logprobs or 0 for spec in group)
             scores, cache = self.score_alone(ScoreRequest(list(prompt), top, adapter_slot))
             going_on.append(ScoredGroup(list(prompt), group, scores, cache))
+            self._pending.update((spec.uid, scores) for spec in group)
         return ScoredSpecs([spec for spec in specs if spec.prompt_logprobs is None], ended, going_on)
+
+    def attach(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """`events`, a scored prompt's scores on its sequence's first one."""
+        if self._pending:
+            for event in events:
+                scores = self._pending.pop(event.uid, None)
+                if scores is not None:
+                    event.prompt_logprobs = scores
+        return events
+
+    def forget(self, uids: list[str]) -> None:
+        """Sequences removed before their first event (cancelled)."""
+        for uid in uids:
+            self._pending.pop(uid, None)
+
+    def clear(self) -> None:
+        self._pending.clear()
 
     def score_alone(self, request: ScoreRequest) -> tuple[PromptScores, Optional[list[Any]]]:
         """One prompt's scores, and the cache of all its tokens but the last (None for a

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
-from worker.engines.base import EngineStats, Prompt, PromptScores, SequenceSpec, TokenEvent
+from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.prompt_scores import PromptScorer
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import ConstraintCompiler
@@ -93,7 +93,6 @@ class TextEngine:
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
-        self._scores: dict[str, PromptScores] = {}  # a scored prompt's scores, until its sequence's first event
 
     # Prompts are scored (GenerationRequest.prompt_logprobs) in `add` (worker/engines/prompt_scores.py).
     serves_prompt_logprobs = True
@@ -124,7 +123,7 @@ class TextEngine:
         self._live.clear()
         self._engine_uid.clear()
         self._early.clear()
-        self._scores.clear()
+        self._scorer.clear()
         self._waiting.clear()
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
@@ -263,7 +262,6 @@ class TextEngine:
         for event in taken.ended:
             self._unpin(event.uid)
         for group in taken.going_on:
-            self._scores.update((spec.uid, group.scores) for spec in group.specs)
             self._start_group(group.prompt, group.specs, joining, group.cache, group.cached, True)
         return taken.rest
 
@@ -368,7 +366,7 @@ class TextEngine:
         the caller before the next decode step runs); otherwise one decode step of the batch."""
         if self._early:
             events, self._early = self._early, []
-            return self._with_scores(events)
+            return self._scorer.attach(events)
         self._hand_waiting_over()
         if not self._live:
             return []
@@ -407,16 +405,7 @@ class TextEngine:
                 self._forget(spec.uid)
         if wanted:
             attach_logprobs(wanted)
-        return self._with_scores(events)
-
-    def _with_scores(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        """A scored prompt's scores on its sequence's first event."""
-        if self._scores:
-            for event in events:
-                scores = self._scores.pop(event.uid, None)
-                if scores is not None:
-                    event.prompt_logprobs = scores
-        return events
+        return self._scorer.attach(events)
 
     def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
         """Offer a finished sequence's cache (its prompt and output) to the prefix cache, if it
@@ -434,7 +423,7 @@ class TextEngine:
             self._generator.remove(engine_uids)
         for uid in uids:
             self._forget(uid)
-            self._scores.pop(uid, None)
+        self._scorer.forget(uids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
