@@ -22,13 +22,14 @@ FIELD = "tool_choice"
 
 
 def special_token_of(tokenizer: Any) -> Callable[[str], Optional[int]]:
-    """A lookup: the id of the special token whose text is exactly `marker`, else None."""
+    """A lookup: the id of the added token (special or not) whose text is exactly `marker`, else None.
+    llguidance matches every added token as a token, never by its text (Qwen's `<tool_call>` is an
+    added token that is not special), so a grammar names such a marker by its id."""
     try:
-        special = {str(token): int(token_id) for token_id, token in tokenizer.added_tokens_decoder.items()
-                   if getattr(token, "special", False)}
+        added = {str(token): int(token_id) for token_id, token in tokenizer.added_tokens_decoder.items()}
     except AttributeError:  # a tokenizer without added tokens
-        special = {}
-    return special.get
+        added = {}
+    return added.get
 
 
 def forced_call_constraint(call_format: ToolCallFormat, tools: list[Tool], parallel: bool,
