@@ -110,3 +110,28 @@ def test_formats_by_name() -> None:
     assert qwen3_coder.start == "<tool_call>" and not qwen3_coder.forceable
     with pytest.raises(ValueError, match="unknown tool-call format"):
         tool_call_format("no_such_format")
+
+
+def test_a_stream_cut_short_still_adds_up_to_its_result() -> None:
+    """A streamed job cancelled while text is held back: its last delta hands that text out."""
+    from schemas import GenerationRequest
+    from worker.engines.base import TokenEvent
+    from worker.output import JobOutput
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    reply = ReplyFormat(think=THINK, tools=TOOL_CALL_FORMATS["hermes"], tool_names=NAMES)
+    output = JobOutput("j", GenerationRequest.validate_payload({"prompt": "x", "stream": True}), [1], frozenset({0}),
+                       decode=decode, token_text=lambda t: chr(t), model=None, worker=None, enqueued_at=None,
+                       started_at=0.0, reply=reply)
+    deltas = []
+    for ch in "<think>plan</thi":
+        output.apply(TokenEvent(uid="j#0", token=ord(ch)), 0.0)
+        deltas += output.stream_deltas()
+    assert "".join(d.reasoning for d in deltas) == "plan"  # "</thi" is held: it might end the block
+    output.end_live("cancelled")
+    deltas += output.stream_deltas()
+    choice = output.ended("cancelled").result().choices[0]
+    assert "".join(d.reasoning for d in deltas) == choice.reasoning_content == "plan</thi"
+    assert choice.finish_reason == "cancelled" and choice.text == ""

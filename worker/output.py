@@ -209,7 +209,8 @@ class JobOutput:
         for choice in self.choices:
             text = choice.text
             end = len(text) if choice.done else max(choice.streamed_chars, len(text) - holdback)
-            if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars:
+            unflushed = choice.done and choice.reply is not None and not choice.reply.finished
+            if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars and not unflushed:
                 continue
             start = choice.streamed_tokens
             delta = StreamDelta(
@@ -253,11 +254,13 @@ class JobOutput:
         text = self._final_text(choice)
         finish_reason = choice.finish_reason
         parsed: dict[str, object] = {}
-        reply = choice.reply
+        reply = choice.reply  # a stream's: what its deltas handed out
         if reply is None and self._reply is not None:
             reply = self._reply_parser(choice.index)
             assert reply is not None
             reply.parse(text)
+        elif reply is not None and not reply.finished:
+            reply.finish()
         if reply is not None:  # the reply read for reasoning and tool calls (docs/tools.md)
             text = reply.answer
             parsed = dict(reasoning_content=reply.reasoning or None, tool_calls=reply.calls or None,

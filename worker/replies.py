@@ -152,12 +152,14 @@ class ReplyParser:
         self.reasoning = ""
         self.calls: list[ToolCall] = []
         self.error: Optional[str] = None
+        self.finished = False  # `finish` was called: nothing is held back any more
 
     def feed(self, text: str) -> ReplyDelta:
         self._buffer += text
         return self._advance(final=False)
 
     def finish(self) -> ReplyDelta:
+        self.finished = True
         return self._advance(final=True)
 
     def parse(self, text: str) -> "ReplyParser":
