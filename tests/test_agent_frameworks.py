@@ -147,8 +147,7 @@ def _loglikelihood(model: Any, tokenizer: Any, context: str, continuation: str) 
 
 
 def _greedy(model: Any, tokenizer: Any, prompt_ids: list[int], max_tokens: int, until: str) -> str:
-    from mlx_lm import load  # noqa: F401  (mlx-lm's own loop, alone)
-    from tests.reference import greedy_alone
+    from tests.reference import greedy_alone  # mlx-lm's own loop, the request alone
 
     eos = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token)}
     tokens, _ = greedy_alone(model, prompt_ids, max_tokens, eos)
