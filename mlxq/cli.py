@@ -110,6 +110,9 @@ def _add_more_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-interval-s", type=float, help="how often dead workers' jobs are recovered (15)")
     p.add_argument("--stop-grace-s", type=float, help="a stopping worker waits this long for an unreachable Redis (30)")
     p.add_argument("--engine", help="mlx | fake (model-free, deterministic: tests and queue benchmarks)")
+    p.add_argument("--tool-call-format", help="tool calls parsed and forced in: auto (from the chat template), "
+                   "hermes, llama3_json, mistral, or an mlx-lm tool parser (docs/tools.md)")
+    p.add_argument("--reasoning", help="auto (split a thinking model's reasoning from its answer) | none")
     p.add_argument("--fake-step-delay-s", type=float, help="the fake engine's cost per step (0)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="let the model's own code run when it is loaded (off)")

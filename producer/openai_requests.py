@@ -1,12 +1,16 @@
 """OpenAI's request bodies for `/v1/chat/completions` and `/v1/completions`, and their translation into a
 GenerationRequest. No I/O: the gateway, `mlxq batch` and the gateway's batches all use it.
 
-Unknown fields are refused, as OpenAI refuses them; fields OpenAI has and mlxq does not serve (tools,
-`echo`, `suffix`, `best_of` above `n`, several prompts in one completion) are refused by name. mlxq's
-own sampling fields are accepted next to OpenAI's (the way vLLM accepts them): `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `logprobs_mode`, and for RL users
-`return_token_ids` (see producer/openai_responses.py for what it returns). `priority` picks a
-priority queue (docs/producer.md).
+Unknown fields are refused, as OpenAI refuses them; fields OpenAI has and mlxq does not serve (`suffix`,
+`best_of` above `n`) are refused by name. mlxq's own sampling fields are accepted next to OpenAI's (the
+way vLLM accepts them): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+`logprobs_mode`, and for RL users `return_token_ids` (see producer/openai_responses.py for what it
+returns). `priority` picks a priority queue (docs/producer.md).
+
+Agents and evaluators (docs/tools.md): chat takes OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`
+and mlxq's `tool_call_format` and `chat_template_kwargs`; completions take `echo` (the prompt's text, and
+with `logprobs` its tokens' logprobs, ahead of the completion; `max_tokens` may then be 0) and several
+prompts in one request (a job each; choice `i * n + j` is prompt i's j-th); both take `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.errors import InvalidRequest
 from schemas import ChatMessage, GenerationRequest, RequestLimits
+from schemas.agents import MAX_PROMPT_LOGPROBS, Tool, ToolChoice
 from schemas.constraints import GuidedGrammar, GuidedRegex, ResponseFormat
 from schemas.request import MAX_N, MAX_TOP_LOGPROBS, as_invalid_request
 
@@ -27,7 +32,10 @@ __all__ = [
     "StreamOptions",
     "parse_openai_request",
     "to_generation_request",
+    "to_generation_requests",
 ]
+
+MAX_PROMPTS = 64  # prompts in one completion request
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -74,6 +82,7 @@ class _Common(BaseModel):
     min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
     return_token_ids: bool = False
     priority: Optional[str] = Field(None, max_length=32)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -85,15 +94,31 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tools (schemas/agents.py) and the chat template's variables.
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    tool_call_format: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_Common):
-    # One prompt: text, or token ids (OpenAI's list of ints).
-    prompt: Union[str, list[int]]
+    # Text or token ids (OpenAI's list of ints), or several of either (a job each).
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    # 0 only with echo: the prompt's logprobs and nothing generated.
+    max_tokens: Optional[int] = Field(None, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """Each prompt of the request: one, or several."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 OpenAIRequest = Union[ChatCompletionRequest, CompletionRequest]
@@ -113,6 +138,17 @@ def parse_openai_request(path: str, body: Any) -> OpenAIRequest:
     except ValidationError as exc:
         error = as_invalid_request(exc)
         raise InvalidRequest(str(error), error.field) from None
+
+
+def to_generation_requests(body: OpenAIRequest, limits: RequestLimits | None = None) -> list[GenerationRequest]:
+    """The GenerationRequests that serve `body`: one, or one per prompt of a completion with several."""
+    if isinstance(body, ChatCompletionRequest) or len(body.prompts) == 1:
+        return [to_generation_request(body, limits)]
+    if body.stream:
+        raise InvalidRequest("prompt: several prompts cannot be streamed; send one per streamed request", "prompt")
+    if len(body.prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"prompt: {len(body.prompts)} prompts exceed the limit of {MAX_PROMPTS}", "prompt")
+    return [to_generation_request(body.model_copy(update={"prompt": prompt}), limits) for prompt in body.prompts]
 
 
 def to_generation_request(
@@ -138,10 +174,14 @@ def to_generation_request(
             payload["top_logprobs"] = body.top_logprobs or 0
     else:
         _refuse_unserved_completion_fields(body)
-        payload["prompt" if isinstance(body.prompt, str) else "prompt_token_ids"] = body.prompt
+        prompt = body.prompts[0]  # (one prompt, perhaps in a list of one)
+        payload.pop("prompt_token_ids", None)
+        payload["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
         if body.logprobs is not None:
             payload["logprobs"] = True
             payload["top_logprobs"] = body.logprobs
+        if body.echo:  # the prompt's tokens and their logprobs come back with the result
+            payload["prompt_logprobs"] = max(body.logprobs or 0, body.prompt_logprobs or 0)
     if body.stream:
         payload["stream"] = True
     if body.return_token_ids:
@@ -156,13 +196,17 @@ def to_generation_request(
 
 
 def _refuse_unserved_completion_fields(body: CompletionRequest) -> None:
-    if body.echo:
-        raise InvalidRequest("echo: not supported", "echo")
+    if len(body.prompts) != 1:
+        raise InvalidRequest("prompt: one prompt per request here (the gateway's /v1/completions takes several)",
+                             "prompt")
+    if body.echo and body.stream:
+        raise InvalidRequest("echo: not supported with stream", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequest("max_tokens: 0 is only allowed with echo (the prompt's logprobs, nothing generated)",
+                             "max_tokens")
     if body.suffix:
         raise InvalidRequest("suffix: not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest("best_of: only best_of == n is supported (every sample is returned)", "best_of")
-    if isinstance(body.prompt, str) and not body.prompt:
-        raise InvalidRequest("prompt: must not be empty", "prompt")
-    if isinstance(body.prompt, list) and not body.prompt:
+    if not body.prompts[0]:
         raise InvalidRequest("prompt: must not be empty", "prompt")

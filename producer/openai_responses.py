@@ -8,7 +8,15 @@ prompt's ids are known once the job ends).
 Logprobs: a sampled token's string comes from its own top-logprobs entry when it is there, else it is
 `token_id:<id>` (vLLM's spelling); a stream sends each chunk's logprobs with it, or, from a worker whose
 token events carry none, a choice's logprobs with its last chunk.
-Finish reasons are mlxq's: OpenAI's `stop` and `length`, and `cancelled` or `timeout`.
+Finish reasons are mlxq's: OpenAI's `stop`, `length` and `tool_calls`, and `cancelled` or `timeout`.
+
+Agents (docs/tools.md): a chat message carries `tool_calls` (OpenAI's shape) and `reasoning_content`;
+its content is null where it only calls. A stream's delta carries `reasoning_content` as the reasoning
+grows and, for each call once complete, two `tool_calls` deltas (its index, id, type and name with
+empty arguments, then the arguments), as OpenAI's streams do. A choice whose text began a call that
+did not parse carries `tool_call_error` (the text stays in the content). A completion with `echo` has
+the prompt's text (and with `logprobs` its tokens, their logprobs and top entries, the first token's
+null) ahead of the completion's.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel
 
-from producer.openai_requests import ChatCompletionRequest, OpenAIRequest
+from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from schemas import Choice, GenerationResult, TopLogprob
+from schemas.agents import ToolCall
+from schemas.result import PromptLogprobs
 
 __all__ = [
     "ChatCompletion",
@@ -30,6 +40,7 @@ __all__ = [
     "build_response",
     "dump",
     "error_body",
+    "merge_completions",
     "result_error",
 ]
 
@@ -52,7 +63,7 @@ class ChoiceLogprobs(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[Optional[float]]
-    top_logprobs: Optional[list[dict[str, float]]] = None
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None  # (an echoed prompt's first: null)
     text_offset: list[int]
 
 
@@ -66,6 +77,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatChoice(BaseModel):
@@ -74,6 +87,7 @@ class ChatChoice(BaseModel):
     logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
     token_ids: Optional[list[int]] = None
+    tool_call_error: Optional[str] = None
 
 
 class ChatCompletion(BaseModel):
@@ -109,6 +123,8 @@ class Completion(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChunkChoice(BaseModel):
@@ -225,26 +241,91 @@ def build_response(body: OpenAIRequest, job_id: str, result: GenerationResult, c
     if isinstance(body, ChatCompletionRequest):
         return ChatCompletion(
             id=f"chatcmpl-{job_id}", created=created, model=body.model, usage=_usage(result), **extra,
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=_chat_logprobs(c),
-                                finish_reason=c.finish_reason, **({"token_ids": c.token_ids} if ids else {}))
+            choices=[ChatChoice(index=c.index, message=_message(c), logprobs=_chat_logprobs(c),
+                                finish_reason=c.finish_reason, tool_call_error=c.tool_call_error,
+                                **({"token_ids": c.token_ids} if ids else {}))
                      for c in result.choices])
     return Completion(
         id=f"cmpl-{job_id}", created=created, model=body.model, usage=_usage(result), **extra,
-        choices=[CompletionChoice(index=c.index, text=c.text, logprobs=_completion_logprobs(c),
+        choices=[CompletionChoice(index=c.index, text=_echoed(body, result.prompt_logprobs) + c.text,
+                                  logprobs=_completion_logprobs_echoed(body, c, result.prompt_logprobs),
                                   finish_reason=c.finish_reason, **({"token_ids": c.token_ids} if ids else {}))
                  for c in result.choices])
 
 
-_EXTENSIONS = ("token_ids", "prompt_token_ids")
+def merge_completions(responses: Sequence[Completion], n: int) -> Completion:
+    """The responses to the prompts of one completion request, as one: prompt i's choice j at index i * n + j."""
+    first = responses[0]
+    choices = [choice.model_copy(update={"index": i * n + choice.index})
+               for i, response in enumerate(responses) for choice in response.choices]
+    usage = None
+    if all(r.usage is not None for r in responses):
+        usage = UsageOut(prompt_tokens=sum(r.usage.prompt_tokens for r in responses),  # type: ignore[union-attr]
+                         completion_tokens=sum(r.usage.completion_tokens for r in responses),  # type: ignore[union-attr]
+                         total_tokens=sum(r.usage.total_tokens for r in responses))  # type: ignore[union-attr]
+    return first.model_copy(update={"choices": choices, "usage": usage})
+
+
+def _message(choice: Choice) -> AssistantMessage:
+    """A choice as an assistant message: content null where it only calls tools."""
+    content: Optional[str] = choice.text
+    if choice.tool_calls and not content:
+        content = None
+    return AssistantMessage(content=content, tool_calls=choice.tool_calls or None,
+                            reasoning_content=choice.reasoning_content)
+
+
+def _echoed(body: OpenAIRequest, prompt: Optional[PromptLogprobs]) -> str:
+    """The prompt's text, for a completion with echo."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return ""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return "".join(prompt.tokens) if prompt is not None else ""
+
+
+def _completion_logprobs_echoed(body: OpenAIRequest, choice: Choice, prompt: Optional[PromptLogprobs]
+                                ) -> Optional[CompletionLogprobs]:
+    """Completions' logprobs; with echo, the prompt's tokens ahead of the choice's."""
+    made = _completion_logprobs(choice)
+    if not isinstance(body, CompletionRequest) or not body.echo or body.logprobs is None or prompt is None:
+        return made
+    tops: Optional[list[Optional[dict[str, float]]]] = None
+    if prompt.top_logprobs is not None:
+        tops = [({t.token: t.logprob for t in row} if i else None) for i, row in enumerate(prompt.top_logprobs)]
+    tokens = list(prompt.tokens)
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    echoed = CompletionLogprobs(tokens=tokens, token_logprobs=list(prompt.logprobs), top_logprobs=tops,  # type: ignore[arg-type]
+                                text_offset=offsets)
+    if made is None:
+        return echoed
+    shift = len(_echoed(body, prompt))
+    return CompletionLogprobs(
+        tokens=echoed.tokens + made.tokens, token_logprobs=echoed.token_logprobs + made.token_logprobs,
+        top_logprobs=(None if tops is None and made.top_logprobs is None else
+                      (tops or [None] * len(tokens)) + list(made.top_logprobs or [{}] * len(made.tokens))),
+        text_offset=offsets + [shift + o for o in made.text_offset])
+
+
+_EXTENSIONS = ("token_ids", "prompt_token_ids", "tool_call_error")
+_MESSAGE_EXTENSIONS = ("tool_calls", "reasoning_content")
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
-    """A response as JSON-ready data, with the token-id fields only where they were asked for."""
+    """A response as JSON-ready data, with the fields OpenAI's responses do not have (token ids,
+    tool calls, reasoning) only where they have something."""
     data = model.model_dump(mode="json")
     for item in (data, *data.get("choices", ())):
         for name in _EXTENSIONS:
             if item.get(name, 0) is None:
                 del item[name]
+        message = item.get("message") or item.get("delta")
+        for name in _MESSAGE_EXTENSIONS:
+            if isinstance(message, dict) and message.get(name, 0) is None:
+                del message[name]
     return data
 
 
@@ -266,6 +347,10 @@ def merge_token_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         into["token_ids"] = into["token_ids"] + event["token_ids"]
         into["text"] = into["text"] + event["text"]
+        if event.get("reasoning_content"):
+            into["reasoning_content"] = (into.get("reasoning_content") or "") + event["reasoning_content"]
+        if event.get("tool_calls"):
+            into["tool_calls"] = (into.get("tool_calls") or []) + event["tool_calls"]
         for field in ("logprobs", "top_logprobs"):
             if into.get(field) is not None:
                 into[field] = into[field] + event[field]
@@ -284,6 +369,7 @@ class ChunkWriter:
         # Choices whose token chunks carried their own logprobs, and (completions) each one's next text_offset.
         self._streamed_logprobs: set[int] = set()
         self._offsets: dict[int, int] = {}
+        self._calls: dict[int, int] = {}  # tool calls sent so far, per choice
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -292,11 +378,14 @@ class ChunkWriter:
         return chunk
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-                logprobs: Any = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+                logprobs: Any = None, token_ids: list[int] | None = None, reasoning: str | None = None
+                ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if role else {}
             if text and not role:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -311,9 +400,26 @@ class ChunkWriter:
         return [self._chunk([self._choice(i, "", role=True) for i in range(self.body.n)])]
 
     def token(self, event: dict[str, Any]) -> dict[str, Any]:
+        """The chunk of one token event's text (and reasoning)."""
         index = event["index"]
         return self._chunk([self._choice(index, event["text"], token_ids=event["token_ids"],
-                                         logprobs=self._chunk_logprobs(index, event))])
+                                         logprobs=self._chunk_logprobs(index, event),
+                                         reasoning=event.get("reasoning_content"))])
+
+    def token_chunks(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks of one token event: its text's (`token`), then two for each tool call it completed."""
+        index = event["index"]
+        chunks = [self.token(event)]
+        for call in event.get("tool_calls") or () if self.chat else ():
+            position = self._calls.get(index, 0)
+            self._calls[index] = position + 1
+            function = call["function"]
+            opened = {"index": position, "id": call["id"], "type": "function",
+                      "function": {"name": function["name"], "arguments": ""}}
+            for entry in (opened, {"index": position, "function": {"arguments": function["arguments"]}}):
+                chunks.append(self._chunk([{"index": index, "delta": {"tool_calls": [entry]}, "logprobs": None,
+                                            "finish_reason": None}]))
+        return chunks
 
     def _chunk_logprobs(self, index: int, event: dict[str, Any]) -> Optional[dict[str, Any]]:
         """The logprobs of one token event's tokens, in OpenAI's shape; None without them."""

@@ -461,7 +461,8 @@ class StreamCursor:
             raise StreamExpired(self.job_id, self.last_event_id)
         made: list[TokenStreamEvent | EndStreamEvent] = [
             TokenStreamEvent(index=c.index, token_ids=c.token_ids, text=c.text, logprobs=c.logprobs,
-                             top_logprobs=c.top_logprobs)
+                             top_logprobs=c.top_logprobs, reasoning_content=c.reasoning_content or None,
+                             tool_calls=c.tool_calls or None)
             for c in result.choices if c.token_ids or c.text
         ]
         made.append(end)

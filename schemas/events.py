@@ -9,6 +9,10 @@ step) restarts its stream, and what came before that event is void.
 A token event of a request that asked for `logprobs` also carries `logprobs` (one per token id) and,
 with `top_logprobs`, `top_logprobs` (one list per token id), as the result's choice has them. The two
 fields are left out of the entry otherwise, so a stream without logprobs is what it always was.
+
+A reply parsed for reasoning or tool calls (docs/tools.md) splits its text: `text` carries the answer,
+`reasoning_content` the reasoning, `tool_calls` each call once it is complete (with its id, name and
+whole arguments); the two fields are left out where empty. Their token ids stay in `token_ids`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from schemas.agents import ToolCall
 from schemas.result import FinishReason, Status, TopLogprob
 
 STREAM_FIELD = "data"
@@ -30,6 +35,8 @@ class TokenStreamEvent(BaseModel):
     text: str
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class EndStreamEvent(BaseModel):
@@ -52,7 +59,7 @@ _EVENT = TypeAdapter(StreamEvent)
 AnyStreamEvent = Union[TokenStreamEvent, EndStreamEvent, RestartStreamEvent]
 
 
-_OPTIONAL_TOKEN_FIELDS = ("logprobs", "top_logprobs")
+_OPTIONAL_TOKEN_FIELDS = ("logprobs", "top_logprobs", "reasoning_content", "tool_calls")
 
 
 def encode_event(event: AnyStreamEvent) -> dict[str, str]:

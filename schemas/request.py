@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.agents import MAX_TOOL_CALLS, AgentFields, ToolCall, check_tool_message
 from schemas.constraints import (
     Constraint,
     GuidedGrammar,
@@ -83,12 +84,27 @@ ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart]]
+    # Required, except on an assistant message that makes tool calls.
+    content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    # Tools (schemas/agents.py): an assistant's calls; a tool message's answer to one, by its id. An
+    # assistant's earlier reasoning, and OpenAI's refusal echoed back, are taken (templates may show them).
+    tool_calls: Optional[list[ToolCall]] = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+    reasoning_content: Optional[str] = None
+    refusal: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        check_tool_message(self.role, self.content, self.tool_calls, self.tool_call_id)
+        return self
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(AgentFields):
     """One generation job. Exactly one of `prompt`, `messages`, `prompt_token_ids`.
+
+    Tools, tool choice, chat-template arguments and prompt log-probabilities are AgentFields'
+    (schemas/agents.py).
 
     `max_tokens=None` means the worker's default (`MLXQ_DEFAULT_MAX_TOKENS`).
     Defaults follow OpenAI: temperature 1.0, top_p 1.0, n 1. `top_k=0` and `min_p=0`
@@ -102,7 +118,7 @@ class GenerationRequest(BaseModel):
     prompt_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, min_length=1)
 
     model: Optional[str] = Field(None, min_length=1, max_length=512)
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: only with prompt_logprobs (schemas/agents.py)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
@@ -221,7 +237,7 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
 def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> None:
     """The cheap image checks, before any decoding: how many, and how large an inline one can be."""
     images = [(f"messages[{i}].content[{j}].image_url", part.image_url.url)
-              for i, message in enumerate(request.messages or []) if not isinstance(message.content, str)
+              for i, message in enumerate(request.messages or []) if isinstance(message.content, list)
               for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
     if len(images) > limits.max_images:
         raise ValueError(f"messages: {len(images)} images exceed the limit of {limits.max_images} per request "

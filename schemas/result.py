@@ -8,8 +8,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from schemas.agents import ToolCall
+
 Status = Literal["finished", "failed", "cancelled"]
-FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+# "tool_calls": the reply ended (EOS or a stop token) having made tool calls (schemas/agents.py).
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error", "tool_calls"]
 
 
 class _Model(BaseModel):
@@ -38,6 +41,26 @@ class Choice(_Model):
     # [[first_token_index, version], ...]. Null for a worker whose weights carry no version.
     weight_version: Optional[int] = None
     weight_versions: Optional[list[tuple[int, int]]] = None
+    # Agents (docs/tools.md). A reply parsed for tool calls or reasoning has `text` = its answer only:
+    # the calls' markup is in `tool_calls` (parsed), the reasoning in `reasoning_content`; token_ids
+    # keep every token. `tool_call_error`: why text that began a tool call did not parse as one (it
+    # is then left in `text`); null otherwise.
+    tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = None
+    tool_call_error: Optional[str] = None
+    # The stop string that ended the choice (finish_reason "stop" by a stop string); null otherwise.
+    stop_sequence: Optional[str] = None
+
+
+class PromptLogprobs(_Model):
+    """The prompt's tokens under the model's raw distribution: `logprobs[i]` is log p(token_ids[i] |
+    token_ids[:i]), null for the first token (nothing precedes it); `top_logprobs[i]` the most likely
+    tokens at position i (an empty list at 0), when asked for (`prompt_logprobs` > 0)."""
+
+    token_ids: list[int]
+    tokens: list[str]  # each token's text
+    logprobs: list[Optional[float]]
+    top_logprobs: Optional[list[list[TopLogprob]]] = None
 
 
 class Usage(_Model):
@@ -91,6 +114,7 @@ class GenerationResult(_Model):
     metadata: Optional[dict[str, str]] = None
     weight_version: Optional[int] = None  # the weights that produced it (the oldest, if choices differ)
     adapter: Optional[str] = None  # the LoRA adapter that produced it (None: the base model)
+    prompt_logprobs: Optional[PromptLogprobs] = None  # when the request asked for prompt_logprobs
 
 
 def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_at: float,

@@ -38,9 +38,9 @@ def test_parse_line_names_what_is_wrong() -> None:
         "no custom id": (json.dumps({"url": "/v1/completions", "body": {}}), "custom_id"),
         "bad url": (line("c", "/v1/embeddings"), "url"),
         "bad field": (line("d", max_tokens=0), "body.max_tokens"),
-        "unknown field": (line("e", tools=[]), "body.tools"),
+        "unknown field": (line("e", functions=[]), "body.functions"),
         "stream": (line("f", stream=True), "body.stream"),
-        "echo": (line("g", "/v1/completions", echo=True), "body.echo"),
+        "suffix": (line("g", "/v1/completions", suffix="x"), "body.suffix"),
     }
     for name, (text, param) in cases.items():
         error = parse_line(text, 7)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 FIELDS = ["prompt", "messages", "prompt_token_ids", "model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop",
           "stop_token_ids", "n", "logprobs", "top_logprobs", "return_prompt_token_ids", "stream", "ignore_eos",
-          "custom_id", "metadata", "logprobs_mode"]
+          "custom_id", "metadata", "logprobs_mode", "tools", "tool_choice", "parallel_tool_calls", "tool_call_format",
+          "chat_template_kwargs", "prompt_logprobs"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
@@ -55,6 +56,12 @@ bad_requests = st.one_of(
     with_field("top_logprobs", st.integers(min_value=21)),
     with_field("logit_bias", st.dictionaries(st.integers(0, 100).map(str), st.floats(100.5, 1e9), min_size=1)),
     with_field("stop", st.lists(st.text(min_size=1), min_size=5, max_size=8)),
+    # agents' fields (schemas/agents.py): malformed tools, a choice without them, reserved template variables
+    with_field("tools", st.text() | st.integers() | st.lists(json_values, min_size=1)),
+    with_field("tool_choice", st.just("required") | st.text().filter(lambda t: t not in ("auto", "none", "required"))),
+    with_field("chat_template_kwargs", st.dictionaries(st.sampled_from(["tokenize", "messages", "chat_template"]),
+                                                       json_values, min_size=1)),
+    with_field("prompt_logprobs", st.integers(min_value=21) | st.integers(max_value=-1)),
     # inputs: none, two, or ids the model does not have
     st.fixed_dictionaries({"max_tokens": st.integers(1, 10)}),
     base.flatmap(lambda b: st.lists(st.integers(0, 200), min_size=1).map(lambda ids: {**b, "prompt_token_ids": ids})),

@@ -94,7 +94,8 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
 
     options = dict(max_num_seqs=settings.max_num_seqs, prefill_batch_size=settings.prefill_batch_size,
                    prefill_step_size=settings.prefill_step_size, prefix_cache_bytes=settings.prefix_cache_bytes,
-                   adapters=AdapterCatalog(settings.adapter_dir), adapter_memory_bytes=settings.adapter_memory_bytes)
+                   adapters=AdapterCatalog(settings.adapter_dir), adapter_memory_bytes=settings.adapter_memory_bytes,
+                   tool_call_format=settings.tool_call_format, reasoning=settings.reasoning)
     if path.name == "compiled":
         from worker.engines.compiled import CompiledEngine
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, TopLogprob, Usage
-from schemas.result import timings
+from schemas.agents import ToolCall
+from schemas.result import PromptLogprobs, timings
 from schemas.serializer import EncodedJSON
 from worker.detokenize import IncrementalDetokenizer
 from worker.engines.base import TokenEvent
+from worker.replies import ReplyFormat, ReplyParser, tool_call_id
 
 Decode = Callable[[list[int]], str]
 
@@ -44,6 +46,9 @@ class ChoiceState:
     engine_says_complete: Optional[bool] = None
     # [first_token_index, version] each time the weights that sampled its tokens changed.
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    # A streamed reply read for reasoning and tool calls, split as its text is handed out (worker/replies.py).
+    reply: Optional[ReplyParser] = None
+    stop_sequence: Optional[str] = None  # the stop string that ended it
 
     @property
     def done(self) -> bool:
@@ -103,6 +108,9 @@ class StreamDelta:
     # The logprobs of `token_ids`, for requests that asked for them (None otherwise).
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
+    # A reply read for reasoning and tool calls: `text` is the answer's, these the rest (docs/tools.md).
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class JobOutput:
@@ -110,10 +118,12 @@ class JobOutput:
 
     def __init__(self, job_id: str, request: GenerationRequest, prompt_token_ids: list[int], stop_ids: frozenset[int],
                  *, decode: Decode, token_text: Callable[[int], str], model: Optional[str], worker: Optional[str],
-                 enqueued_at: Optional[float], started_at: float) -> None:
+                 enqueued_at: Optional[float], started_at: float, reply: Optional[ReplyFormat] = None) -> None:
         self.job_id = job_id
         self.request = request
         self.prompt_token_ids = prompt_token_ids
+        self._reply = reply if reply is not None and reply.active else None
+        self.prompt_logprobs: Optional[PromptLogprobs] = None
         self._decode, self._token_text = decode, token_text
         self._model, self._worker = model, worker
         self.enqueued_at, self.started_at = enqueued_at, started_at
@@ -123,19 +133,32 @@ class JobOutput:
             ChoiceState(index=index, uid=f"{job_id}#{index}",
                         detokenizer=IncrementalDetokenizer(decode) if needs_text else None, stop_ids=stop_ids,
                         logprobs=[] if request.wants_logprobs else None,
-                        top_logprobs=[] if request.top_logprobs else None)
+                        top_logprobs=[] if request.top_logprobs else None,
+                        reply=self._reply_parser(index) if request.stream else None)
             for index in range(request.n)
         ]
         self.live = len(self.choices)  # choices not yet ended
 
+    def _reply_parser(self, index: int) -> Optional[ReplyParser]:
+        if self._reply is None:
+            return None
+        return ReplyParser(self._reply, lambda call: tool_call_id(self.job_id, index, call))
+
     def apply(self, event: TokenEvent, now: float) -> Optional[ChoiceState]:
         """Add one token to its choice. Returns the choice if it ended with this token (EOS, a stop
-        token, length, or a stop string: then its sequence is still in the engine)."""
-        if self.first_token_at is None:
-            self.first_token_at = now
+        token, length, or a stop string: then its sequence is still in the engine), or with nothing
+        generated (`event.empty`: max_tokens 0)."""
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self._prompt_logprobs(*event.prompt_logprobs)
         choice = self.choices[event.index]
         if choice.done:
             return None
+        if event.empty:
+            choice.finish_reason = event.finish_reason or "length"
+            self._choice_ended(choice)
+            return choice
+        if self.first_token_at is None:
+            self.first_token_at = now
         choice.token_ids.append(event.token)
         choice.engine_says_complete = event.constraint_complete
         version = event.weight_version
@@ -154,6 +177,8 @@ class JobOutput:
         if stop_at is not None:
             choice.text_end = stop_at
             choice.finish_reason = "stop"
+            choice.stop_sequence = next(s for s in self.request.stop_strings
+                                        if choice.detokenizer.text.startswith(s, stop_at))  # type: ignore[union-attr]
         elif event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
         if not choice.done:
@@ -184,13 +209,22 @@ class JobOutput:
         for choice in self.choices:
             text = choice.text
             end = len(text) if choice.done else max(choice.streamed_chars, len(text) - holdback)
-            if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars:
+            unflushed = choice.done and choice.reply is not None and not choice.reply.finished
+            if choice.streamed_tokens == len(choice.token_ids) and end == choice.streamed_chars and not unflushed:
                 continue
             start = choice.streamed_tokens
-            deltas.append(StreamDelta(
+            delta = StreamDelta(
                 self.job_id, choice.index, choice.token_ids[start:], text[choice.streamed_chars:end],
                 choice.finish_reason, logprobs=None if choice.logprobs is None else choice.logprobs[start:],
-                top_logprobs=None if choice.top_logprobs is None else choice.top_logprobs[start:]))
+                top_logprobs=None if choice.top_logprobs is None else choice.top_logprobs[start:])
+            if choice.reply is not None:
+                parts = choice.reply.feed(delta.text)
+                if choice.done:
+                    ending = choice.reply.finish()
+                    parts.answer, parts.reasoning = parts.answer + ending.answer, parts.reasoning + ending.reasoning
+                    parts.calls += ending.calls
+                delta.text, delta.reasoning, delta.tool_calls = parts.answer, parts.reasoning, parts.calls
+            deltas.append(delta)
             choice.streamed_tokens, choice.streamed_chars = len(choice.token_ids), end
         return deltas
 
@@ -200,14 +234,7 @@ class JobOutput:
         return EndedJob(self.job_id, status, lambda: self._result(status, error, finished_at))
 
     def _result(self, status: str, error: Optional[ErrorInfo], finished_at: float) -> GenerationResult:
-        choices = [
-            Choice(index=c.index, text=self._final_text(c), token_ids=c.token_ids, logprobs=c.logprobs,
-                   top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                   constraint_complete=self._constraint_complete(c),
-                   weight_version=c.weight_versions[0][1] if c.weight_versions else None,
-                   weight_versions=c.weight_versions if len(c.weight_versions) > 1 else None)
-            for c in self.choices
-        ]
+        choices = [self._choice(c) for c in self.choices]
         versions = [c.weight_version for c in choices if c.weight_version is not None]
         completion = sum(len(c.token_ids) for c in self.choices)
         prompt = len(self.prompt_token_ids)
@@ -220,7 +247,39 @@ class JobOutput:
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             timings=timings(self.enqueued_at, self.started_at, finished_at, self.first_token_at),
             worker=self._worker, error=error, metadata=request.metadata,
-            weight_version=min(versions) if versions else None, adapter=request.adapter)
+            weight_version=min(versions) if versions else None, adapter=request.adapter,
+            prompt_logprobs=self.prompt_logprobs)
+
+    def _choice(self, choice: ChoiceState) -> Choice:
+        text = self._final_text(choice)
+        finish_reason = choice.finish_reason
+        parsed: dict[str, object] = {}
+        reply = choice.reply  # a stream's: what its deltas handed out
+        if reply is None and self._reply is not None:
+            reply = self._reply_parser(choice.index)
+            assert reply is not None
+            reply.parse(text)
+        elif reply is not None and not reply.finished:
+            reply.finish()
+        if reply is not None:  # the reply read for reasoning and tool calls (docs/tools.md)
+            text = reply.answer
+            parsed = dict(reasoning_content=reply.reasoning or None, tool_calls=reply.calls or None,
+                          tool_call_error=reply.error)
+            if reply.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return Choice(index=choice.index, text=text, token_ids=choice.token_ids, logprobs=choice.logprobs,
+                      top_logprobs=choice.top_logprobs, finish_reason=finish_reason,  # type: ignore[arg-type]
+                      constraint_complete=self._constraint_complete(choice),
+                      weight_version=choice.weight_versions[0][1] if choice.weight_versions else None,
+                      weight_versions=choice.weight_versions if len(choice.weight_versions) > 1 else None,
+                      stop_sequence=choice.stop_sequence, **parsed)
+
+    def _prompt_logprobs(self, logprobs: list[Optional[float]], tops: Optional[list[list[tuple[int, float]]]]
+                         ) -> PromptLogprobs:
+        named = None if tops is None else [[TopLogprob(token_id=t, token=self._token_text(t), logprob=lp)
+                                            for t, lp in row] for row in tops]
+        return PromptLogprobs(token_ids=self.prompt_token_ids, tokens=[self._token_text(t) for t in self.prompt_token_ids],
+                              logprobs=logprobs, top_logprobs=named)
 
     def _constraint_complete(self, choice: ChoiceState) -> Optional[bool]:
         """None unconstrained; else whether the text is a complete match: the engine's word on the

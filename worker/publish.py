@@ -69,7 +69,8 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
     batch = CommandBatch(connection)
     for delta in deltas:
         event = TokenStreamEvent(index=delta.index, token_ids=delta.token_ids, text=delta.text,
-                                 logprobs=delta.logprobs, top_logprobs=delta.top_logprobs)
+                                 logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
+                                 reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None)
         batch.xadd(keys.stream_key(delta.job_id), encode_event(event))
     for job_id in {d.job_id for d in deltas}:
         if ttls.get(job_id):

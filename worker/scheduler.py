@@ -139,7 +139,8 @@ class BatchScheduler:
             prompt = prepared if prepared is not None else self.engine.prepare(request)
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
-            max_tokens = request.max_tokens or self.default_max_tokens
+            self._check_agent_fields(request, prompt)
+            max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens
             self._check_against_model(request, len(prompt_ids), max_tokens)
             self._check_capacity(request, len(prompt_ids) + max_tokens, prompt.extra_bytes)
         except (InvalidRequestError, ValueError) as exc:
@@ -168,7 +169,7 @@ class BatchScheduler:
         )
         output = JobOutput(job_id, request, prompt_ids, stop_ids, decode=self.engine.decode,
                            token_text=self.engine.token_text, model=self.model_name, worker=self.worker_name,
-                           enqueued_at=enqueued_at, started_at=started_at)
+                           enqueued_at=enqueued_at, started_at=started_at, reply=prompt.reply)
         sampling = SamplingParams.from_request(request)
         specs = [
             SequenceSpec(
@@ -184,6 +185,7 @@ class BatchScheduler:
                 request_id=job_id,
                 inputs=prompt.inputs,
                 adapter=request.adapter,
+                prompt_logprobs=request.prompt_logprobs,
             )
             for choice in output.choices
         ]
@@ -263,6 +265,14 @@ class BatchScheduler:
                 f"e.g. {bad[0]}",
                 field="prompt_token_ids",
             )
+
+    def _check_agent_fields(self, request: GenerationRequest, prompt: Prompt) -> None:
+        """Tools and prompt log-probabilities need an engine that serves them (the text engines do)."""
+        if request.parses_tool_calls and (prompt.reply is None or prompt.reply.tools is None):
+            raise InvalidRequestError("tools: this worker's engine does not serve tool calls", field="tools")
+        if request.prompt_logprobs is not None and not getattr(self.engine, "serves_prompt_logprobs", False):
+            raise InvalidRequestError("prompt_logprobs: this worker's engine does not score prompts",
+                                      field="prompt_logprobs")
 
     def _check_against_model(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int) -> None:
         """Everything else a request names that only the served model can check: token ids inside its

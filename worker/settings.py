@@ -68,6 +68,11 @@ class WorkerSettings(BaseSettings):
     # The compiled engine compiles its decode step at start-up for sequences up to this many tokens
     # (every batch bucket); longer ones compile the first time they occur. 0: no warm-up.
     decode_warmup_tokens: int = 512
+    # Agents (docs/tools.md): the tool-call format replies are parsed and forced in ("auto": picked from
+    # the model's chat template and config; or hermes, llama3_json, mistral, one of mlx-lm's parsers),
+    # and whether a thinking model's reasoning is split from its answer ("auto" | "none").
+    tool_call_format: str = "auto"
+    reasoning: str = "auto"
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
     blas_threads: Optional[int] = None
@@ -177,6 +182,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_ADAPTER_MEMORY_MB must be >= 1, got {self.adapter_memory_mb}")
         if self.decode not in ("auto", "compiled", "batch-generator"):
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
+        if self.reasoning not in ("auto", "none"):
+            raise ValueError(f"MLXQ_REASONING must be auto or none, got {self.reasoning!r}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:

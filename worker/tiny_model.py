@@ -107,10 +107,12 @@ def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS
 
 def make_tiny_model(
     path: str | Path, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0, arch: str = "llama",
-    num_key_value_heads: int | None = None,
+    num_key_value_heads: int | None = None, extra_special_tokens: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """Write a random-weight model of architecture `arch` (llama unless given) to `path` and
-    return it. `num_key_value_heads` overrides the shape's (grouped-query attention or not)."""
+    return it. `num_key_value_heads` overrides the shape's (grouped-query attention or not);
+    `extra_special_tokens` (e.g. think tags) join the tokenizer's, `chat_template` replaces ChatML."""
     import importlib
 
     import mlx.core as mx
@@ -123,7 +125,7 @@ def make_tiny_model(
     dims = SHAPES[shape]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(dims.vocab_size)
+    tokenizer = _train_tokenizer(dims.vocab_size, SPECIAL_TOKENS + list(extra_special_tokens), chat_template)
     if len(tokenizer) != dims.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {dims.vocab_size}")
     tokenizer.save_pretrained(str(out))

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,9 +17,12 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.api import routes_control, routes_dashboard, routes_files, routes_jobs, routes_metrics, routes_openai
+from producer.api import (routes_anthropic, routes_control, routes_dashboard, routes_files, routes_jobs, routes_metrics,
+                          routes_openai)
+from producer.anthropic_messages import anthropic_error
 from producer.api.auth import ApiError
 from producer.api.batch_driver import BatchDriver
+from producer.api.routes_anthropic import is_anthropic_path
 from producer.api.gateway import Gateway
 from producer.api.http_deadlines import STATE_KEY, HttpDeadlines
 from producer.api.settings import GatewaySettings
@@ -51,7 +54,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="mlxq gateway", version="1", lifespan=lifespan,
                   description="OpenAI-compatible chat, completions, files and batches over mlxq's queue, and "
                               "mlxq's own jobs. See docs/gateway.md.")
-    for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_control.router,
+    for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router, routes_control.router,
                    routes_metrics.router, routes_dashboard.router):
         app.include_router(router)
     _add_error_handlers(app)
@@ -63,11 +66,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+        return _answer(request.url.path, exc.status, exc.body, exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), param=exc.field), status_code=400)
+        return _answer(request.url.path, 400, error_body(str(exc), param=exc.field))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -77,8 +80,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         detail = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        return JSONResponse(error_body(f"invalid request: {param or 'body'}: {detail}{more}", param=param),
-                            status_code=400)
+        return _answer(request.url.path, 400, error_body(f"invalid request: {param or 'body'}: {detail}{more}",
+                                                         param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -88,13 +91,20 @@ def _add_error_handlers(app: FastAPI) -> None:
             methods = {m for route in app.routes if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
                        for m in route.methods if m != "HEAD"}
             headers = {"Allow": ", ".join(sorted(methods))}
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code, headers=headers)
+        return _answer(request.url.path, exc.status_code, error_body(str(exc.detail), code=code), headers)
 
     @app.exception_handler(BrokerError)
     async def broker_error(request: Request, exc: BrokerError) -> JSONResponse:
         log.error("redis: %s", exc)
-        return JSONResponse(error_body("the queue's Redis cannot be reached", "server_error", code="broker_error"),
-                            status_code=503)
+        return _answer(request.url.path, 503,
+                       error_body("the queue's Redis cannot be reached", "server_error", code="broker_error"))
+
+
+def _answer(path: str, status: int, body: dict[str, Any], headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    """An error: in OpenAI's shape, or on Anthropic's route in Anthropic's."""
+    if is_anthropic_path(path):
+        body = anthropic_error(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class BodyLimit:
@@ -113,7 +123,7 @@ class BodyLimit:
         if length is None and upload:
             return await _reply(send, 411, error_body("Content-Length is required for uploads", code="length_required"))
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return await _reply(send, 413, _too_large(limit))
+            return await _reply(send, 413, _too_large(limit), scope["path"])
         if length is not None:
             return await self.app(scope, receive, send)
         body, more = [], True  # chunked: read it all here, within the limit
@@ -124,7 +134,7 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             if size > limit:
-                return await _reply(send, 413, _too_large(limit))
+                return await _reply(send, 413, _too_large(limit), scope["path"])
             body.append(message.get("body", b""))
             more = message.get("more_body", False)
         replayed = False
@@ -143,7 +153,7 @@ def _too_large(limit: int) -> dict[str, Any]:
     return error_body(f"request body exceeds the limit of {limit} bytes", code="request_too_large")
 
 
-async def _reply(send: Send, status: int, body: dict[str, Any]) -> None:
-    response = JSONResponse(body, status_code=status)
+async def _reply(send: Send, status: int, body: dict[str, Any], path: str = "") -> None:
+    response = _answer(path, status, body)
     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})

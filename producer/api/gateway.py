@@ -22,9 +22,9 @@ from producer.api.batches import BatchStore
 from producer.api.files import FileStore
 from producer.api.fleet import Fleet
 from producer.api.settings import GatewaySettings
-from producer.errors import InvalidRequest, broker_errors
+from producer.errors import InvalidRequest, WaitTimeout, broker_errors
 from producer.wire import target_queue
-from schemas import GenerationRequest
+from schemas import GenerationRequest, GenerationResult
 
 __all__ = ["Gateway", "current_tenant", "gateway", "wait_unless_disconnected"]
 
@@ -76,6 +76,36 @@ class Gateway:
         with broker_errors():
             await self.admission.admit_one(tenant, job_id, queue, enqueue)
         return job_id
+
+    async def run_blocking(self, tenant: Tenant, requests: list[GenerationRequest], priority: Optional[str],
+                           request: Request) -> tuple[list[str], Optional[list[GenerationResult]]]:
+        """Submit the requests (validated already) as jobs and wait for their results, in order:
+        (job ids, results), or (job ids, None) if the client went away (the jobs are cancelled).
+        WaitTimeout after the gateway's request timeout, the jobs cancelled."""
+        job_ids = [self.new_job_id(tenant) for _ in requests]
+        reader = self.admission.settling(tenant)
+        # Watched before they are submitted, so their ends are announced and the wait reads nothing until then.
+        async with self.client._watch(job_ids) as watch:
+
+            async def wait() -> dict[str, GenerationResult]:
+                return await watch.wait(self.settings.request_timeout_s, read=reader, submitted_after=True)
+
+            try:
+                for job_id, generation in zip(job_ids, requests):
+                    await self.submit(tenant, generation, priority, job_id, validated=True)
+                results = await wait_unless_disconnected(request, wait())
+            except WaitTimeout:
+                for job_id in job_ids:
+                    await self.cancel_quietly(job_id)
+                raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await reader.release_rest(job_ids)
+        if results is None:  # the client went away: nobody will read the answer
+            for job_id in job_ids:
+                await self.cancel_quietly(job_id)
+            return job_ids, None
+        return job_ids, [results[job_id] for job_id in job_ids]
 
     async def cancel_quietly(self, job_id: str) -> None:
         """Cancel a job whose caller went away; shielded, since it runs while the request is being cancelled."""

@@ -17,9 +17,9 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from producer.api.auth import ERRORS, Tenant
-from producer.api.gateway import Gateway, current_tenant, gateway, invalid, wait_unless_disconnected
+from producer.api.gateway import Gateway, current_tenant, gateway, invalid
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
-from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_request
+from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_requests
 from producer.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -28,10 +28,11 @@ from producer.openai_responses import (
     build_response,
     dump,
     error_body,
+    merge_completions,
     merge_token_events,
     result_error,
 )
-from schemas import GenerationRequest, GenerationResult
+from schemas import GenerationRequest
 
 __all__ = ["router"]
 
@@ -73,46 +74,37 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
 
 async def _serve(gw: Gateway, tenant: Tenant, body: OpenAIRequest, request: Request) -> Any:
     try:
-        generation = to_generation_request(body, gw.settings.limits)
+        generations = to_generation_requests(body, gw.settings.limits)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     created = int(time.time())
     if body.stream:
-        job_id = await gw.submit(tenant, generation, body.priority, validated=True)
+        job_id = await gw.submit(tenant, generations[0], body.priority, validated=True)
         return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers={"x-mlxq-job-id": job_id},
                                    ping=15)
-    return await _blocking(gw, tenant, body, generation, request, created)
+    return await _blocking(gw, tenant, body, generations, request, created)
 
 
-async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation: GenerationRequest,
+async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generations: list[GenerationRequest],
                     request: Request, created: int) -> Any:
-    """Submit the job, wait for its result, answer it (or the error it ended with)."""
-    job_id = gw.new_job_id(tenant)
-    headers = {"x-mlxq-job-id": job_id}
-    reader = gw.admission.settling(tenant)
-    # Watched before it is submitted, so its end is announced and the wait reads nothing until then.
-    async with gw.client._watch([job_id]) as watch:
-
-        async def wait() -> GenerationResult:
-            return (await watch.wait(gw.settings.request_timeout_s, read=reader, submitted_after=True))[job_id]
-
-        await gw.submit(tenant, generation, body.priority, job_id, validated=True)
-        try:
-            result = await wait_unless_disconnected(request, wait())
-        except WaitTimeout:
-            await gw.cancel_quietly(job_id)
-            return JSONResponse(error_body(f"no result within {gw.settings.request_timeout_s} s; the job was cancelled",
-                                           "timeout", code="timeout"), status_code=504, headers=headers)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await reader.release_rest([job_id])
-    if result is None:  # the client went away: nobody will read the answer
-        await gw.cancel_quietly(job_id)
+    """Submit the jobs (one, or one per prompt), wait for their results, answer them (or the first
+    error one ended with)."""
+    try:
+        job_ids, results = await gw.run_blocking(tenant, generations, body.priority, request)
+    except WaitTimeout:
+        return JSONResponse(error_body(f"no result within {gw.settings.request_timeout_s} s; the job was cancelled",
+                                       "timeout", code="timeout"), status_code=504)
+    headers = {"x-mlxq-job-id": ",".join(job_ids)}
+    if results is None:
         return JSONResponse(error_body("client disconnected", code="client_disconnected"), status_code=499)
-    failed = result_error(result)
-    if failed is not None:
-        return JSONResponse(failed[1], status_code=failed[0], headers=headers)
-    return JSONResponse(dump(build_response(body, job_id, result, created)), headers=headers)
+    for result in results:
+        failed = result_error(result)
+        if failed is not None:
+            return JSONResponse(failed[1], status_code=failed[0], headers=headers)
+    responses = [build_response(body, job_id, result, created) for job_id, result in zip(job_ids, results)]
+    if len(responses) == 1:
+        return JSONResponse(dump(responses[0]), headers=headers)
+    return JSONResponse(dump(merge_completions(responses, body.n)), headers=headers)  # type: ignore[arg-type]
 
 
 async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:
@@ -131,7 +123,7 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                 messages = []
                 for event in merge_token_events([first, *stream.take_ready()]):
                     if event["event"] == "token":
-                        messages.append(writer.token(event))
+                        messages += writer.token_chunks(event)
                         continue
                     ended = True
                     if event["event"] == "restart":  # what was sent cannot be taken back: say so, let the job run

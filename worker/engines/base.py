@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 from schemas import GenerationRequest
+from worker.replies import ReplyFormat
+
+
+PromptScores = tuple[list[Optional[float]], Optional[list[list[tuple[int, float]]]]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class Prompt:
     extra_bytes: int = 0
     # What the token ids do not carry (an image's pixels), private to the engine that prepared it.
     inputs: Any = None
+    # How the reply's text splits into reasoning, answer and tool calls (worker/replies.py); None: as it is.
+    reply: Optional[ReplyFormat] = None
 
 
 StatValue = Union[int, float, str, bool]
@@ -86,6 +92,9 @@ class SequenceSpec:
     request_id: str = ""  # the request (job) it is a choice of
     inputs: Any = None  # Prompt.inputs of the request: the engine's own
     adapter: Optional[str] = None  # the request's LoRA adapter, by name (None: the base model)
+    # Score the prompt: each token's logprob and this many top entries (GenerationRequest.prompt_logprobs).
+    # Its first event carries them (TokenEvent.prompt_logprobs); with max_tokens 0 that is all it gets.
+    prompt_logprobs: Optional[int] = None
 
 
 @dataclass
@@ -104,6 +113,11 @@ class TokenEvent:
     constraint_complete: Optional[bool] = None
     # The version of the weights that sampled this token (Engine.swap_weights).
     weight_version: Optional[int] = None
+    # The prompt's scores, on a sequence's first event when its spec asked (SequenceSpec.prompt_logprobs):
+    # (logprobs, one per prompt token, None first; top entries [(token id, logprob)] per token, or None).
+    prompt_logprobs: Optional[PromptScores] = None
+    # No token: a sequence that ends with nothing generated (max_tokens 0); `token` is meaningless.
+    empty: bool = False
 
 
 def adapter_not_served(name: str, refusal: str) -> ValueError:

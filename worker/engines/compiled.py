@@ -34,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.prompt_scores import PromptScorer
 from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
 from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
@@ -45,7 +46,7 @@ from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
 from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
-from worker.engines.text_model import model_context_length, model_vocab_size, prepare_prompt
+from worker.engines.text_model import ChatFormat, model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
 log = logging.getLogger("mlxq.engine")
@@ -86,6 +87,8 @@ class CompiledEngine:
         overlap: bool = True,
         adapters: Optional[AdapterCatalog] = None,
         adapter_memory_bytes: int = 0,
+        tool_call_format: str = "auto",
+        reasoning: str = "auto",
         first_token_from_prefill: Optional[bool] = None,
     ) -> None:
         self.model = model
@@ -105,6 +108,7 @@ class CompiledEngine:
         self._prefill = SlotPrefill(model, self._lora, self._layout.grouped_mask, prefill_step_size)
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
+        self._chat = ChatFormat(tokenizer, tool_call_format=tool_call_format, reasoning=reasoning)
         self._version = 0  # of the weights now (swap_weights)
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
@@ -114,7 +118,9 @@ class CompiledEngine:
         self._by_uid: dict[str, DecodingSequence] = {}
         self._in_flight: Optional[LaunchedStep] = None
         self._eager_allowance = float(EAGER_MAX)
-        self._refused: list[TokenEvent] = []  # sequences whose adapter could not be had when added
+        # Events that need no step: sequences whose adapter could not be had when added, prompts only scored.
+        self._refused: list[TokenEvent] = []
+        self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -165,10 +171,13 @@ class CompiledEngine:
         return parameter_spec(self.model)
 
     def prepare(self, request: GenerationRequest) -> Prompt:
-        prompt = prepare_prompt(self.tokenizer, request, self._constraints)
+        prompt = prepare_prompt(self._chat, request, self._constraints)
         if request.adapter is not None:
             self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
         return prompt
+
+    # Prompts are scored (GenerationRequest.prompt_logprobs) in `add` (worker/engines/prompt_scores.py).
+    serves_prompt_logprobs = True
 
     # Rows of different adapters (and base rows) decode in one step.
     adapter_batching = "rows"
@@ -238,6 +247,10 @@ class CompiledEngine:
                 self._add(request_specs)
 
     def step(self) -> list[TokenEvent]:
+        """One step (`_step`); a scored prompt's scores go on its sequence's first event."""
+        return self._scorer.attach(self._step())
+
+    def _step(self) -> list[TokenEvent]:
         """Admit waiting prompts (a prefill batch), hand the next decode step to the device, and
         return the tokens of the step handed over by the previous call.
 
@@ -279,6 +292,7 @@ class CompiledEngine:
 
     def remove(self, uids: list[str]) -> None:
         gone = set()
+        self._scorer.forget(uids)
         for uid in uids:
             seq = self._by_uid.get(uid)
             if seq is not None:
@@ -295,6 +309,7 @@ class CompiledEngine:
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
         self._refused = []
+        self._scorer.clear()
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
         repair_random_state()
 
@@ -321,6 +336,7 @@ class CompiledEngine:
 
     def _add_group(self, specs: list[SequenceSpec], prefix: PrefixCache, slot: int,
                    adapter: Optional[str] = None) -> None:
+        specs = self._score_prompts(specs, slot, adapter)
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
@@ -333,6 +349,23 @@ class CompiledEngine:
                 seq.adapter, seq.adapter_slot = adapter, slot
                 self._by_uid[spec.uid] = seq
                 self._waiting.append(WaitingPrompt(seq, cache, cached))
+
+    def _score_prompts(self, specs: list[SequenceSpec], slot: int, adapter: Optional[str]) -> list[SequenceSpec]:
+        """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
+        those that only asked that end now, the others wait for a slot holding the scoring's cache
+        (all but their last token); the rest are returned for the ordinary path."""
+        taken = self._scorer.take(specs, slot)
+        self._refused += taken.ended
+        if adapter is not None:
+            for _ in taken.ended:
+                self._lora.unpin(adapter)  # the hold `_add` took for each
+        for group in taken.going_on:
+            for spec in group.specs:
+                seq = self._sequence(spec)
+                seq.adapter, seq.adapter_slot = adapter, slot
+                self._by_uid[spec.uid] = seq
+                self._waiting.append(WaitingPrompt(seq, group.cache, group.cached))
+        return taken.rest
 
     def _sequence(self, spec: SequenceSpec) -> DecodingSequence:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""

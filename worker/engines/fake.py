@@ -29,9 +29,24 @@ def fake_chat_template(request: GenerationRequest) -> str:
     """The fake engine's chat template: `role: text` lines (the gateway's chat tests run on it)."""
     lines = []
     for message in request.messages or []:
-        parts = [message.content] if isinstance(message.content, str) else [getattr(p, "text", "") for p in message.content]
+        content = message.content or ""
+        parts = [content] if isinstance(content, str) else [getattr(p, "text", "") for p in content]
         lines.append(f"{message.role}: {''.join(parts)}")
     return "\n".join(lines) + "\nassistant:"
+
+
+def fake_prompt_logprob(prompt: list[int], position: int) -> float:
+    return -0.25 * (1 + (prompt[position] + position) % 8)
+
+
+def fake_prompt_scores(prompt: list[int], top_k: int) -> Any:
+    """Each token's fake logprob (None first); its top entries: itself, then the next ids, each half as likely."""
+    logprobs = [None] + [fake_prompt_logprob(prompt, i) for i in range(1, len(prompt))]
+    if not top_k:
+        return logprobs, None
+    tops = [[]] + [[((prompt[i] + j) % VOCAB, fake_prompt_logprob(prompt, i) - j * math.log(2.0))
+                    for j in range(top_k)] for i in range(1, len(prompt))]
+    return logprobs, tops
 
 
 @dataclass
@@ -64,6 +79,8 @@ class FakeEngine:
         self.steps = 0
         self._version = 0
         self._step_delay_s = step_delay_s
+        self._scored: list[TokenEvent] = []  # prompts only scored: they end at the next step
+        self._scores: dict[str, Any] = {}  # a scored prompt's scores, for its sequence's first event
 
     @property
     def vocab_size(self) -> int:
@@ -87,6 +104,8 @@ class FakeEngine:
 
     def reset(self) -> None:
         self._seqs.clear()
+        self._scored.clear()
+        self._scores.clear()
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -97,8 +116,18 @@ class FakeEngine:
     def prepare(self, request: GenerationRequest) -> Prompt:
         return Prompt(self.prompt_token_ids(request))
 
+    # Prompt scores: token i's logprob is fake_prompt_logprob(prompt, i); its top entries are itself first.
+    serves_prompt_logprobs = True
+
     def add(self, specs: list[SequenceSpec]) -> None:
         for spec in specs:
+            if spec.prompt_logprobs is not None:
+                scores = fake_prompt_scores(spec.prompt_token_ids, spec.prompt_logprobs)
+                if spec.max_tokens == 0:
+                    self._scored.append(TokenEvent(spec.uid, -1, spec.choice_index, finish_reason="length",
+                                                   prompt_logprobs=scores, empty=True))
+                    continue
+                self._scores[spec.uid] = scores
             self._seqs[spec.uid] = _Seq(spec)
 
     def step(self) -> list[TokenEvent]:
@@ -110,7 +139,7 @@ class FakeEngine:
             time.sleep(3600)
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
-        events = []
+        events, self._scored = self._scored, []
         for uid, seq in list(self._seqs.items()):
             if not seq.prefilled:
                 seq.prefilled = True
@@ -129,7 +158,8 @@ class FakeEngine:
                 finish = "length"
             logprob = -math.log(2.0) if spec.logprobs else None
             top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
-            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish, weight_version=self._version))
+            events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish, weight_version=self._version,
+                                     prompt_logprobs=self._scores.pop(uid, None)))
             if finish:
                 del self._seqs[uid]
         return events

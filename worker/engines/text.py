@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.prompt_scores import PromptScorer
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
@@ -37,8 +38,8 @@ from worker.engines.prefill_queue import PrefillQueue
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.sampling import attach_logprobs, greedy, repair_random_state, requested_distribution
 from worker.engines.text_rows import Row, RowMaker, note_constraint
-from worker.engines.text_model import (RequestRejected, measure_kv_bytes_per_token, model_context_length,  # noqa: F401
-                                       model_vocab_size, prepare_prompt, prompt_token_ids)
+from worker.engines.text_model import (ChatFormat, RequestRejected, measure_kv_bytes_per_token,  # noqa: F401
+                                       model_context_length, model_vocab_size, prepare_prompt)
 
 
 class TextEngine:
@@ -54,6 +55,8 @@ class TextEngine:
         prefix_min_match: int = 16,
         adapters: Optional[AdapterCatalog] = None,
         adapter_memory_bytes: int = 0,
+        tool_call_format: str = "auto",
+        reasoning: str = "auto",
     ) -> None:
         self.model = model
         # LoRA adapters, one at a time (mlx-lm's batch runs every row alike): the scheduler admits
@@ -82,12 +85,17 @@ class TextEngine:
         self._engine_uid: dict[str, int] = {}
         self._rows = RowMaker(self._vocab_size, max_num_seqs)
         self._constraints = ConstraintCompiler(tokenizer, self._vocab_size, self._eos)
+        self._chat = ChatFormat(tokenizer, tool_call_format=tool_call_format, reasoning=reasoning)
         self._counters = EngineCounters()
         self._version = 0  # of the weights now (swap_weights)
         self._launched_with = 0  # the version mlx-lm's last call launched its forward pass with
         self._kv_bytes_per_token = measure_kv_bytes_per_token(model)
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
+        self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
+
+    # Prompts are scored (GenerationRequest.prompt_logprobs) in `add` (worker/engines/prompt_scores.py).
+    serves_prompt_logprobs = True
 
     @property
     def vocab_size(self) -> int:
@@ -115,6 +123,7 @@ class TextEngine:
         self._live.clear()
         self._engine_uid.clear()
         self._early.clear()
+        self._scorer.clear()
         self._waiting.clear()
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
@@ -162,13 +171,13 @@ class TextEngine:
     def prepare(self, request: GenerationRequest) -> Prompt:
         """The prompt's token ids and, for a constrained request, its compiled constraint (cached
         per worker: docs/structured-output.md has the compile times)."""
-        prompt = prepare_prompt(self.tokenizer, request, self._constraints)
+        prompt = prepare_prompt(self._chat, request, self._constraints)
         if request.adapter is not None:
             self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
         return prompt
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        return prompt_token_ids(self.tokenizer, request)
+        return self._chat.prompt_ids(request)
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share
@@ -179,7 +188,7 @@ class TextEngine:
         # A batch is decoding (not just prefilling a burst that came over two steps): these join it.
         joining = any(row.emitted for row in self._live.values())
         self._waiting.begin_add()
-        specs = self._pin_adapters(specs)
+        specs = self._score_prompts(self._pin_adapters(specs), joining)
         if not specs:
             return
         if specs[0].adapter is not None:  # the prefix cache holds the base model's keys and values only
@@ -225,17 +234,36 @@ class TextEngine:
         starts = plan_starts(prefix or self._prefix, {prompt: len(group) for prompt, group in groups.items()},
                              self._prefill)
         for prompt, group in groups.items():
-            cache, cached, owned = starts[prompt]
-            rows = [self._rows.row(spec, self._version) for spec in group]
-            rest = len(prompt) - cached
-            # A group of n pays its own prefill anyway; a lone joiner draws on the eager allowance.
-            if len(group) > 1 or (joining and self._waiting.take_eager(rest)):
-                self._start_now(list(prompt), rows, cache, cached, owned)
-            elif cache is None:
-                self._insert_or_hold(joining, rows, [list(prompt) for _ in rows])
-            else:
-                self._insert_or_hold(joining, rows, [list(prompt[cached:]) for _ in rows],
-                                     _handed_out(cache, len(rows), owned), [list(prompt[:cached]) for _ in rows])
+            self._start_group(list(prompt), group, joining, *starts[prompt])
+
+    def _start_group(self, prompt: list[int], group: list[SequenceSpec], joining: bool, cache: Optional[list[Any]],
+                     cached: int, owned: bool) -> None:
+        """Sequences with the same prompt, whose first `cached` tokens `cache` holds, into the batch."""
+        rows = [self._rows.row(spec, self._version) for spec in group]
+        rest = len(prompt) - cached
+        # A group of n pays its own prefill anyway; a lone joiner draws on the eager allowance.
+        if len(group) > 1 or (joining and self._waiting.take_eager(rest)):
+            self._start_now(prompt, rows, cache, cached, owned)
+        elif cache is None:
+            self._insert_or_hold(joining, rows, [list(prompt) for _ in rows])
+        else:
+            self._insert_or_hold(joining, rows, [prompt[cached:] for _ in rows],
+                                 _handed_out(cache, len(rows), owned), [prompt[:cached] for _ in rows])
+
+    def _score_prompts(self, specs: list[SequenceSpec], joining: bool) -> list[SequenceSpec]:
+        """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
+        those that only asked that end now, the others start from the scoring's cache; the rest
+        are returned for the ordinary path."""
+        if all(spec.prompt_logprobs is None for spec in specs):
+            return specs
+        with mx.stream(self._generator.stream):
+            taken = self._scorer.take(specs, self._group_slot)
+        self._early += taken.ended
+        for event in taken.ended:
+            self._unpin(event.uid)
+        for group in taken.going_on:
+            self._start_group(group.prompt, group.specs, joining, group.cache, group.cached, True)
+        return taken.rest
 
     def _prefill(self, tokens: list[int], cache: Optional[list[Any]] = None) -> list[Any]:
         """Run `tokens` through the model on top of `cache` (a fresh one if None), in place."""
@@ -338,7 +366,7 @@ class TextEngine:
         the caller before the next decode step runs); otherwise one decode step of the batch."""
         if self._early:
             events, self._early = self._early, []
-            return events
+            return self._scorer.attach(events)
         self._hand_waiting_over()
         if not self._live:
             return []
@@ -377,7 +405,7 @@ class TextEngine:
                 self._forget(spec.uid)
         if wanted:
             attach_logprobs(wanted)
-        return events
+        return self._scorer.attach(events)
 
     def _keep_cache(self, spec: SequenceSpec, tokens: Optional[list[int]], cache: Optional[list[Any]]) -> None:
         """Offer a finished sequence's cache (its prompt and output) to the prefix cache, if it
@@ -395,6 +423,7 @@ class TextEngine:
             self._generator.remove(engine_uids)
         for uid in uids:
             self._forget(uid)
+        self._scorer.forget(uids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))

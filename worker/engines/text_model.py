@@ -10,47 +10,26 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
 from worker.engines.base import Prompt
+from worker.engines.chat_template import ChatFormat, RequestRejected
 from worker.engines.constraints import ConstraintCompiler
 
-
-class RequestRejected(ValueError):
-    """The request cannot run on this model; the message names the field."""
-
-
-def prompt_token_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
-    """The request's input as token ids: ids as given, a raw prompt, or chat messages through the
-    tokenizer's chat template."""
-    if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
-    if request.prompt is not None:
-        return list(tokenizer.encode(request.prompt))
-    assert request.messages is not None
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise RequestRejected("messages: this model has no chat template; send `prompt` or `prompt_token_ids`")
-    messages = []
-    for i, message in enumerate(request.messages):
-        content = message.content
-        if not isinstance(content, str):
-            if any(part.type != "text" for part in content):
-                raise RequestRejected(
-                    f"messages[{i}].content: image parts need a vision model; this worker serves a text model"
-                )
-        messages.append(message.model_dump(exclude_none=True))
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+__all__ = ["ChatFormat", "RequestRejected", "measure_kv_bytes_per_token", "model_context_length", "model_vocab_size",
+           "prepare_prompt"]
 
 
-def prepare_prompt(tokenizer: Any, request: GenerationRequest, constraints: ConstraintCompiler) -> Prompt:
-    """The prompt's token ids and, for a constrained request, its compiled constraint (cached per
-    worker: docs/structured-output.md has the compile times)."""
-    token_ids = prompt_token_ids(tokenizer, request)
-    constraint = request.constraint
+def prepare_prompt(chat: ChatFormat, request: GenerationRequest, constraints: ConstraintCompiler) -> Prompt:
+    """The prompt's token ids, how its reply reads (reasoning, tool calls: worker/replies.py) and,
+    for a constrained request or a forced tool call, its compiled constraint (cached per worker:
+    docs/structured-output.md has the compile times)."""
+    token_ids = chat.prompt_ids(request)
+    reply = chat.reply_format(request, token_ids)
+    constraint = request.constraint or chat.forced_call(request)
     if constraint is None:
-        return Prompt(token_ids)
+        return Prompt(token_ids, reply=reply)
     if request.ignore_eos:
         raise RequestRejected(f"ignore_eos: cannot be combined with {constraint.field.split('.')[0]}, "
                               "which ends the text where the constraint allows EOS")
-    return Prompt(token_ids, inputs=constraints.compile(constraint))
+    return Prompt(token_ids, inputs=constraints.compile(constraint), reply=reply)
 
 
 def measure_kv_bytes_per_token(model: Any) -> int:

@@ -242,7 +242,7 @@ class VisionEngine:
             return Prompt(list(self.tokenizer.encode(request.prompt)), inputs=plain)
         assert request.messages is not None
         messages, sources = _template_messages(request)
-        text = self._apply_chat_template(messages)
+        text = self._apply_chat_template(messages, request.chat_template_kwargs or {})
         if not sources:
             return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)), inputs=plain)
         images = [load_image(url, field, self._images, self._fit_pixels) for field, url in sources]
@@ -255,10 +255,14 @@ class VisionEngine:
                               constraint)
         return Prompt(ids, extra_bytes=self._encoder_bytes(inputs, len(ids)), inputs=inputs)
 
-    def _apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def _apply_chat_template(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         for owner in (self.processor, self.tokenizer):
             if getattr(owner, "chat_template", None):
-                return str(owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+                try:
+                    return str(owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs))
+                except Exception as exc:  # a template's own raise_exception, or one that cannot take these messages
+                    raise RequestRejected(f"messages: the model's chat template refused them: {type(exc).__name__}: "
+                                          f"{str(exc)[:300]}") from None
         raise RequestRejected("messages: this model has no chat template; send `prompt` or `prompt_token_ids`")
 
     def _encoder_bytes(self, inputs: VisionInputs, prompt_tokens: int) -> int:
@@ -427,6 +431,8 @@ def _template_messages(request: GenerationRequest) -> tuple[list[dict[str, Any]]
     assert request.messages is not None
     messages, sources = [], []
     for i, message in enumerate(request.messages):
+        if message.tool_calls or message.content is None:
+            raise RequestRejected(f"messages[{i}].tool_calls: this worker's vision engine does not serve tool calls")
         entry: dict[str, Any] = {"role": message.role}
         if message.name is not None:
             entry["name"] = message.name
