@@ -2,7 +2,9 @@
 constraint a request may carry (`response_format`, `guided_regex`, `guided_grammar`).
 
 The worker compiles a constraint into a token mask (worker/engines/constraints.py); whether the
-library accepts it is only known there. What the schema checks is shape and size.
+library accepts it is only known there. What the schema checks is shape and size, and, without the
+library (schemas/constraint_checks.py), that a JSON schema or grammar has a finite document and that
+counted repetitions do not blow a regex up (`MAX_REGEX_REPEAT_EXPANSION`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.constraint_checks import (MAX_REGEX_REPEAT_EXPANSION, json_schema_patterns, json_schema_problem,
+                                       lark_grammar_problem, lark_grammar_regexes, regex_repeat_expansion)
 
 MAX_JSON_SCHEMA_CHARS = 32_768  # the schema as compact JSON
 MAX_JSON_SCHEMA_DEPTH = 32  # objects and arrays nested in the schema document
@@ -55,6 +60,10 @@ class JSONSchemaFormat(_Strict):
         if size > MAX_JSON_SCHEMA_CHARS:
             raise ValueError(
                 f"{size} characters as JSON, over the limit of {MAX_JSON_SCHEMA_CHARS} (MAX_JSON_SCHEMA_CHARS)")
+        _check_repeats(json_schema_patterns(value), "its patterns")
+        problem = json_schema_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 
@@ -81,8 +90,32 @@ def _at_most(limit: int, name: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-GuidedRegex = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_REGEX_CHARS, "MAX_GUIDED_REGEX_CHARS")]
-GuidedGrammar = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_GRAMMAR_CHARS, "MAX_GUIDED_GRAMMAR_CHARS")]
+def _check_repeats(regexes: Any, what: str) -> None:
+    added = 0
+    for regex in regexes:
+        added += regex_repeat_expansion(regex, MAX_REGEX_REPEAT_EXPANSION - added)
+        if added > MAX_REGEX_REPEAT_EXPANSION:
+            raise ValueError(f"{what} written out: counted repetitions (x{{n}}, nested ones multiply) add over "
+                             f"{MAX_REGEX_REPEAT_EXPANSION} atoms, the limit (MAX_REGEX_REPEAT_EXPANSION)")
+
+
+def _regex_bounded(value: str) -> str:
+    _check_repeats([value], "the regex")
+    return value
+
+
+def _grammar_finite_and_bounded(value: str) -> str:
+    _check_repeats(lark_grammar_regexes(value), "its regexes")
+    problem = lark_grammar_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+GuidedRegex = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_REGEX_CHARS, "MAX_GUIDED_REGEX_CHARS"),
+                        AfterValidator(_regex_bounded)]
+GuidedGrammar = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_GRAMMAR_CHARS, "MAX_GUIDED_GRAMMAR_CHARS"),
+                          AfterValidator(_grammar_finite_and_bounded)]
 
 
 def compact_json(value: Any) -> str:

@@ -117,11 +117,18 @@ class BatchScheduler:
 
     # --- admission ------------------------------------------------------------------------
     def slow_prepare(self, payload: object) -> Optional[Callable[[], Prompt]]:
-        """For a request whose input takes long to prepare (images to decode and process), that work,
-        to run off the loop's thread before `admit(..., prepared=)`; None for the others."""
-        if not _has_images(payload):
+        """For a request whose input takes long to prepare (images to decode and process, a
+        constraint to compile), that work, to run off the loop's thread before `admit(...,
+        prepared=)`; None for the others."""
+        if _has_images(payload):
+            return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
+        if not _has_constraint(payload):
             return None
-        return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
+        try:
+            request = GenerationRequest.validate_payload(payload, self.limits)
+        except (InvalidRequestError, ValueError):
+            return None  # `admit` refuses it, naming the field
+        return (lambda: self.engine.prepare(request)) if self.engine.prepare_is_slow(request) else None
 
     def admit(
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,
@@ -415,6 +422,11 @@ class BatchScheduler:
         return no_output_result(job_id, status, error_type=error_type, message=message,  # type: ignore[arg-type]
                                 request=payload, model=self.model_name, worker=self.worker_name,
                                 enqueued_at=enqueued_at, started_at=started_at)
+
+
+def _has_constraint(payload: object) -> bool:
+    return isinstance(payload, dict) and any(payload.get(name) is not None
+                                             for name in ("response_format", "guided_regex", "guided_grammar"))
 
 
 def _has_images(payload: object) -> bool:

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
-from worker.engines.constraints import ConstraintCompiler
+from worker.engines.constraints import ConstraintCompiler, finish_token
 from worker.engines.counters import EngineCounters
 from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, ladder
@@ -169,6 +169,9 @@ class CompiledEngine:
         if request.adapter is not None:
             self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
         return prompt
+
+    def prepare_is_slow(self, request: GenerationRequest) -> bool:
+        return request.constraint is not None and not self._constraints.is_compiled(request.constraint)
 
     # Rows of different adapters (and base rows) decode in one step.
     adapter_batching = "rows"
@@ -468,13 +471,13 @@ class CompiledEngine:
             seq.generated.append(token)
             finish = ("stop" if token in spec.stop_token_ids
                       else "length" if len(seq.generated) >= spec.max_tokens else None)
-            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
-                               weight_version=launched.weight_version)
-            if seq.constraint is not None:  # its matcher follows what was returned
-                seq.constraint.observe(token)
-                if finish is not None:
-                    event.constraint_complete = seq.constraint.ended(stopped_by_token=finish == "stop")
+            event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
+                                                            finish_reason=finish,
+                                                            weight_version=launched.weight_version))
             events.append(event)
+            if event.error is not None:
+                self._end(seq)
+                continue
             if i in wanted_at:
                 wanted_events[wanted_at[i]] = event
             if finish is not None:
