@@ -263,3 +263,18 @@ def test_hostile_constraints_beside_good_streams_on_a_real_worker(redis_url: str
         choice = result.choices[0]
         if "guided_regex" in GOOD[name.removesuffix("-again")] and choice.finish_reason == "stop":
             assert choice.constraint_complete is True, choice
+
+
+def test_the_gateway_answers_400_naming_the_field(redis_url: str) -> None:
+    import httpx
+
+    from tests.gateway import announce, running_gateway
+
+    announce(redis.Redis.from_url(redis_url), "nobody", "tiny")
+    with running_gateway(redis_url, insecure=True) as base:
+        for field, (extra, needle) in HOSTILE.items():
+            answer = httpx.post(f"{base}/completions", json={"model": "tiny", "prompt": "x", **extra}, timeout=30)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == field and needle in error["message"], error
+    assert not redis.Redis.from_url(redis_url).keys("rq:job:*")
