@@ -208,15 +208,15 @@ def json_schema_patterns(schema: Any) -> Iterator[str]:
 
 _TOKEN = re.compile(r"""
     (?P<space>[ \t\r\f]+) | (?P<newline>\n) | (?P<comment>(?://|\#)[^\n]*)
+  | (?P<dots>\.\.) | (?P<arrow>->)
+  | (?P<punct>[:|()\[\]*+?~&,.{}=!^])
+  | (?P<name>[A-Za-z_][\w-]*)
   | (?P<string>"(?:[^"\\\n]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[a-zA-Z]*)
   | (?P<special><[^<>\s]+>)
   | (?P<directive>%[a-z_]+)
   | (?P<grammar>@[\w-]+)
-  | (?P<name>[A-Za-z_][\w-]*)
   | (?P<number>[0-9]+)
-  | (?P<dots>\.\.) | (?P<arrow>->)
-  | (?P<punct>[:|()\[\]*+?~&,.{}=!^])
 """, re.VERBOSE)
 
 _MAX_NESTING = 100  # parentheses deeper than this: not analysed (counted as finite)
@@ -228,8 +228,21 @@ class _Unsure(Exception):
 
 def lark_grammar_problem(grammar: str) -> Optional[str]:
     """Why the Lark grammar's `start` has no finite document, or None (also where the analysis cannot tell)."""
+    return lark_grammar_checks(grammar)[1]
+
+
+def lark_grammar_checks(grammar: str) -> tuple[list[str], Optional[str]]:
+    """The grammar's regexes (its /regex/ literals and its `%json` blocks' patterns), and why its
+    `start` has no finite document (None: it has one, or the analysis cannot tell), from one reading."""
+    patterns: list[str] = []
+    tokens = list(_tokens(grammar, patterns))
+    regexes = [_regex_body(text) for kind, text in tokens if kind == "regex"] + patterns
+    return regexes, _start_problem(tokens)
+
+
+def _start_problem(tokens: list[tuple[str, str]]) -> Optional[str]:
     try:
-        rules = _rules(list(_tokens(grammar)))
+        rules = _rules(tokens)
         if "start" not in rules:
             return None  # the library says what is wrong with it
         graph, nodes = _Finite(), {name: 0 for name in rules}
@@ -247,40 +260,42 @@ def lark_grammar_problem(grammar: str) -> Optional[str]:
     return f"has no finite document: no derivation of `start` ever ends (rules that only recurse: {shown})"
 
 
-def lark_grammar_regexes(grammar: str) -> Iterator[str]:
-    """The /regex/ literals of a Lark grammar (none where it cannot be read)."""
-    try:
-        tokens = list(_tokens(grammar))
-    except _Unsure:
-        return iter(())
-    return (_regex_body(text) for kind, text in tokens if kind == "regex")
-
-
 def _regex_body(literal: str) -> str:
     return literal[1:literal.rindex("/")]
 
 
-def _tokens(grammar: str) -> Iterator[tuple[str, str]]:
+def _tokens(grammar: str, patterns: Optional[list[str]] = None) -> Iterator[tuple[str, str]]:
     """(kind, text) of each token, comments and spaces left out; a `%json`/`%regex`/`%llguidance`
-    block is one "block" token."""
+    block is one token ("block", or "endless" for a `%json` schema with no finite document, whose
+    patterns go to `patterns`). What it cannot read is an "unknown" token of one character."""
     at, end = 0, len(grammar)
     decoder = json.JSONDecoder()
     while at < end:
         match = _TOKEN.match(grammar, at)
         if match is None:
-            raise _Unsure(f"unexpected {grammar[at]!r}")
+            yield "unknown", grammar[at]
+            at += 1
+            continue
         kind, text = match.lastgroup or "", match.group()
         at = match.end()
         if kind in ("space", "comment"):
             continue
         if kind == "directive" and text in ("%json", "%regex", "%llguidance"):
+            start = at
             while at < end and grammar[at] in " \t\r\n":
                 at += 1
             try:
-                _, at = decoder.raw_decode(grammar, at)
-            except ValueError:
-                raise _Unsure("a JSON block that does not parse") from None
-            yield "block", text
+                value, at = decoder.raw_decode(grammar, at)
+            except (ValueError, RecursionError):
+                yield "unknown", text
+                at = start
+                continue
+            if text == "%json":
+                if patterns is not None:
+                    patterns.extend(json_schema_patterns(value))
+                yield ("endless" if json_schema_problem(value) else "block"), text
+            else:
+                yield "block", text
             continue
         yield kind, text
 
@@ -420,12 +435,16 @@ class _Alternatives:
         self._at += 1
         if kind in ("string", "regex", "special", "grammar", "block"):
             return self._graph.always(), False
+        if kind == "endless":
+            return self._graph.never(), False
         if kind == "name":
             if text not in self._rules:
                 raise _Unsure(f"an undefined name {text!r}")
             return self._rules[text], False
         if (kind, text) == ("punct", "~"):  # a negated terminal: counted as finite
-            self._atom(depth)
+            if depth > _MAX_NESTING:
+                raise _Unsure("nested too deep")
+            self._atom(depth + 1)
             return self._graph.always(), False
         if (kind, text) in (("punct", "("), ("punct", "[")):
             closing = ")" if text == "(" else "]"
@@ -475,8 +494,10 @@ def regex_repeat_expansion(regex: str, cap: int = MAX_REGEX_REPEAT_EXPANSION) ->
     multiply), stopping early above `cap`. Rust regex syntax, read leniently: what it cannot read
     counts as one atom. Iterative: a hostile nesting cannot exhaust the stack."""
     # Each open group: (atoms of its finished alternatives, of the current one, of the last item).
+    # A size past `ceiling` is over the cap whatever follows (sizes only grow): it is held there.
     frames: list[list[int]] = [[0, 0, 0]]
     written = 0
+    ceiling = cap + len(regex) + 1
     at, end = 0, len(regex)
     while at < end:
         char = regex[at]
@@ -497,13 +518,13 @@ def regex_repeat_expansion(regex: str, cap: int = MAX_REGEX_REPEAT_EXPANSION) ->
         if char == ")":
             if len(frames) > 1:
                 done, current, _ = frames.pop()
-                group = done + current
-                frames[-1][1] += group
+                group = min(done + current, ceiling)
+                frames[-1][1] = min(frames[-1][1] + group, ceiling)
                 frames[-1][2] = group
             at += 1
             continue
         if char == "|":
-            frame[0] += frame[1]
+            frame[0] = min(frame[0] + frame[1], ceiling)
             frame[1] = frame[2] = 0
             at += 1
             continue
@@ -515,12 +536,10 @@ def regex_repeat_expansion(regex: str, cap: int = MAX_REGEX_REPEAT_EXPANSION) ->
             if count is not None:
                 low, comma, high = count.groups()
                 times = int(high) if comma and high else int(low or 0)
-                grown = frame[2] * max(times, 1)
-                frame[1] += grown - frame[2]
+                grown = min(frame[2] * max(times, 1), ceiling)
+                frame[1] = min(frame[1] + grown - frame[2], ceiling)
                 frame[2] = grown
                 at = count.end()
-                if sum(f[0] + f[1] for f in frames) - written > cap:
-                    return cap + 1
                 continue
         at = _skip_atom(regex, at)
         frame[1] += 1
@@ -528,8 +547,8 @@ def regex_repeat_expansion(regex: str, cap: int = MAX_REGEX_REPEAT_EXPANSION) ->
         written += 1
     while len(frames) > 1:
         done, current, _ = frames.pop()
-        frames[-1][1] += done + current
-    total = frames[0][0] + frames[0][1]
+        frames[-1][1] = min(frames[-1][1] + done + current, ceiling)
+    total = min(frames[0][0] + frames[0][1], ceiling)
     return max(0, min(total - written, cap + 1))
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.constraint_checks import (MAX_REGEX_REPEAT_EXPANSION, json_schema_patterns, json_schema_problem,
-                                       lark_grammar_problem, lark_grammar_regexes, regex_repeat_expansion)
+                                       lark_grammar_checks, regex_repeat_expansion)
 
 MAX_JSON_SCHEMA_CHARS = 32_768  # the schema as compact JSON
 MAX_JSON_SCHEMA_DEPTH = 32  # objects and arrays nested in the schema document
@@ -105,8 +105,8 @@ def _regex_bounded(value: str) -> str:
 
 
 def _grammar_finite_and_bounded(value: str) -> str:
-    _check_repeats(lark_grammar_regexes(value), "its regexes")
-    problem = lark_grammar_problem(value)
+    regexes, problem = lark_grammar_checks(value)
+    _check_repeats(regexes, "its regexes")
     if problem is not None:
         raise ValueError(problem)
     return value

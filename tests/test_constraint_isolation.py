@@ -85,6 +85,36 @@ def test_a_grammar_is_refused_exactly_when_no_derivation_of_start_ends(rules: li
     assert (problem is None) == naive_finite(rules)[0], (text, problem)
 
 
+@pytest.mark.parametrize("grammar, finite", [
+    ('start: "a" start', False),
+    ('start: a\na: "x" b\nb: "y" a', False),
+    ('start: "a" start | "b"', True),
+    ('?start: x\nx[lazy]: "a" x', False),
+    ('start: a -> b\na: a "x"', False),
+    ('start: x ~ 0..2\nx: x', True),
+    ('start: "(" item ("," item)* ")"\nitem: /[0-9]{1,2}/ | "x"  // a comment\n# another', True),
+    ('start: %json {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}', False),
+    ('start: %json {"type": "object", "x": "|)("}', True),
+    ('start: TEXT | fun\nTEXT: /[^{](.|\\n)*/\nfun: <|python_tag|> @call', True),
+    ('start: A\nA: "a" & /b/', True),  # an intersection of terminals: the library's to judge
+    ('%import common.WS\nstart: WS start', True),  # not read: counted as finite
+    ('start: ' + '(' * 500 + '"a"' + ')' * 500, True),  # nested too deep to read: counted as finite
+])
+def test_grammars_the_analysis_reads_and_those_it_leaves_to_the_library(grammar: str, finite: bool) -> None:
+    assert (lark_grammar_problem(grammar) is None) == finite, lark_grammar_problem(grammar)
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: /(a{1000}){1000}/',
+    'start: %json {"type": "string", "pattern": "^(a{100}){101}$"}',
+    'start: \u00e9 /a{20000}/',  # what the reader cannot read does not hide a regex from the count
+    'start: A B\nA: /a{6000}/\nB: /b{6000}/',  # counted over the whole grammar
+])
+def test_a_grammars_regexes_are_counted_written_out(grammar: str) -> None:
+    with pytest.raises(InvalidRequestError, match="^invalid request: guided_grammar: its regexes written out"):
+        GenerationRequest.validate_payload({"prompt": "x", "guided_grammar": grammar})
+
+
 RECURSIVE_WITH_BASE = {"$ref": "#/$defs/node", "$defs": {"node": {
     "type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}}}
 ENDLESS = {"$ref": "#/$defs/node", "$defs": {"node": {
