@@ -8,7 +8,8 @@ prompt's ids are known once the job ends).
 Logprobs: a sampled token's string comes from its own top-logprobs entry when it is there, else it is
 `token_id:<id>` (vLLM's spelling); a stream sends each chunk's logprobs with it, or, from a worker whose
 token events carry none, a choice's logprobs with its last chunk.
-Finish reasons are mlxq's: OpenAI's `stop` and `length`, and `cancelled` or `timeout`.
+A logprob that is not finite (-inf: a token outside the processed distribution's support) is null, as
+in mlxq's results. Finish reasons are mlxq's: OpenAI's `stop` and `length`, and `cancelled` or `timeout`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 
 from producer.openai_requests import ChatCompletionRequest, OpenAIRequest
 from schemas import Choice, GenerationResult, TopLogprob
+from schemas.result import Logprob
 
 __all__ = [
     "ChatCompletion",
@@ -36,7 +38,7 @@ __all__ = [
 
 class TopLogprobOut(BaseModel):
     token: str
-    logprob: float
+    logprob: Logprob  # null: -inf, a token outside the distribution's support (schemas.result.Logprob)
     bytes: Optional[list[int]] = None
 
 
@@ -51,8 +53,8 @@ class ChoiceLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[Optional[float]]
-    top_logprobs: Optional[list[dict[str, float]]] = None
+    token_logprobs: list[Logprob]
+    top_logprobs: Optional[list[dict[str, Logprob]]] = None
     text_offset: list[int]
 
 
@@ -177,7 +179,7 @@ def _tops(top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], position: int)
     return top_logprobs[position] if top_logprobs and position < len(top_logprobs) else []
 
 
-def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[Optional[float]],
                       top_logprobs: Optional[Sequence[Sequence[TopLogprob]]]) -> ChoiceLogprobs:
     """Chat's logprobs object for these tokens (a whole choice, or one chunk's)."""
     content = []
@@ -190,7 +192,7 @@ def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
     return ChoiceLogprobs(content=content)
 
 
-def _completion_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+def _completion_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[Optional[float]],
                             top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], offset: int = 0
                             ) -> CompletionLogprobs:
     """Completions' logprobs lists for these tokens, their text offsets counted from `offset`."""

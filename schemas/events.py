@@ -8,7 +8,9 @@ step) restarts its stream, and what came before that event is void.
 
 A token event of a request that asked for `logprobs` also carries `logprobs` (one per token id) and,
 with `top_logprobs`, `top_logprobs` (one list per token id), as the result's choice has them. The two
-fields are left out of the entry otherwise, so a stream without logprobs is what it always was.
+fields are left out of the entry otherwise, so a stream without logprobs is what it always was. A
+logprob that is not finite (-inf: a token outside the processed distribution's support) is null, as
+in the result (`schemas.result.Logprob`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from schemas.result import FinishReason, Status, TopLogprob
+from schemas.result import FinishReason, Logprob, Status, TopLogprob
 
 STREAM_FIELD = "data"
 
@@ -28,7 +30,7 @@ class TokenStreamEvent(BaseModel):
     index: int
     token_ids: list[int]
     text: str
-    logprobs: Optional[list[float]] = None
+    logprobs: Optional[list[Logprob]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
 
 
