@@ -308,3 +308,29 @@ def test_the_gateway_answers_400_naming_the_field(redis_url: str) -> None:
             error = answer.json()["error"]
             assert error["param"] == field and needle in error["message"], error
     assert not redis.Redis.from_url(redis_url).keys("rq:job:*")
+
+
+lark_text = st.text(alphabet=st.sampled_from(list('start:|()[]*+?~&{},.0123456789"/\\ab%json@<>-=!\n #')), max_size=200)
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.sampled_from(["type", "$ref", "required", "properties", "items",
+                                                              "minItems", "anyOf", "allOf", "oneOf", "pattern",
+                                                              "patternProperties", "$defs", "a"]), inner, max_size=5),
+                           max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lark_text, st.text(max_size=100), json_values)
+def test_the_checks_read_anything_a_producer_can_write_without_failing(grammar: str, regex: str, schema: Any) -> None:
+    """Whatever the text, validation answers: accepted, or refused naming the field, never a crash."""
+    for extra in ({"guided_grammar": grammar}, {"guided_regex": regex},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"x": schema}}}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                      "type": "object", "properties": {"p": schema}, "required": ["p"], "$defs": {"d": schema}}}}}):
+        if not next(iter(extra.values())):
+            continue
+        try:
+            GenerationRequest.validate_payload({"prompt": "x", **extra})
+        except InvalidRequestError as exc:
+            assert exc.field in ("guided_grammar", "guided_regex", "response_format.json_schema.schema",
+                                 "response_format.json_schema", "response_format"), (exc.field, str(exc))

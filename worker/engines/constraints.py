@@ -238,7 +238,7 @@ class RowConstraint:
             self._consume(self._emitted[self._consumed:])
             self.check()
         except Exception as exc:
-            self.error = str(exc)
+            self.error = self.error or str(exc)
             return False
         return self._accepting_before_last if stopped_by_token else bool(self._matcher.is_accepting())
 
