@@ -5,7 +5,7 @@ neighbours decode exactly as alone, and a constraint not compiled yet is compile
 
 from __future__ import annotations
 
-import json
+import re
 import threading
 from typing import Any
 
@@ -217,23 +217,48 @@ def test_what_fails_or_allows_nothing_at_the_first_mask_is_refused_when_compiled
     assert results["free"].status == "finished"
 
 
-def test_a_constraint_not_compiled_yet_is_compiled_off_the_loops_thread(engine: Any) -> None:  # noqa: F811
+def test_a_constrained_request_is_checked_and_compiled_off_the_loops_thread(engine: Any) -> None:  # noqa: F811
+    """The loop hands `slow_prepare`'s work to its preparing thread, then admits with what it made."""
+    from worker.engines.constraints import ConstraintCompiler
     from worker.scheduler import BatchScheduler
 
     scheduler = BatchScheduler(engine, max_num_seqs=16, default_max_tokens=8)
-    payload = {"prompt": "x", "max_tokens": 4, "guided_regex": "[0-9]{3}-[a-z]{2,7}-q"}
-    work = scheduler.slow_prepare(payload)
-    assert work is not None  # not compiled yet: prepared on the preparing thread
-    compiled_on = []
-    thread = threading.Thread(target=lambda: compiled_on.append(work()), name="preparer")
-    thread.start()
-    thread.join(timeout=60)
-    assert compiled_on and compiled_on[0].inputs is not None
-    assert scheduler.slow_prepare(payload) is None  # compiled: admitted at once, from the cache
-    assert scheduler.slow_prepare({"prompt": "x"}) is None
-    assert scheduler.slow_prepare({"prompt": "x", "guided_regex": "a{99999}"}) is None  # refused by `admit`
-    assert scheduler.admit("bad", {"prompt": "x", "guided_regex": "a{99999}"}).error.message.startswith(
-        "invalid request: guided_regex:")
+    assert scheduler.slow_prepare({"prompt": "x"}) is None  # nothing slow: admitted at once
+    compiled_on: list[str] = []
+    compile = ConstraintCompiler.compile
+
+    def recording(self: Any, constraint: Any) -> Any:
+        compiled_on.append(threading.current_thread().name)
+        return compile(self, constraint)
+
+    ConstraintCompiler.compile = recording  # type: ignore[method-assign]
+    try:
+        made: dict[str, Any] = {}
+        for name, payload in (("good", {"prompt": "x", "max_tokens": 4, "guided_regex": "[0-9]{3}-[a-z]{2,7}-q"}),
+                              ("bad", {"prompt": "x", "guided_regex": "a{99999}"})):
+            work = scheduler.slow_prepare(payload)
+            assert work is not None
+            thread = threading.Thread(target=lambda: made.update({name: _outcome(work)}), name="preparer")
+            thread.start()
+            thread.join(timeout=60)
+        assert scheduler.admit("good", {"prompt": "x", "max_tokens": 4, "guided_regex": "[0-9]{3}-[a-z]{2,7}-q"},
+                               prepared=made["good"]) is None
+    finally:
+        ConstraintCompiler.compile = compile  # type: ignore[method-assign]
+    assert compiled_on == ["preparer"]
+    assert isinstance(made["bad"], InvalidRequestError) and made["bad"].field == "guided_regex"
+    ended = []
+    while len(scheduler):
+        ended += [job.result() for job in scheduler.step()]
+    (good,) = ended
+    assert good.status == "finished" and re.fullmatch("[0-9]{0,3}(-[a-z]{0,7}(-q?)?)?", good.choices[0].text), good
+
+
+def _outcome(work: Any) -> Any:
+    try:
+        return work()
+    except Exception as exc:
+        return exc
 
 
 # --- a real worker: hostile constraints beside good traffic ------------------------------------

@@ -120,15 +120,11 @@ class BatchScheduler:
         """For a request whose input takes long to prepare (images to decode and process, a
         constraint to compile), that work, to run off the loop's thread before `admit(...,
         prepared=)`; None for the others."""
-        if _has_images(payload):
-            return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
-        if not _has_constraint(payload):
+        if not _has_images(payload) and not _has_constraint(payload):
             return None
-        try:
-            request = GenerationRequest.validate_payload(payload, self.limits)
-        except (InvalidRequestError, ValueError):
-            return None  # `admit` refuses it, naming the field
-        return (lambda: self.engine.prepare(request)) if self.engine.prepare_is_slow(request) else None
+        # A constraint's checks and compile take up to tens of milliseconds where it is new (both are
+        # kept per text: `admit` then finds them done), so even its validation is not the loop's.
+        return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
 
     def admit(
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,

@@ -143,11 +143,6 @@ class Engine(Protocol):
         else it carries; raises ValueError naming the field when this engine cannot run it."""
         ...
 
-    def prepare_is_slow(self, request: GenerationRequest) -> bool:
-        """Whether `prepare` would do slow work for it (compile a constraint it has not compiled
-        yet): the loop then prepares it off its thread, so the batch's steps do not wait."""
-        ...
-
     def add(self, specs: list[SequenceSpec]) -> None: ...
 
     def step(self) -> list[TokenEvent]:

@@ -170,9 +170,6 @@ class CompiledEngine:
             self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
         return prompt
 
-    def prepare_is_slow(self, request: GenerationRequest) -> bool:
-        return request.constraint is not None and not self._constraints.is_compiled(request.constraint)
-
     # Rows of different adapters (and base rows) decode in one step.
     adapter_batching = "rows"
     adapter_refusal = ""

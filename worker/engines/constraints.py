@@ -5,7 +5,7 @@ mask, with llguidance (docs/structured-output.md says why this library, with mea
   start, compiles each constraint once (a cache keyed by its kind and text) under `PARSER_LIMITS`,
   computes its first mask there, and turns what the library cannot compile, or what fails or allows
   nothing at that first mask, into a ValueError that names the request field (`prepare` fails the
-  job). A constraint not compiled yet is prepared off the loop's thread (`is_compiled`).
+  job). The batch loop prepares a constrained request off its own thread (worker/scheduler.py).
 - `RowConstraint`, one per sequence: a logits processor `(tokens, logits) -> logits` as mlx-lm's and
   mlx-vlm's BatchGenerators call them, once per sampled token, with the prompt and the tokens so far.
   It advances its matcher with the tokens it has not seen and masks every token the grammar does not
@@ -82,7 +82,7 @@ class ConstraintCompiler:
         self.eos_token_ids = eos_token_ids
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
         self._cache_size = cache_size
-        self._cache_lock = threading.Lock()  # compiles run on the prepare thread, hits on the loop's
+        self._cache_lock = threading.Lock()  # the loop's preparing thread and the loop may both compile
         self._tokenizer: Any = None
         self._tokenizer_error: Optional[BaseException] = None
         # About a second for a 150k vocabulary (docs/structured-output.md): not on the first request's path.
@@ -104,11 +104,6 @@ class ConstraintCompiler:
             self._tokenizer_error = exc
         finally:
             self._ready.set()
-
-    def is_compiled(self, constraint: Constraint) -> bool:
-        """Whether `compile` would answer from the cache (otherwise it may take up to its limits' time)."""
-        with self._cache_lock:
-            return (constraint.kind, constraint.source) in self._cache
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
         key = (constraint.kind, constraint.source)

@@ -97,9 +97,6 @@ class FakeEngine:
     def prepare(self, request: GenerationRequest) -> Prompt:
         return Prompt(self.prompt_token_ids(request))
 
-    def prepare_is_slow(self, request: GenerationRequest) -> bool:
-        return False
-
     def add(self, specs: list[SequenceSpec]) -> None:
         for spec in specs:
             self._seqs[spec.uid] = _Seq(spec)

@@ -168,9 +168,6 @@ class TextEngine:
             self._lora.check(request.adapter)  # read now, so a bad adapter fails its job at once
         return prompt
 
-    def prepare_is_slow(self, request: GenerationRequest) -> bool:
-        return request.constraint is not None and not self._constraints.is_compiled(request.constraint)
-
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         return prompt_token_ids(self.tokenizer, request)
 

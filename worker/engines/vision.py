@@ -225,9 +225,6 @@ class VisionEngine:
         return parameter_spec(self.model)
 
     # --- requests -------------------------------------------------------------------------
-    def prepare_is_slow(self, request: GenerationRequest) -> bool:
-        return request.constraint is not None and not self._constraints.is_compiled(request.constraint)
-
     def prepare(self, request: GenerationRequest) -> Prompt:
         constraint = None
         if request.constraint is not None:
