@@ -20,8 +20,9 @@ from typing import Any, Iterator, Optional
 from urllib.parse import unquote
 
 # Atoms that counted repetitions may add to a constraint's regexes written out (guided_regex, a Lark
-# grammar's /regex/ terminals, a JSON schema's `pattern`s and `patternProperties`).
-MAX_REGEX_REPEAT_EXPANSION = 10_000
+# grammar's /regex/ terminals, a JSON schema's `pattern`s and `patternProperties`): as many as a
+# regex of MAX_GUIDED_REGEX_CHARS holds. What a mask costs at the cap: docs/structured-output.md.
+MAX_REGEX_REPEAT_EXPANSION = 4_096
 
 _AND, _OR = 0, 1
 
