@@ -237,8 +237,8 @@ def test_a_batch_line_whose_result_cannot_be_read_is_its_own_error_and_cancel_co
         client.batches.cancel(batch.id)
         batch = _wait_batch(client, batch.id, ("cancelled", "failed", "completed", "expired"), timeout=30)
         assert batch.status == "cancelled", batch
-        output = [json.loads(t, parse_constant=_no_constant) for t in client.files.content(batch.output_file_id).text.splitlines()]
-        errors = [json.loads(t, parse_constant=_no_constant) for t in client.files.content(batch.error_file_id).text.splitlines()]
+        output = _lines(client, batch.output_file_id)
+        errors = _lines(client, batch.error_file_id)
     by_id = {line["custom_id"]: line for line in output + errors}
     assert set(by_id) == {"line-0", "line-1", "line-2", "line-3"}, by_id
     line_of = {job_id: f"line-{i}" for i, job_id in enumerate(job_ids)}
@@ -248,6 +248,11 @@ def test_a_batch_line_whose_result_cannot_be_read_is_its_own_error_and_cancel_co
     assert ok["token_logprobs"] == [-0.5, None] and ok["top_logprobs"][0] == {"a": -0.5, "c": None}, ok
     for job_id in job_ids[2:]:
         assert by_id[line_of[job_id]]["error"]["code"] == "batch_cancelled", by_id[line_of[job_id]]
+
+
+def _lines(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
+    """A batch file's lines, as strict JSON."""
+    return [json.loads(text, parse_constant=_no_constant) for text in client.files.content(file_id).text.splitlines()]
 
 
 def _wait_for_jobs(conn: redis.Redis, batch_id: str, count: int, timeout: float = 30) -> list[str]:
