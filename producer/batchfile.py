@@ -5,7 +5,8 @@ An input line: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completion
 "body": {...}}`. An output line: `{"id", "custom_id", "response": {"status_code": 200, "request_id",
 "body": <the endpoint's response>}, "error": null}`. An error line has the failed request's status code
 and OpenAI error body in `response`, or `response: null` and an `error` `{code, message}` for a request
-that never ran (invalid, cancelled, expired).
+that never ran (invalid, cancelled, expired) or whose result could not be read or converted
+(`result_unreadable`: one such line never stops the others from being written).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ __all__ = [
     "BatchLine",
     "LineError",
     "error_line",
+    "line_text",
     "outcome_line",
+    "unreadable_line",
     "parse_line",
 ]
 
@@ -113,6 +116,19 @@ def outcome_line(line: BatchLine, job_id: str, result: GenerationResult, created
 def error_line(custom_id: Optional[str], code: str, message: str, job_id: str | None = None) -> dict[str, Any]:
     """The error-file line of a request that never produced a response."""
     return _line(job_id or "", custom_id, None, {"code": code, "message": message})
+
+
+def unreadable_line(custom_id: Optional[str], job_id: str, exc: BaseException) -> dict[str, Any]:
+    """The error-file line of a request whose job ended with a result that could not be read or
+    turned into a line."""
+    return error_line(custom_id, "result_unreadable", "the request ended but its result could not be read or "
+                      f"converted: {type(exc).__name__}: {str(exc)[:300]}", job_id)
+
+
+def line_text(line: dict[str, Any]) -> str:
+    """A line as JSON proper: ValueError for a NaN or Infinity, which JSON has not (results hold none:
+    schemas.result)."""
+    return json.dumps(line, ensure_ascii=False, allow_nan=False)
 
 
 def _line(job_id: str, custom_id: Optional[str], response: Optional[dict[str, Any]],

@@ -20,9 +20,10 @@ from typing import Any, Optional
 
 from rq.job import Job
 
-from producer.batchfile import MAX_FILE_BYTES, MAX_LINES, BatchLine, LineError, error_line, outcome_line, parse_line
+from producer.batchfile import (MAX_FILE_BYTES, MAX_LINES, BatchLine, LineError, error_line, line_text, outcome_line,
+                                parse_line, unreadable_line)
 from producer.client import Client
-from producer.errors import InvalidRequest, JobNotFound
+from producer.errors import BrokerError, InvalidRequest, JobNotFound, MlxqError
 from producer.wire import job_state, lost_result
 from schemas import GenerationResult, keys
 
@@ -124,7 +125,7 @@ class _Writer:
 
     def write(self, is_error: bool, line: dict[str, Any]) -> None:
         handle = self._files[is_error]
-        handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+        handle.write(line_text(line) + "\n")
         handle.flush()
 
     def close(self) -> None:
@@ -176,7 +177,13 @@ def _run_lines(client: Client, run: BatchRun, run_tag: str, todo: list[BatchLine
         ended = _ended(client, in_flight)
         for job_id, result in ended.items():
             line = in_flight.pop(job_id)
-            is_error, out = outcome_line(line, job_id, result, int(time.time()))
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                is_error, out = outcome_line(line, job_id, result, int(time.time()))
+                line_text(out)
+            except Exception as exc:  # this line's result cannot be written: its error, not the run's end
+                is_error, out = True, unreadable_line(line.custom_id, job_id, exc)
             writer.write(is_error, out)
             if is_error:
                 summary.failed += 1
@@ -215,9 +222,10 @@ def _start(client: Client, run: BatchRun, run_tag: str, window: list[BatchLine],
     in_flight.update(zip(ids, window))
 
 
-def _ended(client: Client, in_flight: dict[str, BatchLine]) -> dict[str, GenerationResult]:
-    """The jobs in flight that have ended, with their results (RQ's stand-in for one that lost it)."""
-    ended: dict[str, GenerationResult] = {}
+def _ended(client: Client, in_flight: dict[str, BatchLine]) -> dict[str, GenerationResult | Exception]:
+    """The jobs in flight that have ended, with their results (RQ's stand-in for one that lost it), or
+    why a result that is there cannot be read."""
+    ended: dict[str, GenerationResult | Exception] = {}
     ids = list(in_flight)
     for start in range(0, len(ids), 512):
         chunk = ids[start : start + 512]
@@ -227,10 +235,15 @@ def _ended(client: Client, in_flight: dict[str, BatchLine]) -> dict[str, Generat
                 pipe.hget(Job.key_for(job_id), "status")
             raw = pipe.execute()
         for i, job_id in enumerate(chunk):
+            result: GenerationResult | Exception | None
             try:
                 result = client._settled(job_state(job_id, raw[2 * i], raw[2 * i + 1]))
             except JobNotFound:
                 result = lost_result(job_id)
+            except BrokerError:
+                raise
+            except MlxqError as exc:  # a malformed result
+                result = exc
             if result is not None:
                 ended[job_id] = result
     return ended

@@ -8,7 +8,8 @@ prompt's ids are known once the job ends).
 Logprobs: a sampled token's string comes from its own top-logprobs entry when it is there, else it is
 `token_id:<id>` (vLLM's spelling); a stream sends each chunk's logprobs with it, or, from a worker whose
 token events carry none, a choice's logprobs with its last chunk.
-Finish reasons are mlxq's: OpenAI's `stop`, `length` and `tool_calls`, and `cancelled` or `timeout`.
+A logprob that is not finite (-inf: a token outside the processed distribution's support) is null, as
+in mlxq's results. Finish reasons are mlxq's: OpenAI's `stop`, `length` and `tool_calls`, and `cancelled` or `timeout`.
 
 Agents (docs/tools.md): a chat message carries `tool_calls` (OpenAI's shape) and `reasoning_content`;
 its content is null where it only calls. A stream's delta carries `reasoning_content` as the reasoning
@@ -29,7 +30,7 @@ from pydantic import BaseModel
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from schemas import Choice, GenerationResult, TopLogprob
 from schemas.agents import ToolCall
-from schemas.result import PromptLogprobs
+from schemas.result import Logprob, PromptLogprobs
 
 __all__ = [
     "ChatCompletion",
@@ -47,7 +48,7 @@ __all__ = [
 
 class TopLogprobOut(BaseModel):
     token: str
-    logprob: float
+    logprob: Logprob  # null: -inf, a token outside the distribution's support (schemas.result.Logprob)
     bytes: Optional[list[int]] = None
 
 
@@ -62,8 +63,8 @@ class ChoiceLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[Optional[float]]
-    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None  # (an echoed prompt's first: null)
+    token_logprobs: list[Logprob]
+    top_logprobs: Optional[list[Optional[dict[str, Logprob]]]] = None  # (an echoed prompt's first: null)
     text_offset: list[int]
 
 
@@ -193,7 +194,7 @@ def _tops(top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], position: int)
     return top_logprobs[position] if top_logprobs and position < len(top_logprobs) else []
 
 
-def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[Optional[float]],
                       top_logprobs: Optional[Sequence[Sequence[TopLogprob]]]) -> ChoiceLogprobs:
     """Chat's logprobs object for these tokens (a whole choice, or one chunk's)."""
     content = []
@@ -206,7 +207,7 @@ def _chat_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
     return ChoiceLogprobs(content=content)
 
 
-def _completion_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[float],
+def _completion_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[Optional[float]],
                             top_logprobs: Optional[Sequence[Sequence[TopLogprob]]], offset: int = 0
                             ) -> CompletionLogprobs:
     """Completions' logprobs lists for these tokens, their text offsets counted from `offset`."""

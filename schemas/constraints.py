@@ -2,16 +2,24 @@
 constraint a request may carry (`response_format`, `guided_regex`, `guided_grammar`).
 
 The worker compiles a constraint into a token mask (worker/engines/constraints.py); whether the
-library accepts it is only known there. What the schema checks is shape and size.
+library accepts it is only known there. What the schema checks is shape and size, and, without the
+library (schemas/constraint_checks.py), that a JSON schema or grammar has a finite document and that
+counted repetitions do not blow a regex up (`MAX_REGEX_REPEAT_EXPANSION`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.constraint_checks import (MAX_REGEX_REPEAT_EXPANSION, json_schema_patterns, json_schema_problem,
+                                       lark_grammar_checks, regex_repeat_expansion)
 
 MAX_JSON_SCHEMA_CHARS = 32_768  # the schema as compact JSON
 MAX_JSON_SCHEMA_DEPTH = 32  # objects and arrays nested in the schema document
@@ -55,6 +63,9 @@ class JSONSchemaFormat(_Strict):
         if size > MAX_JSON_SCHEMA_CHARS:
             raise ValueError(
                 f"{size} characters as JSON, over the limit of {MAX_JSON_SCHEMA_CHARS} (MAX_JSON_SCHEMA_CHARS)")
+        problem = _schema_problems.get(compact_json(value), value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 
@@ -81,8 +92,69 @@ def _at_most(limit: int, name: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-GuidedRegex = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_REGEX_CHARS, "MAX_GUIDED_REGEX_CHARS")]
-GuidedGrammar = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_GRAMMAR_CHARS, "MAX_GUIDED_GRAMMAR_CHARS")]
+# A request is validated more than once on its way (producer, worker intake, admission); the checks
+# below cost up to tens of milliseconds for a hostile 32 KB constraint, so each text's answer is kept.
+CHECKED_CACHE_SIZE = 256
+
+
+def _repeats_problem(regexes: Any, what: str) -> Optional[str]:
+    added = 0
+    for regex in regexes:
+        added += regex_repeat_expansion(regex, MAX_REGEX_REPEAT_EXPANSION - added)
+        if added > MAX_REGEX_REPEAT_EXPANSION:
+            return (f"{what} written out: counted repetitions (x{{n}}, nested ones multiply) add over "
+                    f"{MAX_REGEX_REPEAT_EXPANSION} atoms, the limit (MAX_REGEX_REPEAT_EXPANSION)")
+    return None
+
+
+@functools.lru_cache(maxsize=CHECKED_CACHE_SIZE)
+def _regex_problem(regex: str) -> Optional[str]:
+    return _repeats_problem([regex], "the regex")
+
+
+@functools.lru_cache(maxsize=CHECKED_CACHE_SIZE)
+def _grammar_problem(grammar: str) -> Optional[str]:
+    regexes, problem = lark_grammar_checks(grammar)
+    return _repeats_problem(regexes, "its regexes") or problem
+
+
+class _SchemaProblems:
+    """What is wrong with a JSON schema (or None), kept by its compact JSON text."""
+
+    def __init__(self) -> None:
+        self._answers: OrderedDict[str, Optional[str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str, schema: dict[str, Any]) -> Optional[str]:
+        with self._lock:
+            if text in self._answers:
+                self._answers.move_to_end(text)
+                return self._answers[text]
+        problem = _repeats_problem(json_schema_patterns(schema), "its patterns") or json_schema_problem(schema)
+        with self._lock:
+            self._answers[text] = problem
+            if len(self._answers) > CHECKED_CACHE_SIZE:
+                self._answers.popitem(last=False)
+        return problem
+
+
+_schema_problems = _SchemaProblems()
+
+
+def _raising(problem_of: Any) -> AfterValidator:
+    def check(value: str) -> str:
+        problem = problem_of(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(check)
+
+
+GuidedRegex = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_REGEX_CHARS, "MAX_GUIDED_REGEX_CHARS"),
+                        _raising(_regex_problem)]
+GuidedGrammar = Annotated[str, Field(min_length=1), _at_most(MAX_GUIDED_GRAMMAR_CHARS, "MAX_GUIDED_GRAMMAR_CHARS"),
+                          _raising(_grammar_problem)]
 
 
 def compact_json(value: Any) -> str:

@@ -8,7 +8,9 @@ step) restarts its stream, and what came before that event is void.
 
 A token event of a request that asked for `logprobs` also carries `logprobs` (one per token id) and,
 with `top_logprobs`, `top_logprobs` (one list per token id), as the result's choice has them. The two
-fields are left out of the entry otherwise, so a stream without logprobs is what it always was.
+fields are left out of the entry otherwise, so a stream without logprobs is what it always was. A
+logprob that is not finite (-inf: a token outside the processed distribution's support) is null, as
+in the result (`schemas.result.Logprob`).
 
 A reply parsed for reasoning or tool calls (docs/tools.md) splits its text: `text` carries the answer,
 `reasoning_content` the reasoning, `tool_calls` each call once it is complete (with its id, name and
@@ -22,7 +24,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from schemas.agents import ToolCall
-from schemas.result import FinishReason, Status, TopLogprob
+from schemas.result import FinishReason, Logprob, Status, TopLogprob
 
 STREAM_FIELD = "data"
 
@@ -33,7 +35,7 @@ class TokenStreamEvent(BaseModel):
     index: int
     token_ids: list[int]
     text: str
-    logprobs: Optional[list[float]] = None
+    logprobs: Optional[list[Logprob]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from schemas.agents import ToolCall
 
@@ -19,18 +20,33 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def finite_or_none(value: Optional[float]) -> Optional[float]:
+    """JSON has no infinities or NaN, so a number that is not finite is held (and written) as None."""
+    return value if value is None or math.isfinite(value) else None
+
+
+# A log-probability as results and stream events hold it: a finite float, or None (JSON null) for one
+# that is not finite: -inf, a token outside the reported distribution's support (probability 0, as
+# `logprobs_mode: "processed"` gives every token that top-k, top-p, min-p or a constraint's mask
+# ruled out), or NaN (a model whose outputs are not finite). docs/interface.md says so too.
+Logprob = Annotated[Optional[float], AfterValidator(finite_or_none)]
+# A time or duration: finite, or None.
+Seconds = Annotated[Optional[float], AfterValidator(finite_or_none)]
+
+
 class TopLogprob(_Model):
     token_id: int
     token: str
-    logprob: float
+    logprob: Logprob
 
 
 class Choice(_Model):
     index: int
     text: str
     token_ids: list[int]
-    # logprobs[i] is log p(token_ids[i]) under the model's raw distribution (see README).
-    logprobs: Optional[list[float]] = None
+    # logprobs[i] is log p(token_ids[i]) under the distribution `logprobs_mode` names (see README);
+    # None where that is not finite (see `Logprob`).
+    logprobs: Optional[list[Logprob]] = None
     top_logprobs: Optional[list[list[TopLogprob]]] = None
     finish_reason: Optional[FinishReason] = None
     # Requests with a constraint (response_format, guided_regex, guided_grammar): whether `text` is a
@@ -72,12 +88,12 @@ class Usage(_Model):
 class Timings(_Model):
     """Wall-clock instants are Unix seconds; durations are seconds."""
 
-    enqueued_at: Optional[float] = None
-    started_at: Optional[float] = None
-    finished_at: Optional[float] = None
-    queue_s: Optional[float] = None
-    ttft_s: Optional[float] = None
-    generation_s: Optional[float] = None
+    enqueued_at: Seconds = None
+    started_at: Seconds = None
+    finished_at: Seconds = None
+    queue_s: Seconds = None
+    ttft_s: Seconds = None
+    generation_s: Seconds = None
 
 
 class ErrorInfo(_Model):
@@ -132,7 +148,7 @@ def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_
 
 def no_output_result(job_id: str, status: Status, *, error_type: Optional[str] = None, message: str = "",
                      request: Any = None, model: Optional[str] = None, worker: Optional[str] = None,
-                     enqueued_at: Optional[float] = None, started_at: Optional[float] = None) -> GenerationResult:
+                     enqueued_at: Seconds = None, started_at: Optional[float] = None) -> GenerationResult:
     """The result of a job that ended without output: refused, failed before it ran, cancelled
     while queued, abandoned by a dead worker. The one place such results are built, by workers and
     producers alike; it echoes what it can of the raw `request` (custom_id, model, metadata)."""

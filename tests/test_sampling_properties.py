@@ -84,6 +84,7 @@ def test_every_job_ends_and_accounts_add_up(tiny_model_dir, batch):
             if request.get("top_logprobs"):
                 assert len(choice.top_logprobs) == len(choice.token_ids)
                 for top in choice.top_logprobs:
-                    values = [t.logprob for t in top]
+                    # null (-inf: outside the processed support) after every finite value
+                    values = [-math.inf if t.logprob is None else t.logprob for t in top]
                     assert len(top) == request["top_logprobs"] and values == sorted(values, reverse=True)
     assert scheduler.engine.num_active == 0

@@ -254,7 +254,7 @@ def test_processed_logprobs_are_after_the_mask(engine):
                                     "top_logprobs": 5, "logprobs_mode": "raw"}})
     processed, raw = results["p"].choices[0], results["r"].choices[0]
     assert processed.token_ids == raw.token_ids
-    tokens = {top.token_id for step in processed.top_logprobs[:-1] for top in step if top.logprob > -1e9}
+    tokens = {top.token_id for step in processed.top_logprobs[:-1] for top in step if top.logprob is not None}
     allowed = {tok for tok in tokens if tok in engine.eos_token_ids or set(engine.token_text(tok)) <= {"a", "b"}}
     assert tokens == allowed  # only what the grammar allowed (EOS once it may end) has probability
     assert any(engine.token_text(tok) for tok in tokens)
@@ -297,9 +297,13 @@ RECURSIVE = {"$ref": "#/$defs/node", "$defs": {"node": {
     "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
                                      "next": {"$ref": "#/$defs/node"}}, "required": ["v"],
     "additionalProperties": False}}}
-# No finite document matches: llguidance's parser runs out of its item limit and the sequence fails.
+# No finite document matches: refused when validated (schemas/constraint_checks.py).
 ENDLESS = {"$ref": "#/$defs/node", "$defs": {"node": {
     "type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}}}
+# Passes validation and compiles, but llguidance's parser runs out of its item limit on the first
+# token (the required property goes through patternProperties): the sequence fails alone.
+FAILS_MIDWAY = {"type": "object", "patternProperties": {"^x$": {"$ref": "#"}}, "required": ["x"],
+                "additionalProperties": False}
 
 
 @pytest.mark.slow
@@ -312,6 +316,8 @@ def test_bad_huge_and_recursive_schemas_fail_alone_and_the_worker_lives(redis_ur
     raw = {  # enqueued past the producer's own validation: the worker must refuse them itself
         "huge": ({"prompt": "x", "response_format": json_format(huge)}, "MAX_JSON_SCHEMA_CHARS"),
         "two": ({"prompt": "x", "guided_regex": "a", "guided_grammar": "start: \"a\""}, "at most one constraint"),
+        "endless": ({"prompt": "x", "response_format": json_format(ENDLESS)},
+                    "response_format.json_schema.schema: has no finite document"),
     }
     compiled_bad = {
         "unsatisfiable": ({"prompt": "x", "response_format": json_format({"allOf": [{"type": "string"},
@@ -326,8 +332,8 @@ def test_bad_huge_and_recursive_schemas_fail_alone_and_the_worker_lives(redis_ur
         ids.update({name: client.submit(payload) for name, (payload, _) in compiled_bad.items()})
         ids["recursive"] = client.submit({"prompt": "tree", "max_tokens": 40, "temperature": 1.0, "seed": 1,
                                           "response_format": json_format(RECURSIVE)})
-        ids["endless"] = client.submit({"prompt": "tree", "max_tokens": 20, "temperature": 0,
-                                        "response_format": json_format(ENDLESS)})
+        ids["midway"] = client.submit({"prompt": "tree", "max_tokens": 20, "temperature": 0,
+                                       "response_format": json_format(FAILS_MIDWAY)})
         ids["free"] = client.submit(free)
         results = client.wait_many(list(ids.values()), timeout=300)
         assert proc.poll() is None, "the worker died"
@@ -342,9 +348,9 @@ def test_bad_huge_and_recursive_schemas_fail_alone_and_the_worker_lives(redis_ur
     recursive = results[ids["recursive"]].choices[0]
     if recursive.finish_reason == "stop":
         jsonschema.validate(json.loads(recursive.text), RECURSIVE)
-    endless = results[ids["endless"]]
-    assert endless.status == "failed" and endless.choices[0].finish_reason == "error"
-    assert "response_format.json_schema.schema: the constraint failed" in endless.error.message
+    midway = results[ids["midway"]]
+    assert midway.status == "failed" and midway.choices[0].finish_reason == "error"
+    assert "response_format.json_schema.schema: the constraint failed" in midway.error.message
     assert results[ids["free"]].choices[0].token_ids == late.choices[0].token_ids
 
 

@@ -117,10 +117,13 @@ class BatchScheduler:
 
     # --- admission ------------------------------------------------------------------------
     def slow_prepare(self, payload: object) -> Optional[Callable[[], Prompt]]:
-        """For a request whose input takes long to prepare (images to decode and process), that work,
-        to run off the loop's thread before `admit(..., prepared=)`; None for the others."""
-        if not _has_images(payload):
+        """For a request whose input takes long to prepare (images to decode and process, a
+        constraint to compile), that work, to run off the loop's thread before `admit(...,
+        prepared=)`; None for the others."""
+        if not _has_images(payload) and not _has_constraint(payload):
             return None
+        # A constraint's checks and compile take up to tens of milliseconds where it is new (both are
+        # kept per text: `admit` then finds them done), so even its validation is not the loop's.
         return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
 
     def admit(
@@ -425,6 +428,11 @@ class BatchScheduler:
         return no_output_result(job_id, status, error_type=error_type, message=message,  # type: ignore[arg-type]
                                 request=payload, model=self.model_name, worker=self.worker_name,
                                 enqueued_at=enqueued_at, started_at=started_at)
+
+
+def _has_constraint(payload: object) -> bool:
+    return isinstance(payload, dict) and any(payload.get(name) is not None
+                                             for name in ("response_format", "guided_regex", "guided_grammar"))
 
 
 def _has_images(payload: object) -> bool:

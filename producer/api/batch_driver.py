@@ -4,10 +4,11 @@ lease (a Redis key with a TTL) at that moment. One advance, from the state in Re
 
 - validating: every input line is parsed; a bad one fails the batch with OpenAI's `errors` list;
 - in progress: the jobs that ended are collected into the output or error list (and leave the
-  batch's in-flight hash in the same script, so a line is written once), then new lines are submitted
-  up to `batch_max_in_flight` (and the tenant's cap), their job hashes, the in-flight entries and the
-  new position in the file written in one atomic batch whose job ids are fixed by the line, so no
-  line is submitted twice;
+  batch's in-flight hash in the same script, so a line is written once; a result that cannot be read
+  or written as a line goes to the error list as `result_unreadable`, and never holds the batch up),
+  then new lines are submitted up to `batch_max_in_flight` (and the tenant's cap), their job hashes,
+  the in-flight entries and the new position in the file written in one atomic batch whose job ids
+  are fixed by the line, so no line is submitted twice;
 - past the completion window, or cancelled: the jobs in flight are cancelled, the lines never sent go
   to the error file (`batch_expired` / `batch_cancelled`), and once nothing is in flight the batch
   ends `expired` / `cancelled`; otherwise, once every line is written, `completed`. The output and
@@ -31,8 +32,8 @@ from producer.aio import execute_batch
 from producer.api import keys as api_keys
 from producer.api.batches import FINAL, BatchErrors, BatchState, BatchStore
 from producer.api.gateway import Gateway
-from producer.batchfile import BatchLine, LineError, error_line, outcome_line, parse_line
-from producer.errors import JobNotFound
+from producer.batchfile import BatchLine, LineError, error_line, line_text, outcome_line, parse_line, unreadable_line
+from producer.errors import BrokerError, JobNotFound
 from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
@@ -191,7 +192,6 @@ class BatchDriver:
         if not in_flight:
             return
         ids = list(in_flight)
-        client = self._gw.client
         async with self._connection.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.get(keys.result_key(job_id))
@@ -200,19 +200,33 @@ class BatchDriver:
         written: list[tuple[str, bool, dict[str, Any]]] = []
         for i, job_id in enumerate(ids):
             try:
-                result: Optional[GenerationResult] = await client._settled(job_state(job_id, raw[2 * i], raw[2 * i + 1]))
-            except JobNotFound:
-                result = lost_result(job_id)
-            if result is None:
-                continue
-            line = parse_line(in_flight[job_id], _piece_of(job_id) + 1, None, state.object.endpoint)
-            if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
-                written.append((job_id, True, error_line(line.custom_id, line.code, line.message, job_id)))
-            elif result.status == "cancelled" and state.stop == "expired":
-                written.append((job_id, True, error_line(line.custom_id, "batch_expired", EXPIRED, job_id)))
-            else:
-                written.append((job_id, *outcome_line(line, job_id, result, int(time.time()))))
+                outcome = await self._outcome(state, job_id, in_flight[job_id], raw[2 * i], raw[2 * i + 1])
+            except BrokerError:
+                raise  # Redis is away: the next round collects it
+            except Exception as exc:  # one line that cannot be converted must not stop the others
+                log.exception("batch %s: the result of %s cannot be written as a line", state.id, job_id)
+                outcome = True, unreadable_line(_custom_id(in_flight[job_id]), job_id, exc)
+            if outcome is not None:
+                written.append((job_id, *outcome))
         await self._write(state, written)
+
+    async def _outcome(self, state: BatchState, job_id: str, text: bytes, raw_result: Optional[bytes],
+                       raw_status: Optional[bytes]) -> Optional[tuple[bool, dict[str, Any]]]:
+        """(is_error, the line) for one in-flight request whose job ended; None while it runs."""
+        try:
+            result: Optional[GenerationResult] = await self._gw.client._settled(job_state(job_id, raw_result, raw_status))
+        except JobNotFound:
+            result = lost_result(job_id)
+        if result is None:
+            return None
+        line = parse_line(text, _piece_of(job_id) + 1, None, state.object.endpoint)
+        if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
+            return True, error_line(line.custom_id, line.code, line.message, job_id)
+        if result.status == "cancelled" and state.stop == "expired":
+            return True, error_line(line.custom_id, "batch_expired", EXPIRED, job_id)
+        is_error, written = outcome_line(line, job_id, result, int(time.time()))
+        line_text(written)  # a line that cannot be written as JSON fails here, as this line's error
+        return is_error, written
 
     async def _write(self, state: BatchState, lines: list[tuple[str, bool, dict[str, Any]]],
                      position: Optional[tuple[int, int]] = None) -> None:
@@ -220,7 +234,7 @@ class BatchDriver:
             return
         args: list[Any] = [position[0] if position else "", position[1] if position else 0, self._lists_ttl(state)]
         for job_id, is_error, line in lines:
-            args += [job_id, "1" if is_error else "0", json.dumps(line, ensure_ascii=False)]
+            args += [job_id, "1" if is_error else "0", line_text(line)]
         await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
                                   api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
                                   api_keys.in_flight(state.tenant.tag)], args=args)

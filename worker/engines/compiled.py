@@ -34,8 +34,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import GenerationRequest
 from worker.adapters import AdapterCatalog, AdapterError
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
+from worker.engines.constraints import ConstraintCompiler, finish_token
 from worker.engines.prompt_scores import PromptScorer
-from worker.engines.constraints import ConstraintCompiler
 from worker.engines.counters import EngineCounters
 from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, ladder
@@ -501,13 +501,13 @@ class CompiledEngine:
             seq.generated.append(token)
             finish = ("stop" if token in spec.stop_token_ids
                       else "length" if len(seq.generated) >= spec.max_tokens else None)
-            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
-                               weight_version=launched.weight_version)
-            if seq.constraint is not None:  # its matcher follows what was returned
-                seq.constraint.observe(token)
-                if finish is not None:
-                    event.constraint_complete = seq.constraint.ended(stopped_by_token=finish == "stop")
+            event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
+                                                            finish_reason=finish,
+                                                            weight_version=launched.weight_version))
             events.append(event)
+            if event.error is not None:
+                self._end(seq)
+                continue
             if i in wanted_at:
                 wanted_events[wanted_at[i]] = event
             if finish is not None:

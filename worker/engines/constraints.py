@@ -2,13 +2,16 @@
 mask, with llguidance (docs/structured-output.md says why this library, with measurements).
 
 - `ConstraintCompiler`, one per worker: builds llguidance's view of the tokenizer on a thread at
-  start, compiles each constraint once (a cache keyed by its kind and text), and turns what the
-  library cannot compile into a ValueError that names the request field (`prepare` fails the job).
+  start, compiles each constraint once (a cache keyed by its kind and text) under `PARSER_LIMITS`,
+  computes its first mask there, and turns what the library cannot compile, or what fails or allows
+  nothing at that first mask, into a ValueError that names the request field (`prepare` fails the
+  job). The batch loop prepares a constrained request off its own thread (worker/scheduler.py).
 - `RowConstraint`, one per sequence: a logits processor `(tokens, logits) -> logits` as mlx-lm's and
   mlx-vlm's BatchGenerators call them, once per sampled token, with the prompt and the tokens so far.
   It advances its matcher with the tokens it has not seen and masks every token the grammar does not
   allow next. EOS is allowed only where the grammar may end. A row whose matcher fails ends alone
-  (its processor raises, or, deferred, `RowConstraint.error` is set for the engine to end it).
+  (its processor raises, or, deferred, `RowConstraint.error` is set for the engine to end it): a
+  matcher's failure, or the library refusing a batch-wide call, never reaches another row.
 - `MaskBatch`, one per engine: where the rows' masks live, and when they are filled. A row's
   processor only records that its mask is wanted and returns the masked logits as a lazy MLX graph
   over its row of a shared buffer; `fill()` (called before the batch is sampled: `fenced` wraps a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,8 +44,16 @@ import mlx.core as mx
 import numpy as np
 
 from schemas.constraints import Constraint
+from worker.engines.base import TokenEvent
+
+log = logging.getLogger("mlxq.engine")
 
 COMPILED_CACHE_SIZE = 128  # compiled constraints kept per worker, least recently used dropped first
+# llguidance's bounds on one matcher's work (fuel: lexer work; items: Earley items), per mask and at
+# its start, and on what it may build: a constraint over them fails (its job alone) instead of
+# stalling the batch. Its defaults but for the lexer's states (each 1-2 kB): docs/structured-output.md.
+PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                     max_lexer_states=50_000, max_grammar_size=500_000)
 REUSE_AFTER_STEPS = 2
 # JSON as json.dumps writes it: a model is not let to fill its output with whitespace. A schema's own
 # "x-guidance" options come after these.
@@ -70,6 +82,7 @@ class ConstraintCompiler:
         self.eos_token_ids = eos_token_ids
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_lock = threading.Lock()  # the loop's preparing thread and the loop may both compile
         self._tokenizer: Any = None
         self._tokenizer_error: Optional[BaseException] = None
         # About a second for a 150k vocabulary (docs/structured-output.md): not on the first request's path.
@@ -94,17 +107,22 @@ class ConstraintCompiler:
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
         key = (constraint.kind, constraint.source)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
         compiled = CompiledConstraint(constraint, self._matcher(constraint))
-        self._cache[key] = compiled
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _matcher(self, constraint: Constraint) -> Any:
+        """A matcher at the start state with its first mask computed: the library builds its lexer
+        there (the costly part of a hostile constraint), so a constraint that fails or allows nothing
+        fails now, naming the field, and rows start from a matcher that has done that work."""
         import llguidance
 
         self._ready.wait()
@@ -120,9 +138,17 @@ class ConstraintCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
         except ValueError as exc:
             raise ConstraintError(f"{constraint.field}: {exc}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if matcher.is_error():
             raise ConstraintError(f"{constraint.field}: cannot be compiled: {_first_lines(matcher.get_error())}")
+        mask = np.zeros(math.ceil(self.vocab_size / 32), dtype=np.uint32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if not mask.any() or "NoExtension" in matcher.get_error():
+            raise ConstraintError(f"{constraint.field}: allows no text at all")
+        if matcher.is_error():
+            raise ConstraintError(f"{constraint.field}: fails at its first token, within the limits on its work "
+                                  f"(PARSER_LIMITS): {_first_lines(matcher.get_error(), 1)}")
         return matcher
 
 
@@ -159,8 +185,14 @@ class RowConstraint:
     def advance(self, tokens: list[int]) -> None:
         """Consume `tokens`; raises RuntimeError naming the field if the matcher cannot go on."""
         self._consume(tokens)
+        self.check()
+
+    def check(self) -> None:
+        """Raises RuntimeError naming the field if the matcher has failed (at a token, or at a mask:
+        the library's limits on its work, a grammar with no way on)."""
         if self._matcher.is_error():
-            raise RuntimeError(f"{self.constraint.field}: {_first_lines(self._matcher.get_error())}")
+            raise RuntimeError(f"{self.constraint.field}: the constraint failed at generated token "
+                               f"{self._consumed}: {_first_lines(self._matcher.get_error(), 1)}")
 
     def _consume(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -195,8 +227,14 @@ class RowConstraint:
 
     def ended(self, stopped_by_token: bool) -> bool:
         """Whether the row's text is a complete match: with its last token, or without it when a
-        stop token (not text) ended the row."""
-        self._consume(self._emitted[self._consumed:])
+        stop token (not text) ended the row. Never raises: a matcher that refuses what the engine
+        returned (a token its mask did not allow) sets `error`, and the engine ends the row with it."""
+        try:
+            self._consume(self._emitted[self._consumed:])
+            self.check()
+        except Exception as exc:
+            self.error = self.error or str(exc)
+            return False
         return self._accepting_before_last if stopped_by_token else bool(self._matcher.is_accepting())
 
     def release(self) -> None:
@@ -227,6 +265,7 @@ class MaskBatch:
         # The one thread that advances matchers and writes masks (its threads exit with this object).
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxq-masks")
         self._filling: Optional[Future[None]] = None  # the batch thread's work since `start`
+        self._filling_rows: list[RowConstraint] = []  # the rows that work is for
         self._apply = mx.compile(_apply_mask)
 
     def begin_step(self) -> None:
@@ -254,6 +293,7 @@ class MaskBatch:
             unseen = row.unseen(tokens)
             row.advance(unseen.tolist() if unseen is not None else [])
             row.fill_into(self._view[row.slot])
+            row.check()
             words = self._buffer[row.slot : row.slot + 1] if self._buffer is not None else mx.array(
                 self._view[row.slot : row.slot + 1])
         return self._apply(words, logits.reshape(1, -1)).reshape(logits.shape)
@@ -304,38 +344,88 @@ class MaskBatch:
 
     def _join(self) -> None:
         filling, self._filling = self._filling, None
-        if filling is not None:
+        if filling is None:
+            return
+        try:
             filling.result()
+        except Exception as exc:  # `_advance_and_compute` fails rows one by one: this is a bug of ours
+            log.exception("structured output: computing the masks failed")
+            for row in self._filling_rows:
+                if row.error is None:
+                    self._fail(row, RuntimeError(f"{row.constraint.field}: the mask could not be computed: {exc!r}"))
 
     def _advance_and_compute(self, waiting: list[tuple[list[RowConstraint], list[tuple[int, int]], Any]],
                              values: list[list[int]]) -> None:
+        """Advance each waiting row's matcher by its new tokens and compute its mask, in batch-wide
+        calls; a row whose matcher fails (or that the library refuses) gets `error` and an
+        all-allowing mask, and the others go on as if it were not there."""
+        self._filling_rows = [row for group, _, _ in waiting for row in group]
         rows: list[RowConstraint] = []
         single: list[tuple[RowConstraint, int]] = []  # rows with one new token: advanced in one parallel call
         for (group, spans, _), tokens in zip(waiting, values):
             for row, (start, stop) in zip(group, spans):
+                if row.error is not None:  # failed already: it is on its way out
+                    self._fail(row, RuntimeError(row.error))
+                    continue
                 if stop - start == 1:
                     single.append((row, tokens[start]))
                     continue
                 try:
                     row.advance(tokens[start:stop])
                     rows.append(row)
-                except RuntimeError as exc:
+                except Exception as exc:
                     self._fail(row, exc)
+        rows += self._consume_singles(single)
+        self._compute_masks(rows)
+
+    def _consume_singles(self, single: list[tuple[RowConstraint, int]]) -> list[RowConstraint]:
+        """The rows of `single` that took their token, in one parallel call (one call per row if the
+        library refuses the batch)."""
+        if not single:
+            return []
         for row, _ in single:
             row.before_consuming_one()
-        taken = self._executor.consume_token_par([(row.matcher, token) for row, token in single]) if single else []
+        try:
+            taken = self._executor.consume_token_par([(row.matcher, token) for row, token in single])
+        except Exception:
+            taken = [_consume_alone(row, token) for row, token in single]
+        went_on = []
         for (row, _), ok in zip(single, taken):
             try:
                 row.consumed_one(ok)
-                rows.append(row)
-            except RuntimeError as exc:
+                went_on.append(row)
+            except Exception as exc:
                 self._fail(row, exc)
-        self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows], self._view.ctypes.data,
-                                               self._words * 4, self._capacity)
+        return went_on
 
-    def _fail(self, row: RowConstraint, exc: RuntimeError) -> None:
-        row.error = str(exc)
-        self._view[row.slot] = 0xFFFFFFFF
+    def _compute_masks(self, rows: list[RowConstraint]) -> None:
+        """`rows`' masks in one call on llguidance's pool (each alone if the library refuses the
+        batch); a row whose matcher failed at its mask fails alone."""
+        if rows:
+            try:
+                self._executor.unsafe_compute_mask_ptr([(row.matcher, row.slot) for row in rows],
+                                                       self._view.ctypes.data, self._words * 4, self._capacity)
+            except Exception:
+                for row in rows:
+                    try:
+                        row.fill_into(self._view[row.slot])
+                    except Exception as exc:
+                        self._fail(row, exc)
+        for row in rows:
+            if row.error is None:
+                try:
+                    row.check()
+                except RuntimeError as exc:
+                    self._fail(row, exc)
+
+    def _fail(self, row: RowConstraint, exc: BaseException) -> None:
+        """The row ends with its error (the engine reads it); meanwhile its mask hides nothing, so
+        sampling its row stays well defined."""
+        if row.error is None:  # the first failure is the reason
+            row.error = (str(exc) if isinstance(exc, RuntimeError)
+                         else f"{row.constraint.field}: {type(exc).__name__}: {exc}")
+        if row.slot is not None:
+            self._view[row.slot] = 0xFFFFFFFF
 
     def release(self, row: RowConstraint) -> None:
         if row.slot is not None:
@@ -360,6 +450,29 @@ class MaskBatch:
         self._view[: self._capacity] = old
         self._free.extend(range(self._capacity * 2 - 1, self._capacity - 1, -1))
         self._capacity *= 2
+
+
+def _consume_alone(row: RowConstraint, token: int) -> bool:
+    try:
+        return bool(row.matcher.consume_token(token))
+    except Exception:
+        return False
+
+
+def finish_token(constraint: Optional[RowConstraint], event: TokenEvent) -> TokenEvent:
+    """Tell a constrained row's matcher that the engine returned `event`'s token and, on the row's
+    last token, whether its text is complete; where the matcher refuses what was returned, the
+    row's error event instead (it ends alone, its job failing with the reason)."""
+    if constraint is None:
+        return event
+    constraint.observe(event.token)
+    if event.finish_reason is None:
+        return event
+    complete = constraint.ended(stopped_by_token=event.finish_reason == "stop")
+    if constraint.error is not None:
+        return TokenEvent(uid=event.uid, token=-1, index=event.index, error=constraint.error)
+    event.constraint_complete = complete
+    return event
 
 
 def fenced(sampler: Callable[[mx.array], mx.array], before: Callable[[], None]) -> Callable[[mx.array], mx.array]:

@@ -37,7 +37,8 @@ from worker.engines.lora import LoraBank
 from worker.engines.prefill_queue import PrefillQueue
 from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
 from worker.engines.sampling import attach_logprobs, greedy, repair_random_state, requested_distribution
-from worker.engines.text_rows import Row, RowMaker, note_constraint
+from worker.engines.constraints import finish_token
+from worker.engines.text_rows import Row, RowMaker
 from worker.engines.text_model import (ChatFormat, RequestRejected, measure_kv_bytes_per_token,  # noqa: F401
                                        model_context_length, model_vocab_size, prepare_prompt)
 
@@ -392,12 +393,12 @@ class TextEngine:
                 events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=error))
                 self.remove([spec.uid])
                 continue
-            event = TokenEvent(uid=spec.uid, token=int(response.token), index=spec.choice_index,
-                               finish_reason=response.finish_reason, weight_version=sampled_with)
-            note_constraint(live, event)
+            event = finish_token(live.constraint, TokenEvent(
+                uid=spec.uid, token=int(response.token), index=spec.choice_index,
+                finish_reason=response.finish_reason, weight_version=sampled_with))
             events.append(event)
             raw_logits = live.capture.pending.popleft() if live.capture is not None else None
-            if spec.logprobs or spec.top_logprobs:
+            if event.error is None and (spec.logprobs or spec.top_logprobs):
                 wanted.append((event, spec, requested_distribution(spec, response.logprobs, raw_logits)))
             if response.finish_reason is not None:
                 if live.version == self._version:  # else its cache holds keys and values of older weights

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from worker.engines.base import SequenceSpec, TokenEvent
-from worker.engines.constraints import CompiledConstraint, MaskBatch, RowConstraint, fenced
+from worker.engines.constraints import CompiledConstraint, MaskBatch, RowConstraint, fenced, finish_token
 from worker.engines.sampling import (RawLogits, RowGuard, SamplerPool, attach_logprobs, logits_processors,
                                      needs_raw_capture, requested_distribution)
 
@@ -108,12 +108,13 @@ class RowMaker:
                 continue
             first = int(token.item())
             finish = "stop" if first in spec.stop_token_ids else "length" if spec.max_tokens <= 1 else None
-            event = TokenEvent(uid=spec.uid, token=first, index=spec.choice_index, finish_reason=finish,
-                               weight_version=version)
-            note_constraint(row, event)
+            event = finish_token(row.constraint, TokenEvent(uid=spec.uid, token=first, index=spec.choice_index,
+                                                            finish_reason=finish, weight_version=version))
             if finish is not None and row.constraint is not None:
                 row.constraint.release()
             events.append(event)
+            if event.error is not None:
+                continue
             if spec.logprobs or spec.top_logprobs:
                 wanted.append((event, spec, requested_distribution(spec, logprobs[0], raw_logits)))
             if finish is None:
@@ -122,12 +123,3 @@ class RowMaker:
         if wanted:
             attach_logprobs(wanted)
         return events, going_on
-
-
-def note_constraint(row: Row, event: TokenEvent) -> None:
-    """Tell a constrained row's matcher what it returned, and on its last token whether its text is complete."""
-    if row.constraint is None:
-        return
-    row.constraint.observe(event.token)
-    if event.finish_reason is not None:
-        event.constraint_complete = row.constraint.ended(stopped_by_token=event.finish_reason == "stop")

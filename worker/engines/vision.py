@@ -32,7 +32,8 @@ from mlx_vlm.generate import BatchGenerator
 
 from schemas import GenerationRequest
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent, adapter_not_served
-from worker.engines.constraints import CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced
+from worker.engines.constraints import (CompiledConstraint, ConstraintCompiler, MaskBatch, RowConstraint, fenced,
+                                       finish_token)
 from worker.engines.row_sampler import RowSampler, SampledRow
 from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logits_processors, needs_raw_capture,
                                      repair_random_state, requested_distribution)
@@ -376,14 +377,10 @@ class VisionEngine:
                 continue
             token = int(response.token)
             finish = "stop" if token in spec.stop_token_ids else response.finish_reason
-            event = TokenEvent(uid=spec.uid, token=token, index=spec.choice_index, finish_reason=finish,
-                               weight_version=sampled_with)
-            if row.constraint is not None:
-                row.constraint.observe(token)
-                if finish is not None:
-                    event.constraint_complete = row.constraint.ended(stopped_by_token=finish == "stop")
+            event = finish_token(row.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
+                                                            finish_reason=finish, weight_version=sampled_with))
             events.append(event)
-            if drawn is not None:
+            if drawn is not None and event.error is None:
                 wanted.append((event, spec, requested_distribution(spec, drawn, raw)))
             if finish is not None:
                 if response.finish_reason is None:  # mlx-vlm would go on: its stop test is not this row's
