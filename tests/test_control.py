@@ -294,7 +294,7 @@ def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, 
             adapter = tmp_path / "lora"
             adapter.mkdir()
             (adapter / "adapter_config.json").write_text("{}")
-            (adapter / "adapters.safetensors").write_bytes(b"")
+            (adapter / "adapters.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
             answer = httpx.post(f"{base}/control/{ALIAS}/adapter",
                                 json={"name": "a", "path": str(adapter), "upload": True, "timeout": 30},
                                 headers={"Authorization": "Bearer sk-trainer"}, timeout=60)
