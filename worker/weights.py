@@ -5,7 +5,9 @@ parameters on a thread of their own, before the loop swaps them in between two e
 
 A version is the model's parameters in MLX's own naming (what `model.parameters()` flattens to,
 as `mx.save_safetensors` or mlx-lm's `save_weights` write them): every parameter, with its shape
-and dtype, and nothing else. Any mismatch fails the version and leaves the model as it was.
+and dtype, and nothing else, every byte range sound and every float finite (worker/tensor_files.py).
+Any mismatch, and anything else that raises while a version is read, fails the version and leaves
+the model as it was: the command is answered `ok=false`, never left unanswered.
 """
 
 from __future__ import annotations
