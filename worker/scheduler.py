@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
 from schemas.request import InvalidRequestError, RequestLimits
 from schemas.result import no_output_result
-from worker.engines.base import Engine, EngineStats, Prompt, SamplingParams, SequenceSpec
+from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec
+from worker.input_prep import SlowInputs
 from worker.output import EndedJob, JobOutput, StreamDelta
 
 MIB = 1024 * 1024
@@ -116,12 +117,22 @@ class BatchScheduler:
         return len(self._jobs)
 
     # --- admission ------------------------------------------------------------------------
-    def slow_prepare(self, payload: object) -> Optional[Callable[[], Prompt]]:
-        """For a request whose input takes long to prepare (images to decode and process), that work,
-        to run off the loop's thread before `admit(..., prepared=)`; None for the others."""
+    def slow_prepare(self, payload: object) -> Optional[SlowInputs]:
+        """For a request whose input takes long to prepare (images to read, decode and process), that
+        work, to run off the loop's thread (worker/input_prep.py) before `admit(..., prepared=)`; None
+        for the others, and for a request that does not validate (`admit` fails it, naming the field)."""
         if not _has_images(payload):
             return None
-        return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
+        try:
+            request = GenerationRequest.validate_payload(payload, self.limits)
+        except (InvalidRequestError, ValueError):
+            return None
+        engine = self.engine
+        reads = engine.image_reads(request) if isinstance(engine, ReadsImages) else []
+        if not reads:
+            return SlowInputs([], None, lambda fetched: engine.prepare(request))
+        assert isinstance(engine, ReadsImages)
+        return SlowInputs(reads, engine.read_image, lambda fetched: engine.prepare(request, fetched))
 
     def admit(
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,
