@@ -115,10 +115,10 @@ class InputPreparer:
             late = [name for name, future in job.reads.items() if not future.done()]
             if not late:
                 return  # read in time: the prepare is under way
-            for name in late:
-                job.reads[name].cancel()  # still queued behind other reads: it never starts
             job.outcome.set_exception(ImageError(
                 f"{late[0]}: reading the image took longer than {self._timeout_s:g} s (MLXQ_IMAGE_FETCH_TIMEOUT_S)"))
+        for name in late:  # outside the lock: a cancel runs the read's done callback, which takes it
+            job.reads[name].cancel()  # one still queued behind other reads never starts
 
     def wait(self, timeout: float) -> None:
         """Block until a job is ready, its deadline comes, or `timeout` passes."""
