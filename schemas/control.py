@@ -74,9 +74,9 @@ class ControlOutcome(BaseModel):
     command: ControlCommand
     acked: dict[str, ControlAck] = {}
     missing: list[str] = []  # live workers of the model that did not acknowledge in time
-    # A weights command no worker accepted and at least one refused: taken back out of
-    # `mlxq:weights:<model>` (the version before it is there again), so no worker that starts later
-    # fetches it.
+    # A weights or adapter command no worker accepted and at least one refused: taken back out of
+    # `mlxq:weights:<model>` / `mlxq:adapters:<model>` (what it replaced is there again), so no
+    # worker that starts later fetches it.
     withdrawn: bool = False
 
     @computed_field  # type: ignore[prop-decorator]

@@ -220,6 +220,7 @@ def test_broken_adapters_are_refused_and_the_worker_serves_on(redis_url, tiny_mo
             for upload in (True, False):
                 outcome = client.publish_adapter("tiny", f"bad-{how}", str(path), upload=upload, timeout=60)
                 assert not outcome.ok and ADAPTER_NEEDLES[how] in outcome.errors.get("lora-keeper", ""), (how, outcome)
+                assert outcome.withdrawn and not conn.hexists(keys.adapters_key("tiny"), f"bad-{how}"), (how, outcome)
             refused = client.wait(client.submit({**REQUEST, "adapter": f"bad-{how}"}), timeout=60)
             assert refused.status == "failed" and refused.error.message.startswith("adapter:"), refused
         for name in ("nan", "scale-inf"):  # from MLXQ_ADAPTER_DIR: the job fails, naming the adapter
@@ -227,6 +228,9 @@ def test_broken_adapters_are_refused_and_the_worker_serves_on(redis_url, tiny_mo
             assert failed.status == "failed" and failed.error.type == "InvalidRequest", failed
             assert ADAPTER_NEEDLES[name] in failed.error.message and failed.error.message.startswith("adapter:")
         assert client.publish_adapter("tiny", "good", str(good), upload=True, timeout=60).ok
+        kept = conn.hget(keys.adapters_key("tiny"), "good")
+        refused = client.publish_adapter("tiny", "good", str(bad["nan"]), upload=True, timeout=60)
+        assert not refused.ok and refused.withdrawn and conn.hget(keys.adapters_key("tiny"), "good") == kept
         assert client.wait(client.submit({**REQUEST, "adapter": "good"}), timeout=60).status == "finished"
         base = client.wait(client.submit(REQUEST), timeout=60)
         assert base.status == "finished" and base.choices[0].token_ids == old_tokens
