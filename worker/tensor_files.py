@@ -16,8 +16,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 # safetensors' dtype names: MLX's name for each, and its size in bytes.
 DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I8": ("int8", 1),
           "U8": ("uint8", 1), "I16": ("int16", 2), "U16": ("uint16", 2), "I32": ("int32", 4), "U32": ("uint32", 4),
@@ -120,6 +118,8 @@ def check_values(tensor_file: TensorFile) -> None:
 
 
 def _first_not_finite(chunk: bytes, dtype: str) -> int | None:
+    import numpy as np  # here, not at import: `import worker` must not load numpy's BLAS (worker/platform.py)
+
     if dtype == "BF16":
         bits = np.frombuffer(chunk, dtype="<u2")
         flagged = (bits & _BF16_EXPONENT) == _BF16_EXPONENT
