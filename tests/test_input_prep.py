@@ -86,3 +86,19 @@ def test_which_inputs_need_io(url, expected):
     from worker.images import needs_io
 
     assert needs_io(url) is expected
+
+
+def test_the_inputs_to_read_come_from_the_raw_request_named_as_its_fields_and_never_past_the_image_limit():
+    from worker.images import io_image_inputs
+
+    def part(url: str) -> dict:
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    payload = {"messages": [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": [{"type": "text", "text": "look"}, part("https://x/a.png"),
+                                                         part("data:image/png;base64,AAAA"), part("cats/1.png")]}]}
+    assert io_image_inputs(payload, 8) == [("messages[1].content[1].image_url", "https://x/a.png"),
+                                           ("messages[1].content[3].image_url", "cats/1.png")]
+    assert io_image_inputs(payload, 2) == []  # three images: validation refuses it before anything is read
+    for broken in (None, {"messages": "x"}, {"messages": [{"content": [{"type": "image_url", "image_url": 3}]}]}):
+        assert io_image_inputs(broken, 8) == []

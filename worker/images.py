@@ -83,6 +83,24 @@ def needs_io(url: str) -> bool:
         return True
 
 
+def io_image_inputs(payload: object, max_images: int) -> list[tuple[str, str]]:
+    """(field, url) of each image part of a raw chat request that is read from a file or fetched, in
+    order, named as the request's fields are; none where the request has more than `max_images`
+    image parts (its validation fails it, naming the limit, before anything is read)."""
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    found: list[tuple[str, str]] = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            url = image.get("url") if isinstance(image, dict) else None
+            if isinstance(url, str):
+                found.append((f"messages[{i}].content[{j}].image_url", url))
+    if len(found) > max_images:
+        return []
+    return [(field, url) for field, url in found if needs_io(url)]
+
+
 def image_bytes(url: str, field: str, policy: ImagePolicy, deadline: Optional[float] = None) -> bytes:
     """The encoded image `url` names, within `policy.max_bytes` (a fetch also by `deadline`, a
     time.monotonic() time)."""

@@ -18,6 +18,7 @@ from schemas import ErrorInfo, GenerationRequest, GenerationResult
 from schemas.request import InvalidRequestError, RequestLimits
 from schemas.result import no_output_result
 from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec
+from worker.images import io_image_inputs
 from worker.input_prep import SlowInputs
 from worker.output import EndedJob, JobOutput, StreamDelta
 
@@ -119,20 +120,21 @@ class BatchScheduler:
     # --- admission ------------------------------------------------------------------------
     def slow_prepare(self, payload: object) -> Optional[SlowInputs]:
         """For a request whose input takes long to prepare (images to read, decode and process), that
-        work, to run off the loop's thread (worker/input_prep.py) before `admit(..., prepared=)`; None
-        for the others, and for a request that does not validate (`admit` fails it, naming the field)."""
+        work, to run off the loop's thread (worker/input_prep.py) before `admit(..., prepared=)`;
+        None for the others. Validation is part of that work; the images read from files or fetched
+        are found in the raw request (no more than MLXQ_MAX_IMAGES of them: more fail validation)."""
         if not _has_images(payload):
             return None
-        try:
-            request = GenerationRequest.validate_payload(payload, self.limits)
-        except (InvalidRequestError, ValueError):
-            return None
-        engine = self.engine
-        reads = engine.image_reads(request) if isinstance(engine, ReadsImages) else []
+        engine, limits = self.engine, self.limits
+
+        def validated() -> GenerationRequest:
+            return GenerationRequest.validate_payload(payload, limits)
+
+        reads = io_image_inputs(payload, limits.max_images) if isinstance(engine, ReadsImages) else []
         if not reads:
-            return SlowInputs([], None, lambda fetched: engine.prepare(request))
+            return SlowInputs([], None, lambda fetched: engine.prepare(validated()))
         assert isinstance(engine, ReadsImages)
-        return SlowInputs(reads, engine.read_image, lambda fetched: engine.prepare(request, fetched))
+        return SlowInputs(reads, engine.read_image, lambda fetched: engine.prepare(validated(), fetched))
 
     def admit(
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,

@@ -186,13 +186,9 @@ class Engine(Protocol):
 
 @runtime_checkable
 class ReadsImages(Protocol):
-    """An engine whose requests may name images in files or at URLs (the vision engine): those are
-    read first, off the loop's thread and each within its deadline (worker/input_prep.py), then
-    handed to `prepare`."""
-
-    def image_reads(self, request: GenerationRequest) -> list[tuple[str, str]]:
-        """(field, url) of each image input of the request read from a file or fetched, in order."""
-        ...
+    """An engine whose requests may name images in files or at URLs (the vision engine): those
+    (worker/images.py io_image_inputs) are read first, off the loop's thread and each within its
+    deadline (worker/input_prep.py), then handed to `prepare`."""
 
     def read_image(self, field: str, url: str, deadline: float) -> bytes:
         """That input's bytes, by `deadline` (a time.monotonic() time); ImageError naming `field` if not."""

@@ -39,7 +39,7 @@ from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logit
                                      repair_random_state, requested_distribution)
 from worker.engines.text import RequestRejected, measure_kv_bytes_per_token, model_context_length
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
-from worker.images import ImagePolicy, image_bytes, load_image, needs_io
+from worker.images import ImagePolicy, image_bytes, load_image
 
 # Model types whose processor and `get_input_embeddings` this engine is written against.
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -225,12 +225,6 @@ class VisionEngine:
         return parameter_spec(self.model)
 
     # --- requests -------------------------------------------------------------------------
-    def image_reads(self, request: GenerationRequest) -> list[tuple[str, str]]:
-        """(field, url) of each image input read from a file or fetched (worker/input_prep.py reads them)."""
-        if request.prompt_token_ids is not None or request.prompt is not None or request.messages is None:
-            return []
-        return [(field, url) for field, url in _template_messages(request)[1] if needs_io(url)]
-
     def read_image(self, field: str, url: str, deadline: float) -> bytes:
         return image_bytes(url, field, self._images, deadline)
 
