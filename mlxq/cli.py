@@ -129,6 +129,9 @@ def _add_more_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="fetch http(s) image URLs (off: such a request fails)")
     g.add_argument("--image-fetch-timeout-s", type=float, help="seconds a fetch may take")
     g.add_argument("--image-fetch-max-redirects", type=int, help="redirects a fetch may follow")
+    g.add_argument("--image-fetch-allow-nets", help="networks a fetch may reach beside public addresses, as CIDRs "
+                   "separated by commas (an internal image store)")
+    g.add_argument("--image-io-threads", type=int, help="image inputs read from files or fetched at once (16)")
 
 
 def build_parser() -> argparse.ArgumentParser:

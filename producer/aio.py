@@ -322,7 +322,8 @@ class AsyncClient:
             if removal is not None and await self.connection.execute_command(*removal):
                 key, value, expiry = cancelled_result_write(job, time.time())
                 try:
-                    await self.connection.set(key, value, ex=expiry)
+                    if not await self.connection.set(key, value, ex=expiry, nx=True):
+                        return False  # a result came first (a result key is never replaced)
                 except redis.exceptions.NoPermissionError:
                     pass  # read-only result keys (the producer ACL): a worker's sweep writes it
                 batch = CommandBatch(NO_CONNECTION)

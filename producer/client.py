@@ -301,7 +301,8 @@ class Client:
             if removal is not None and self.connection.execute_command(*removal):
                 key, value, expiry = cancelled_result_write(job, time.time())
                 try:
-                    self.connection.set(key, value, ex=expiry)
+                    if not self.connection.set(key, value, ex=expiry, nx=True):
+                        return False  # a result came first (a result key is never replaced)
                 except redis.exceptions.NoPermissionError:
                     pass  # read-only result keys (the producer ACL): a worker's sweep writes it
                 batch = CommandBatch(self.connection)

@@ -133,12 +133,45 @@ def _command_or_none(raw: Optional[bytes]) -> Optional[ControlCommand]:
     return None if raw is None else ControlCommand.model_validate_json(raw)
 
 
+# Puts back what a refused command replaced, unless something else was published since. KEYS[1]:
+# the model's weights key, or its adapters hash; ARGV: the refused command's JSON, what it replaced
+# ('' for nothing), and for an adapter its name (the hash field).
+WITHDRAW_SCRIPT = """
+local field = ARGV[3]
+local now
+if field then now = redis.call('HGET', KEYS[1], field) else now = redis.call('GET', KEYS[1]) end
+if now ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then
+  if field then redis.call('HDEL', KEYS[1], field) else redis.call('DEL', KEYS[1]) end
+elseif field then redis.call('HSET', KEYS[1], field, ARGV[2])
+else redis.call('SET', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+
+def refused_by_all(result: ControlOutcome) -> bool:
+    """A weights or adapter command that at least one worker refused and none accepted: the fleet
+    stays on what it had, and so must the workers that start later."""
+    return (result.command.op in ("weights", "adapter") and bool(result.acked)
+            and not any(a.ok for a in result.acked.values()))
+
+
+def _withdraw_args(command: ControlCommand, previous: Optional[bytes]) -> tuple[Any, ...]:
+    if command.op == "adapter":
+        return (WITHDRAW_SCRIPT, 1, keys.adapters_key(command.model), command.model_dump_json(), previous or b"",
+                str(command.adapter))
+    return WITHDRAW_SCRIPT, 1, keys.weights_key(command.model), command.model_dump_json(), previous or b""
+
+
 def _publish_commands(pipe: Any, command: ControlCommand, chunks: dict[str, bytes]) -> None:
+    """Queue the command's writes; for a weights or adapter command, the reply at index len(chunks)
+    is what it replaces (None for nothing)."""
     for key, value in chunks.items():
         pipe.set(key, value, ex=BLOB_TTL_S)
     if command.op == "weights":
-        pipe.set(keys.weights_key(command.model), command.model_dump_json())
+        pipe.set(keys.weights_key(command.model), command.model_dump_json(), get=True)
     elif command.op == "adapter":
+        pipe.hget(keys.adapters_key(command.model), str(command.adapter))
         pipe.hset(keys.adapters_key(command.model), str(command.adapter), command.model_dump_json())
     elif command.op == "pause":
         pipe.set(keys.paused_key(command.model), command.mode or "keep")
@@ -160,13 +193,17 @@ class ControlCalls:
         with broker_errors():
             with self._connection.pipeline(transaction=False) as pipe:
                 _publish_commands(pipe, command, chunks)
-                pipe.execute()
+                replies = pipe.execute()
             deadline = time.monotonic() + timeout
             while True:
                 result = outcome(command, self._connection.hgetall(keys.ack_key(command.id)), self._live(command.model))
                 if not result.missing or time.monotonic() >= deadline:
-                    return result
+                    break
                 time.sleep(ACK_POLL_S)
+            if refused_by_all(result):
+                withdrawn = self._connection.eval(*_withdraw_args(command, replies[len(chunks)]))
+                result.withdrawn = bool(withdrawn)
+            return result
 
     def latest_weights(self, model: str) -> Optional[ControlCommand]:
         with broker_errors():
@@ -189,14 +226,18 @@ class AsyncControlCalls:
         with broker_errors():
             async with self._connection.pipeline(transaction=False) as pipe:
                 _publish_commands(pipe, command, chunks)
-                await pipe.execute()
+                replies = await pipe.execute()
             deadline = time.monotonic() + timeout
             while True:
                 acks = await self._connection.hgetall(keys.ack_key(command.id))
                 result = outcome(command, acks, await self._live(command.model))
                 if not result.missing or time.monotonic() >= deadline:
-                    return result
+                    break
                 await asyncio.sleep(ACK_POLL_S)
+            if refused_by_all(result):
+                withdrawn = await self._connection.eval(*_withdraw_args(command, replies[len(chunks)]))
+                result.withdrawn = bool(withdrawn)
+            return result
 
     async def latest_weights(self, model: str) -> Optional[ControlCommand]:
         with broker_errors():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 WeightPolicy = Literal["drain", "abort", "inflight"]
 PauseMode = Literal["keep", "abort"]
@@ -74,10 +74,16 @@ class ControlOutcome(BaseModel):
     command: ControlCommand
     acked: dict[str, ControlAck] = {}
     missing: list[str] = []  # live workers of the model that did not acknowledge in time
+    # A weights or adapter command no worker accepted and at least one refused: taken back out of
+    # `mlxq:weights:<model>` / `mlxq:adapters:<model>` (what it replaced is there again), so no
+    # worker that starts later fetches it.
+    withdrawn: bool = False
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
-        return not self.missing and all(ack.ok for ack in self.acked.values())
+        """At least one worker acknowledged, every live worker of the model did in time, and each said ok."""
+        return bool(self.acked) and not self.missing and all(ack.ok for ack in self.acked.values())
 
     @property
     def errors(self) -> dict[str, str]:

@@ -238,10 +238,14 @@ def test_real_weights_swap_drained_jobs_keep_the_old_and_broken_versions_change_
     assert worker_proc.returncode == 0, out
 
 
-def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir):
+def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir, tmp_path):
     import asyncio
 
     conn = redis.Redis.from_url(redis_url)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b'\x3e\x00\x00\x00\x00\x00\x00\x00{"w": {"dtype": "F32", "shape": [4], '
+                                             b'"data_offsets": [0, 16]}}' + b"\x00" * 8)
     worker = start_fake_worker(redis_url, name="async-rl", env=ENV, step_delay_s=0.02)
 
     async def drive() -> None:
@@ -253,6 +257,10 @@ def test_the_async_client_drives_the_same_control_plane(redis_url, version_dir):
             paused = await client.pause(ALIAS, "abort", timeout=30)
             assert paused.ok and list(paused.acked) == ["async-rl"]
             assert (await client.publish_weights(ALIAS, 1, str(version_dir), "inflight", timeout=30)).ok
+            on_v1 = conn.get(keys.weights_key(ALIAS))
+            refused = await client.publish_weights(ALIAS, 2, str(cut), "inflight", upload=True, timeout=30)
+            assert not refused.ok and "exceed" in refused.errors["async-rl"] and refused.withdrawn, refused
+            assert conn.get(keys.weights_key(ALIAS)) == on_v1
             assert (await client.resume(ALIAS, timeout=30)).ok
             result = await client.wait(job_id, timeout=60)  # sent back by the pause, run again on version 1
             assert result.weight_version == 1 and result.choices[0].token_ids == expected(120, 200, [(0, 1)])
@@ -294,7 +302,7 @@ def test_the_gateway_drives_the_control_plane_for_admin_tenants_only(redis_url, 
             adapter = tmp_path / "lora"
             adapter.mkdir()
             (adapter / "adapter_config.json").write_text("{}")
-            (adapter / "adapters.safetensors").write_bytes(b"")
+            (adapter / "adapters.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
             answer = httpx.post(f"{base}/control/{ALIAS}/adapter",
                                 json={"name": "a", "path": str(adapter), "upload": True, "timeout": 30},
                                 headers={"Authorization": "Bearer sk-trainer"}, timeout=60)

@@ -17,6 +17,7 @@ from PIL import Image
 
 from schemas import GenerationRequest, InvalidRequestError, RequestLimits
 from tests.pictures import data_url, encoded, png_declaring
+from worker.image_fetch import AddressPolicy
 from worker.images import ImageError, ImagePolicy, image_bytes, load_image
 
 FIELD = "messages[0].content[1].image_url"
@@ -173,7 +174,10 @@ def server() -> Iterator[str]:
 
 def test_http_urls_fail_unless_fetching_is_on_and_then_within_limits(server):
     assert "MLXQ_IMAGE_FETCH is off" in refused(f"{server}/ok.png")
-    fetching = ImagePolicy(fetch=True, max_bytes=1000, fetch_timeout_s=0.5, fetch_max_redirects=2)
+    # The server is on loopback, which fetches never reach unless the operator allows it (the test seam).
+    fetching = ImagePolicy(fetch=True, max_bytes=1000, fetch_timeout_s=0.5, fetch_max_redirects=2,
+                           fetch_addresses=AddressPolicy.parse(["127.0.0.1/32"]))
+    assert "not a public address" in refused(f"{server}/ok.png", ImagePolicy(fetch=True))
     assert load_image(f"{server}/ok.png", FIELD, fetching).size == (30, 20)
     assert load_image(f"{server}/hop/1", FIELD, fetching).size == (30, 20)
     assert "more than 2 redirects (MLXQ_IMAGE_FETCH_MAX_REDIRECTS)" in refused(f"{server}/hop/5", fetching)

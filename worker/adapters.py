@@ -16,10 +16,13 @@ memory, and keeping it resident, is the engine's (worker/engines/lora.py).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from worker.tensor_files import TensorFileError, check_tensor_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
@@ -119,12 +122,18 @@ def read_adapter(source: AdapterSource, modules: dict[str, Any]) -> LoraWeights:
     if kind != "lora":
         raise AdapterError(f"adapter: {name!r} is a {kind!r} fine-tune; only LoRA adapters are served")
     parameters = config.get("lora_parameters")
-    if not isinstance(parameters, dict) or not isinstance(parameters.get("scale"), (int, float)):
+    scale = parameters.get("scale") if isinstance(parameters, dict) else None
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise AdapterError(f"adapter: {name!r}: {CONFIG_FILE} has no lora_parameters.scale")
+    if not math.isfinite(scale):
+        raise AdapterError(f"adapter: {name!r}: lora_parameters.scale is {scale}, not a finite number")
     path = source.directory / WEIGHTS_FILE
     try:
+        check_tensor_file(path)  # byte ranges and finite values, before mlx reads a byte of it
         tensors = mx.load(str(path))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except TensorFileError as exc:
+        raise AdapterError(f"adapter: {name!r}: {exc}") from None
+    except Exception as exc:  # mlx raises RuntimeError on a file it cannot read
         raise AdapterError(f"adapter: {name!r}: cannot read {WEIGHTS_FILE} ({exc})") from None
     assert isinstance(tensors, dict)
     pairs: dict[str, dict[str, Any]] = {}
@@ -150,8 +159,22 @@ def read_adapter(source: AdapterSource, modules: dict[str, Any]) -> LoraWeights:
             raise AdapterError(f"adapter: {name!r}: {module_path!r} has lora_a {tuple(a.shape)} and lora_b "
                                f"{tuple(b.shape)}; the layer takes {inputs} inputs to {outputs} outputs")
         # Kept on the host in float32: the engine stacks them there (worker/engines/lora.py).
-        layers[module_path] = (np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
-    return LoraWeights(source, float(parameters["scale"]), layers)
+        try:
+            host_a, host_b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+        except Exception as exc:  # the file changed after it was checked
+            raise AdapterError(f"adapter: {name!r}: cannot read {module_path!r} ({exc})") from None
+        largest = float(np.abs(host_b).max(initial=0.0)) * abs(float(scale))
+        limit = float(mx.finfo(module_dtype(module)).max)
+        if not np.isfinite(host_a).all() or not np.isfinite(host_b).all() or not largest <= limit:
+            raise AdapterError(f"adapter: {name!r}: {module_path!r}: lora_b times lora_parameters.scale ({scale}) "
+                               f"is not finite in the model's {module_dtype(module)}")
+        layers[module_path] = (host_a, host_b)
+    return LoraWeights(source, float(scale), layers)
+
+
+def module_dtype(module: Any) -> Any:
+    """The dtype a linear layer computes in (a quantized one's: its scales')."""
+    return module["scales"].dtype if "scales" in module else module.weight.dtype
 
 
 def linear_dims(module: Any) -> tuple[int, int]:

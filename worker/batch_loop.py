@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import math
 import queue
 import sys
@@ -35,7 +34,7 @@ from worker.output import EndedJob
 from worker.poll import TakenJob
 from worker.publish import WorkerStats
 from worker.redis_health import REDIS_ERRORS, RedisHealth
-from worker.engines.base import Prompt
+from worker.input_prep import InputPreparer
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 
@@ -83,9 +82,9 @@ class BatchLoop:
         self._rhythm = StepRhythm()
         self._stop_grace_until: Optional[float] = None
         self.time = LoopClock()
-        # Jobs whose input is being prepared off this thread (images), and the thread that does it.
-        self._preparing: dict[str, tuple[StartedJob, Future[Prompt]]] = {}
-        self._preparer: Optional[ThreadPoolExecutor] = None
+        # Jobs whose input is being prepared off this thread (images), and the threads that do it.
+        self._preparing: dict[str, StartedJob] = {}
+        self._preparer: Optional[InputPreparer] = None
 
     # --- the turns --------------------------------------------------------------------------
     def run(self, burst: bool = False, max_jobs: Optional[int] = None, max_idle_time: Optional[int] = None) -> int:
@@ -169,8 +168,8 @@ class BatchLoop:
             taken = self._redis_call(self._take, room) or 0
         clock.lap("poll")
         if not len(self.scheduler) and not taken:
-            if self._preparing:  # only inputs being prepared: wait for one, don't spin
-                wait([future for _, future in self._preparing.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            if self._preparer is not None and self._preparing:  # only inputs being prepared: wait, don't spin
+                self._preparer.wait(timeout=0.05)
             self._bookkeeper.wait_idle(timeout=0.05)  # only endings left: let them land, don't spin
             self._forget_done()
             clock.lap("idle")
@@ -287,21 +286,21 @@ class BatchLoop:
         if item.cancelled:
             return self.scheduler.failed_result(job_id, inflight.payload, "Cancelled", "",
                                                 enqueued_at=item.enqueued_at, status="cancelled")
-        work = self.scheduler.slow_prepare(inflight.payload)
-        if work is not None:  # images take long to decode and process: not on this thread
+        slow = self.scheduler.slow_prepare(inflight.payload)
+        if slow is not None:  # images take long to read, decode and process: not on this thread
             if self._preparer is None:
-                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="mlxq-prepare")
-            self._preparing[job_id] = (item, self._preparer.submit(work))
+                self._preparer = InputPreparer(self._settings.image_io_threads, self._settings.image_fetch_timeout_s)
+            self._preparing[job_id] = item
+            self._preparer.submit(job_id, slow)
             return None
         return self.scheduler.admit(job_id, inflight.payload, enqueued_at=item.enqueued_at, solo=inflight.solo)
 
     def _admit_prepared(self) -> None:
         """Admit the jobs whose inputs are ready; one the engine refused ends at once, naming its field."""
         ended = []
-        for job_id, (item, future) in list(self._preparing.items()):
-            if not future.done():
-                continue
-            del self._preparing[job_id]
+        assert self._preparer is not None
+        for job_id, future in self._preparer.ready():
+            item = self._preparing.pop(job_id)
             payload = item.inflight.payload
             try:
                 result = self.scheduler.admit(job_id, payload, enqueued_at=item.enqueued_at, solo=item.inflight.solo,
@@ -415,6 +414,8 @@ class BatchLoop:
         held = set(self.scheduler.job_ids)
         never_admitted = [job_id for job_id, f in self._table.items() if not f.ending and job_id not in held]
         self._preparing.clear()
+        if self._preparer is not None:
+            self._preparer.clear()
         try:
             self._hand_off(self.scheduler.abort_all("WorkerShutdown", reason))
             self._hand_off([self.scheduler.failed_result(job_id, None, "WorkerShutdown", reason)

@@ -239,6 +239,10 @@ class Controller:
                 loop.add_adapter(str(command.adapter), fetched.files[0])
             except ValueError as exc:
                 fetched = FetchedVersion(command, fetched.files, str(exc))
+            except Exception as exc:  # a refusal, whatever raised it: the worker and the adapters it serves go on
+                log.exception("adapter %r not served", command.adapter)
+                fetched = FetchedVersion(command, fetched.files,
+                                         f"adapter: {command.adapter!r}: {type(exc).__name__}: {exc}")
         if fetched.error is not None:
             log.error("adapter not served: %s", fetched.error)
             self._ack(loop, command, False, fetched.error)
@@ -255,6 +259,10 @@ class Controller:
         except ValueError as exc:
             log.error("weights not swapped: version %d: %s", command.version, exc)
             self._ack(loop, command, False, f"version {command.version}: {exc}")
+            return
+        except Exception as exc:  # refused all the same: the old weights keep serving
+            log.exception("weights not swapped: version %d", command.version)
+            self._ack(loop, command, False, f"version {command.version}: {type(exc).__name__}: {exc}")
             return
         finally:
             release(fetched)

@@ -5,8 +5,10 @@ An `image_url.url` may be:
 - a `data:image/<png|jpeg|webp|gif>;base64,...` URL, or raw base64 (the format read from the bytes);
 - a local file, as a path or a `file://` URL, only under the operator's `MLXQ_IMAGE_DIR`: the path is
   resolved (`..` and symlinks included) before it is checked to lie inside that directory;
-- an `http(s)://` URL, only when the operator turns fetching on (`MLXQ_IMAGE_FETCH`), and then within
-  a byte limit, a deadline and a redirect limit.
+- an `http(s)://` URL, only when the operator turns fetching on (`MLXQ_IMAGE_FETCH`), and then to
+  public addresses only, within a byte limit, a deadline and a redirect limit (worker/image_fetch.py).
+A local file is opened without following a symlink at any step below the directory and without
+blocking, and read only if it is a regular file: a FIFO or a device is refused, never waited on.
 The format is read from the bytes (PNG, JPEG, WebP, GIF: its first frame), the size from the header
 before any pixel is decoded, and an image larger than the model's processor takes is scaled down to
 that bound at once. Every refusal is an `ImageError` (a ValueError) whose message starts with the
@@ -22,13 +24,13 @@ import math
 import os
 import re
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
 from schemas import RequestLimits
+from worker.image_fetch import AddressPolicy, FetchRefused, fetch
 
 # File signatures of the formats a request may send (WebP: "RIFF", a size, then "WEBP").
 _SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
@@ -53,21 +55,60 @@ class ImagePolicy:
     fetch: bool = False  # MLXQ_IMAGE_FETCH: http(s) URLs are fetched only when this is on
     fetch_timeout_s: float = 10.0  # MLXQ_IMAGE_FETCH_TIMEOUT_S: the whole fetch, connect to last byte
     fetch_max_redirects: int = 3  # MLXQ_IMAGE_FETCH_MAX_REDIRECTS
+    fetch_addresses: AddressPolicy = AddressPolicy()  # public ones, and MLXQ_IMAGE_FETCH_ALLOW_NETS
 
 
-def load_image(url: str, field: str, policy: ImagePolicy, fit_pixels: Optional[int] = None) -> Any:
-    """The image `url` names, decoded to RGB (a PIL image) and, when it has more than `fit_pixels`
-    pixels, scaled down to about that many (the model's processor would scale it anyway)."""
-    return decode_image(image_bytes(url, field, policy), field, policy, fit_pixels)
+def load_image(url: str, field: str, policy: ImagePolicy, fit_pixels: Optional[int] = None,
+               data: Optional[bytes] = None) -> Any:
+    """The image `url` names (or its bytes, `data`, read already), decoded to RGB (a PIL image) and,
+    when it has more than `fit_pixels` pixels, scaled down to about that many (the model's
+    processor would scale it anyway)."""
+    return decode_image(data if data is not None else image_bytes(url, field, policy), field, policy, fit_pixels)
 
 
-def image_bytes(url: str, field: str, policy: ImagePolicy) -> bytes:
-    """The encoded image `url` names, within `policy.max_bytes`."""
+def needs_io(url: str) -> bool:
+    """Whether the image `url` names is read from a file or fetched (else it travels in the request)."""
+    if url.startswith("data:"):
+        return False
+    if "://" in url:
+        return urlsplit(url).scheme.lower() in ("http", "https", "file")
+    compact = _WHITESPACE.sub(b"", url.encode("utf-8", "replace"))
+    if len(compact) < 16 or len(compact) % 4 or not _BASE64.fullmatch(compact):
+        return True
+    if len(compact) > 256:
+        return False  # base64 (bad base64 fails when it is decoded)
+    try:
+        return sniff_format(base64.b64decode(compact)) is None
+    except (binascii.Error, ValueError):
+        return True
+
+
+def io_image_inputs(payload: object, max_images: int) -> list[tuple[str, str]]:
+    """(field, url) of each image part of a raw chat request that is read from a file or fetched, in
+    order, named as the request's fields are; none where the request has more than `max_images`
+    image parts (its validation fails it, naming the limit, before anything is read)."""
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    found: list[tuple[str, str]] = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            url = image.get("url") if isinstance(image, dict) else None
+            if isinstance(url, str):
+                found.append((f"messages[{i}].content[{j}].image_url", url))
+    if len(found) > max_images:
+        return []
+    return [(field, url) for field, url in found if needs_io(url)]
+
+
+def image_bytes(url: str, field: str, policy: ImagePolicy, deadline: Optional[float] = None) -> bytes:
+    """The encoded image `url` names, within `policy.max_bytes` (a fetch also by `deadline`, a
+    time.monotonic() time)."""
     if url.startswith("data:"):
         return _data_url(url, field, policy)
     scheme = urlsplit(url).scheme.lower() if "://" in url else ""
     if scheme in ("http", "https"):
-        return _fetch(url, field, policy)
+        return _fetch(url, field, policy, deadline)
     if scheme == "file":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
@@ -133,15 +174,10 @@ def _local_file(path_text: str, field: str, policy: ImagePolicy) -> bytes:
         target = (base / path_text).resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
         raise ImageError(f"{field}: {path_text!r} does not name a file: {exc}") from None
-    if not target.is_relative_to(base):
+    if not target.is_relative_to(base) or target == base:
         raise ImageError(f"{field}: {path_text!r} is outside the image directory (MLXQ_IMAGE_DIR); only "
                          "files under it may be named")
-    try:
-        # O_NOFOLLOW: a symlink swapped in after the check is refused, not followed.
-        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise ImageError(f"{field}: cannot open {path_text!r} under the image directory: "
-                         f"{exc.strerror or exc}") from None
+    fd = _open_regular(base, target.relative_to(base).parts, path_text, field)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -160,38 +196,41 @@ def _local_file(path_text: str, field: str, policy: ImagePolicy) -> bytes:
     return b"".join(chunks)
 
 
-def _fetch(url: str, field: str, policy: ImagePolicy) -> bytes:
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(base: Path, parts: tuple[str, ...], path_text: str, field: str) -> int:
+    """Open the file at `parts` under `base`, one directory at a time, following no symlink (one
+    swapped in after the path was resolved is refused, not followed), and only if it is a regular
+    file: stat first, then open without blocking (opening a FIFO would wait for a writer), so a FIFO
+    or a device is refused, never opened for reading."""
+    try:
+        directory = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=directory)
+                os.close(directory)
+                directory = inner
+            if not stat.S_ISREG(os.stat(parts[-1], dir_fd=directory, follow_symlinks=False).st_mode):
+                raise ImageError(f"{field}: {path_text!r} is not a regular file")
+            return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC,
+                           dir_fd=directory)
+        finally:
+            os.close(directory)
+    except OSError as exc:
+        raise ImageError(f"{field}: cannot open {path_text!r} under the image directory: "
+                         f"{exc.strerror or exc}") from None
+
+
+def _fetch(url: str, field: str, policy: ImagePolicy, deadline: Optional[float] = None) -> bytes:
     if not policy.fetch:
         raise ImageError(f"{field}: this worker does not fetch http(s) URLs (MLXQ_IMAGE_FETCH is off); "
                          "send the image inline as a data: URL")
-    import httpx
-
-    deadline = time.monotonic() + policy.fetch_timeout_s
     try:
-        with httpx.Client(timeout=policy.fetch_timeout_s, follow_redirects=True,
-                          max_redirects=policy.fetch_max_redirects) as client:
-            with client.stream("GET", url) as response:
-                response.raise_for_status()
-                declared = response.headers.get("content-length")
-                if declared and declared.isdigit():
-                    _check_size(int(declared), field, policy)
-                chunks, size = [], 0
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    _check_size(size, field, policy)
-                    if time.monotonic() > deadline:
-                        raise ImageError(f"{field}: fetching took longer than {policy.fetch_timeout_s:g} s "
-                                         "(MLXQ_IMAGE_FETCH_TIMEOUT_S)")
-                    chunks.append(chunk)
-    except httpx.TooManyRedirects:
-        raise ImageError(f"{field}: more than {policy.fetch_max_redirects} redirects "
-                         "(MLXQ_IMAGE_FETCH_MAX_REDIRECTS)") from None
-    except httpx.TimeoutException:
-        raise ImageError(f"{field}: fetching took longer than {policy.fetch_timeout_s:g} s "
-                         "(MLXQ_IMAGE_FETCH_TIMEOUT_S)") from None
-    except httpx.HTTPError as exc:
-        raise ImageError(f"{field}: fetching the image failed: {exc}") from None
-    return b"".join(chunks)
+        return fetch(url, max_bytes=policy.max_bytes, timeout_s=policy.fetch_timeout_s,
+                     max_redirects=policy.fetch_max_redirects, policy=policy.fetch_addresses, deadline=deadline)
+    except FetchRefused as exc:
+        raise ImageError(f"{field}: {exc}") from None
 
 
 def sniff_format(data: bytes) -> Optional[str]:

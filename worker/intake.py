@@ -18,6 +18,7 @@ import redis
 from rq.job import JOB_ID_PATTERN, Job, JobStatus
 from rq.utils import parse_timeout, str_to_date
 
+from schemas import keys
 from schemas.scripts import Script
 from schemas.serializer import JSON_SERIALIZER
 
@@ -28,22 +29,33 @@ MAX_SECONDS = 10**9
 MAX_RETRIES_FIELD = 10**9
 
 
+# Statuses after which a job never runs again (rq's retry and re-queue set `queued` or `scheduled` first).
+ENDED_STATUSES = ("finished", "failed", "stopped", "canceled")
+
 # Lua: the job hash under `key`, or a note of why it is not sent (a key that is not a hash, too many
-# fields, more than `max_bytes` of memory), which `read_job` turns into an Unreadable; nil for a key
-# that does not exist. The poll scripts (worker/poll.py) take jobs through it.
+# fields, more than `max_bytes` of memory; with `check_ended`, a job that has ended already: its
+# result key exists or its status is final), which `read_job` turns into an Unreadable; nil for a
+# key that does not exist. The poll scripts (worker/poll.py) take jobs through it, with the check,
+# in the same script that moves the id off its queue: a job cannot end between the check and its start.
 READ_JOB_LUA = """
-local function read_job(key, max_bytes)
+local ENDED = {%s}
+local function read_job(key, job_id, check_ended, max_bytes)
   local kind = redis.call('TYPE', key).ok
   if kind == 'none' then return nil end
+  if check_ended and redis.call('EXISTS', '%s' .. job_id) == 1 then return 'ended:result' end
   if kind ~= 'hash' then return 'type:' .. kind end
+  if check_ended then
+    local status = redis.call('HGET', key, 'status')
+    if status and ENDED[status] then return 'ended:' .. status end
+  end
   local fields = redis.call('HLEN', key)
   if fields > 64 then return 'fields:' .. fields end
   local size = redis.call('MEMORY', 'USAGE', key, 'SAMPLES', 0) or 0
   if size > max_bytes then return 'size:' .. size end
   return redis.call('HGETALL', key)
 end
-"""
-_FETCH_SCRIPT = READ_JOB_LUA + "return read_job(KEYS[1], tonumber(ARGV[1]))"
+""" % (", ".join(f"['{status}'] = true" for status in ENDED_STATUSES), keys.result_key(""))
+_FETCH_SCRIPT = READ_JOB_LUA + "return read_job(KEYS[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[1]))"
 
 JobFields = Union[dict[bytes, bytes], bytes]  # a job hash, or READ_JOB_LUA's note of why it was not sent
 
@@ -55,9 +67,12 @@ def as_job_fields(reply: Any) -> Optional[JobFields]:
     return dict(zip(reply[::2], reply[1::2]))
 
 
-def fetch_job_fields(connection: redis.Redis, job_id: str, max_job_bytes: int) -> Optional[JobFields]:
-    """A job's hash (or why it cannot be sent) by id, outside a poll; None if there is no such key."""
-    return as_job_fields(Script(connection, _FETCH_SCRIPT)(keys=[Job.key_for(job_id)], args=[max_job_bytes]))
+def fetch_job_fields(connection: redis.Redis, job_id: str, max_job_bytes: int, check_ended: bool = False
+                     ) -> Optional[JobFields]:
+    """A job's hash (or why it cannot be sent) by id, outside a poll; None if there is no such key.
+    `check_ended`: a job that has ended already comes back as a note that says so."""
+    return as_job_fields(Script(connection, _FETCH_SCRIPT)(
+        keys=[Job.key_for(job_id)], args=[max_job_bytes, job_id, "1" if check_ended else "0"]))
 
 
 @dataclass(frozen=True)
@@ -70,11 +85,14 @@ class Unreadable:
     field: str
     message: str
     payload: Any = None  # the request, when it could be read: the failed result echoes its ids
+    # A job that has ended already ("result": its result key exists; else its hash's final status):
+    # it is not run again, its hash is left as it is, and a result is written only if it has none.
+    ended: Optional[str] = None
 
     @property
     def is_hash(self) -> bool:
-        """Whether a job hash exists under this id (its status can be set to failed)."""
-        return self.field not in ("job", "id")
+        """Whether a job hash exists under this id that may be marked failed: not one that has ended."""
+        return self.field not in ("job", "id") and self.ended is None
 
 
 def identify(raw_id: bytes) -> Optional[str]:
@@ -166,7 +184,10 @@ def read_job(raw_id: bytes, fields: JobFields, connection: redis.Redis,
     if job_id is None:
         return Unreadable(raw_id, None, "id", "not a readable job id (empty, not UTF-8, or too long)")
     if isinstance(fields, bytes):
-        return Unreadable(raw_id, job_id, *_poll_note(fields.decode(errors="replace"), max_job_bytes))
+        note = fields.decode(errors="replace")
+        if note.startswith("ended:"):
+            return already_ended(raw_id, job_id, note.removeprefix("ended:"))
+        return Unreadable(raw_id, job_id, *_poll_note(note, max_job_bytes))
     if not JOB_ID_PATTERN.fullmatch(job_id):
         return Unreadable(raw_id, job_id, "id", f"job id {job_id!r} is not one rq accepts: letters, digits, "
                                                 "underscores and dashes only")
@@ -184,6 +205,14 @@ def read_job(raw_id: bytes, fields: JobFields, connection: redis.Redis,
     # for a hash that asks for a million repeats.
     job.repeats_left = None
     return job
+
+
+def already_ended(raw_id: bytes, job_id: str, ended: str) -> Unreadable:
+    """A queue entry for a job that has ended: a job runs once, and its first result stays."""
+    why = ("its result key exists" if ended == "result" else f"its hash says {ended!r}")
+    return Unreadable(raw_id, job_id, "status", f"status: job {job_id} has ended already ({why}); a job runs "
+                                                "once and its result is never replaced, so it was not run again",
+                      ended=ended)
 
 
 def _poll_note(note: str, max_job_bytes: int) -> tuple[str, str]:

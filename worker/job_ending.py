@@ -98,6 +98,11 @@ class RQEnds(Protocol):
 
     def requeue(self, ending: Ending, alone: bool) -> None: ...
 
+    def forget(self, ending: Ending) -> None:
+        """End this worker's part in a job whose result someone else wrote first: its execution
+        goes, the job's hash and rq's registries stay as that first end left them."""
+        ...
+
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
@@ -110,6 +115,9 @@ class JobEnding:
         self._settings = settings
         self.done: "queue.SimpleQueue[Ending]" = queue.SimpleQueue()
         self._tally = JobTally()  # the bookkeeping thread's
+        # Jobs whose result key was there before this worker's (bookkeeping thread only): their
+        # first end stands, in Redis and in rq, so this run ends without touching either.
+        self._superseded: set[str] = set()
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
     def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
@@ -162,7 +170,7 @@ class JobEnding:
             gate.wait()
             if stats is not None:
                 stats.counters.update(self._tally.counters())
-            publish_results(self._connection, publications, stats=stats)
+            self._superseded.update(publish_results(self._connection, publications, stats=stats))
             stats = None
 
     def _publication(self, ending: Ending) -> Publication:
@@ -184,14 +192,33 @@ class JobEnding:
         force; a result that could not be built ends its job as failed."""
         gate = self._bookkeeper.gate
         for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
-            successes = [e for e in chunk if e.outcome.result().status == "finished"]
-            self._end_in_rq(successes, lambda: self._rq.finish_successes(successes, gate.wait))
+            ours: list[Ending] = []
             for ending in chunk:
+                if self._forgot(ending):
+                    self.done.put(ending)
+                else:
+                    ours.append(ending)
+            successes = [e for e in ours if e.outcome.result().status == "finished"]
+            self._end_in_rq(successes, lambda: self._rq.finish_successes(successes, gate.wait))
+            for ending in ours:
                 if ending.outcome.result().status != "finished":
-                    self._end_failed(ending)
+                    self._end_failed(ending, forgot=False)
 
-    def _end_failed(self, ending: Ending) -> None:
+    def _end_failed(self, ending: Ending, forgot: Optional[bool] = None) -> None:
+        if forgot is None:
+            forgot = self._forgot(ending)
+        if forgot:
+            self.done.put(ending)
+            return
         self._end_in_rq([ending], lambda: self._rq.finish_failure(ending, ending.outcome.result()))
+
+    def _forgot(self, ending: Ending) -> bool:
+        """Whether the job's result was someone else's first (then only this run's execution goes)."""
+        if ending.job_id not in self._superseded:
+            return False
+        self._superseded.discard(ending.job_id)
+        self._rq.forget(ending)
+        return True
 
     def _end_in_rq(self, endings: list[Ending], end: Callable[[], None]) -> None:
         """Run `end` (the jobs' writes in RQ's terms), then hand the jobs back to the loop. A lost

@@ -13,7 +13,9 @@ queues the worker listens on and however many sequences run:
   lists (crash-safe as rq's own LMOVE dequeue), and their job hashes come back with them. An id
   whose job hash is gone (deleted while it waited) is dropped from the intermediate list. A job key
   that is not a hash, or a hash too big to ship (MLXQ_MAX_JOB_BYTES), comes back as a note of why,
-  which worker/intake.py turns into a failed job; a queue key that is not a list is skipped.
+  which worker/intake.py turns into a failed job; so does a job that has ended already (its result
+  key exists, or its status is final), which never runs again. A queue key that is not a list is
+  skipped.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ for q = 2, #KEYS, 2 do
       break
     end
     if not id then break end
-    local job = read_job(ARGV[2] .. id, max_bytes)
+    local job = read_job(ARGV[2] .. id, id, true, max_bytes)
     if not job then
       redis.call('LREM', KEYS[q + 1], 1, id)
     else
@@ -101,10 +103,10 @@ return {cancelled, taken, broken_queues}
 """
 
 
-# KEYS[1]: the intermediate list the id was moved to. ARGV: the job key, the size limit. The job as
-# the poll script returns one; an id whose hash is gone leaves the intermediate list.
+# KEYS[1]: the intermediate list the id was moved to. ARGV: the job key, the size limit, the id. The
+# job as the poll script returns one; an id whose hash is gone leaves the intermediate list.
 READ_SCRIPT = READ_JOB_LUA + """
-local job = read_job(ARGV[1], tonumber(ARGV[2]))
+local job = read_job(ARGV[1], ARGV[3], true, tonumber(ARGV[2]))
 if not job then redis.call('LREM', KEYS[1], 1, ARGV[3]) end
 return job
 """

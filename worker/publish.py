@@ -37,21 +37,25 @@ class WorkerStats(NamedTuple):
 
 
 def publish_results(connection: redis.Redis, publications: list[Publication],
-                    stats: Optional[WorkerStats] = None) -> None:
+                    stats: Optional[WorkerStats] = None) -> set[str]:
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
-    are refreshed in the same one."""
+    are refreshed in the same one. A result key is never replaced: the first result written for a
+    job stays (SET NX), whoever wrote it (a sweep that gave the job up, another run of it). Returns
+    the jobs whose result was not written because one was there already."""
     if not publications:
-        return
+        return set()
     batch = CommandBatch(connection)
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
+    written_at: dict[str, int] = {}
     for item in publications:
         if not item.write_key:
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
-        batch.set(keys.result_key(job_id), encoded, ex=item.ttl)
+        batch.set(keys.result_key(job_id), encoded, ex=item.ttl, nx=True)
+        written_at[job_id] = len(batch) - 1
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
@@ -59,7 +63,12 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
         batch.publish(keys.done_channel(job_id), job_id)
-    batch.execute()
+    replies = batch.execute()
+    superseded = {job_id for job_id, at in written_at.items() if replies is not None and replies[at] is None}
+    for job_id in superseded:
+        log.warning("job %s had a result already: the one from this run was dropped (the first result stays)",
+                    job_id)
+    return superseded
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:
@@ -97,8 +106,11 @@ def refuse_unreadable(connection: redis.Redis, refused: list[tuple[Unreadable, Q
             log.warning("removed an unreadable entry %r from %s: %s", bad.raw_id[:64], queue.key, bad.message)
             continue
         log.warning("job %s cannot run: %s", bad.job_id, bad.message)
-        result = no_output_result(bad.job_id, "failed", error_type="InvalidJob", message=bad.message,
-                                  request=bad.payload, model=model, worker=worker)
+        if bad.ended == "canceled":  # cancelled while queued, its result key not written yet
+            result = no_output_result(bad.job_id, "cancelled", request=bad.payload, model=model, worker=worker)
+        else:
+            result = no_output_result(bad.job_id, "failed", error_type="InvalidJob", message=bad.message,
+                                      request=bad.payload, model=model, worker=worker)
         publications.append(Publication(result, ttl))
         if bad.is_hash:
             job_key = Job.key_for(bad.job_id)

@@ -29,7 +29,7 @@ from worker.intake import Unreadable, read_job
 from worker.job_ending import Ending
 from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poller, TakenJob, WorkerQueues
-from worker.rq_batch import Registries, Success, create_execution, end_successes
+from worker.rq_batch import Registries, Success, create_execution, delete_execution, end_successes
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -193,6 +193,13 @@ class RQJobs:
         with self._as_current(ending.execution):
             self._worker.handle_job_retry(job=job, queue=ending.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
                                   started_job_registry=ending.queue.started_job_registry, execution=ending.execution)
+
+    def forget(self, ending: Ending) -> None:
+        """This run's execution and started-registry entry go; the job's hash, its status and rq's
+        other registries stay as the job's first end left them."""
+        batch = CommandBatch(self._worker.connection)
+        delete_execution(ending.job, ending.execution, batch, self._registries)
+        batch.execute()
 
     @contextlib.contextmanager
     def _as_current(self, execution: Execution) -> Iterator[None]:

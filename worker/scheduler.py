@@ -12,12 +12,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
 from schemas.request import InvalidRequestError, RequestLimits
 from schemas.result import no_output_result
-from worker.engines.base import Engine, EngineStats, Prompt, SamplingParams, SequenceSpec
+from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec
+from worker.images import io_image_inputs
+from worker.input_prep import SlowInputs
 from worker.output import EndedJob, JobOutput, StreamDelta
 
 MIB = 1024 * 1024
@@ -116,15 +118,25 @@ class BatchScheduler:
         return len(self._jobs)
 
     # --- admission ------------------------------------------------------------------------
-    def slow_prepare(self, payload: object) -> Optional[Callable[[], Prompt]]:
-        """For a request whose input takes long to prepare (images to decode and process, a
-        constraint to compile), that work, to run off the loop's thread before `admit(...,
-        prepared=)`; None for the others."""
+    def slow_prepare(self, payload: object) -> Optional[SlowInputs]:
+        """For a request whose input takes long to prepare (images to read, decode and process, a
+        constraint to compile), that work, to run off the loop's thread (worker/input_prep.py) before
+        `admit(..., prepared=)`; None for the others. Validation is part of that work; the images read from files or fetched
+        are found in the raw request (no more than MLXQ_MAX_IMAGES of them: more fail validation). A
+        constraint's checks and compile take up to tens of milliseconds where it is new (both are kept
+        per text: `admit` then finds them done), so even its validation is not the loop's."""
         if not _has_images(payload) and not _has_constraint(payload):
             return None
-        # A constraint's checks and compile take up to tens of milliseconds where it is new (both are
-        # kept per text: `admit` then finds them done), so even its validation is not the loop's.
-        return lambda: self.engine.prepare(GenerationRequest.validate_payload(payload, self.limits))
+        engine, limits = self.engine, self.limits
+
+        def validated() -> GenerationRequest:
+            return GenerationRequest.validate_payload(payload, limits)
+
+        reads = io_image_inputs(payload, limits.max_images) if isinstance(engine, ReadsImages) else []
+        if not reads:
+            return SlowInputs([], None, lambda fetched: engine.prepare(validated()))
+        assert isinstance(engine, ReadsImages)
+        return SlowInputs(reads, engine.read_image, lambda fetched: engine.prepare(validated(), fetched))
 
     def admit(
         self, job_id: str, payload: object, *, enqueued_at: Optional[float] = None, solo: bool = False,

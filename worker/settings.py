@@ -15,6 +15,7 @@ from pydantic import SecretStr, ValidationError, field_validator, model_validato
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from schemas import RequestLimits, keys
+from worker.image_fetch import AddressPolicy
 from worker.images import ImagePolicy
 
 ENV_PREFIX = "MLXQ_"
@@ -87,6 +88,9 @@ class WorkerSettings(BaseSettings):
     image_fetch: bool = False  # fetch http(s) image URLs (off: such a request fails)
     image_fetch_timeout_s: float = ImagePolicy.fetch_timeout_s
     image_fetch_max_redirects: int = ImagePolicy.fetch_max_redirects
+    # Networks a fetch may reach beside public addresses (CIDRs: an internal image store; the tests' loopback servers).
+    image_fetch_allow_nets: Annotated[tuple[str, ...], NoDecode] = ()
+    image_io_threads: int = 16  # image inputs read from files or fetched at once (each job's own within its deadline)
     callback_allowlist: Annotated[tuple[str, ...], NoDecode] = ()  # RQ callback name prefixes allowed to run
     # Serve Prometheus metrics on this port (docs/operations.md); with --processes N, process i gets port + i.
     metrics_port: Optional[int] = None
@@ -148,7 +152,7 @@ class WorkerSettings(BaseSettings):
         """A copy with `changes`, validated (dataclasses.replace's twin)."""
         return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
 
-    @field_validator("callback_allowlist", "priorities", mode="before")
+    @field_validator("callback_allowlist", "priorities", "image_fetch_allow_nets", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
@@ -169,7 +173,7 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_PROCESSES must be >= 1, got {self.processes}")
         for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
                      "prefill_batch_size", "prefill_step_size", "max_job_bytes", "max_images", "max_image_bytes",
-                     "max_image_pixels"):
+                     "max_image_pixels", "image_io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MLXQ_{name.upper()} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0 or self.retry_backoff_s < 0:
@@ -188,6 +192,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:
             keys.check_priorities(self.priorities, "MLXQ_PRIORITIES")
+        try:
+            AddressPolicy.parse(self.image_fetch_allow_nets)
+        except ValueError as exc:
+            raise ValueError(f"MLXQ_IMAGE_FETCH_ALLOW_NETS: {exc} (expected CIDRs such as 10.1.2.0/24)") from None
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
 
@@ -236,7 +244,8 @@ class WorkerSettings(BaseSettings):
     def image_policy(self) -> ImagePolicy:
         return ImagePolicy(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels, image_dir=self.image_dir,
                            fetch=self.image_fetch, fetch_timeout_s=self.image_fetch_timeout_s,
-                           fetch_max_redirects=self.image_fetch_max_redirects)
+                           fetch_max_redirects=self.image_fetch_max_redirects,
+                           fetch_addresses=AddressPolicy.parse(self.image_fetch_allow_nets))
 
 
 

@@ -35,6 +35,10 @@ def _process_scheduler() -> Any:
 def generate(request: Any) -> dict[str, Any]:
     job = get_current_job()
     job_id = job.id if job is not None else f"local-{time.time_ns()}"
+    if job is not None and job.connection.exists(keys.result_key(job_id)):
+        # rq's own dequeue has no claim check: a job that ended once is not run again here either.
+        raise GenerationFailed(f"JobAlreadyEnded: job {job_id} has a result already; a job runs once and its "
+                               "result is never replaced")
     enqueued_at = job.enqueued_at.timestamp() if job is not None and job.enqueued_at else None
     scheduler = _process_scheduler()
     result = scheduler.admit(job_id, request, enqueued_at=enqueued_at)

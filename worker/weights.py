@@ -5,17 +5,17 @@ parameters on a thread of their own, before the loop swaps them in between two e
 
 A version is the model's parameters in MLX's own naming (what `model.parameters()` flattens to,
 as `mx.save_safetensors` or mlx-lm's `save_weights` write them): every parameter, with its shape
-and dtype, and nothing else. Any mismatch fails the version and leaves the model as it was.
+and dtype, and nothing else, every byte range sound and every float finite (worker/tensor_files.py).
+Any mismatch, and anything else that raises while a version is read, fails the version and leaves
+the model as it was: the command is answered `ok=false`, never left unanswered.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import queue
 import shutil
-import struct
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -27,32 +27,28 @@ import redis
 from schemas import keys
 from schemas.control import ControlCommand
 from worker.engines.weight_swap import ParameterSpec, WeightsError
+from worker.adapters import WEIGHTS_FILE as ADAPTER_WEIGHTS_FILE
+from worker.tensor_files import TensorFileError, check_tensor_file, check_values, read_header
 
 log = logging.getLogger("mlxq.worker")
 
-# safetensors' dtype names, as MLX names its dtypes.
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I8": "int8", "U8": "uint8",
-                      "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64",
-                      "U64": "uint64", "BOOL": "bool"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
 def safetensors_spec(path: Path) -> ParameterSpec:
-    """The tensors a safetensors file holds, from its header alone (nothing is loaded)."""
+    """The tensors a safetensors file holds, from its header alone, each byte range checked."""
     try:
-        with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > MAX_HEADER_BYTES:
-                raise WeightsError(f"{path.name}: a header of {length} bytes is not a safetensors header")
-            header = json.loads(file.read(length))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise WeightsError(f"{path.name}: not a readable safetensors file ({exc})") from None
-    header.pop("__metadata__", None)
-    spec = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise WeightsError(f"{path.name}: tensor {name!r} has no dtype MLX reads")
-        spec[name] = (SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry.get("shape", ())))
-    return spec
+        tensors = read_header(path).tensors
+    except TensorFileError as exc:
+        raise WeightsError(str(exc)) from None
+    return {name: (entry.mlx_dtype, entry.shape) for name, entry in tensors.items()}
+
+
+def check_finite(files: list[Path]) -> None:
+    """Every floating-point value of the version finite: NaN or infinite weights make every later
+    result unreadable."""
+    for path in files:
+        try:
+            check_values(read_header(path))
+        except TensorFileError as exc:
+            raise WeightsError(str(exc)) from None
 
 
 def check_files(files: list[Path], expected: ParameterSpec) -> None:
@@ -138,7 +134,13 @@ class WeightLoader:
             command = self._todo.get()
             if command is None:
                 return
-            self.ready.put(self._fetch(command))
+            try:
+                fetched = self._fetch(command)
+            except Exception as exc:  # whatever a version holds, the thread goes on and the command is answered
+                log.exception("could not fetch %s %s", command.op, command.id)
+                what = f"adapter {command.adapter!r}" if command.op == "adapter" else f"version {command.version}"
+                fetched = FetchedVersion(command, [], f"{what}: {type(exc).__name__}: {exc}")
+            self.ready.put(fetched)
 
     def _fetch(self, command: ControlCommand) -> FetchedVersion:
         if command.op == "adapter":
@@ -150,16 +152,25 @@ class WeightLoader:
             files = fetch(self._connection, command, into)
             if self._expected is not None:
                 check_files(files, self._expected)
+            else:
+                for path in files:
+                    safetensors_spec(path)
+            check_finite(files)
         except (WeightsError, OSError, redis.RedisError) as exc:
+            shutil.rmtree(into, ignore_errors=True)
             return FetchedVersion(command, [], f"version {command.version}: {exc}")
         return FetchedVersion(command, files)
 
     def _fetch_adapter(self, command: ControlCommand) -> FetchedVersion:
         """A published adapter's directory: its `path`, or its files assembled from Redis into a
         folder of their own, kept while the worker runs (the engine reads them when a request
-        first names the adapter). The engine checks the adapter against the model."""
+        first names the adapter). Its tensors are checked here (byte ranges, finite values); the
+        engine checks the adapter against the model."""
         if command.path is not None:
-            return FetchedVersion(command, [Path(command.path)])
+            directory = Path(command.path)
+            error = _adapter_file_error(directory)
+            return FetchedVersion(command, [directory] if error is None else [],
+                                  None if error is None else f"adapter: {command.adapter!r}: {error}")
         into = self._workdir / "adapters" / command.id
         shutil.rmtree(into, ignore_errors=True)
         into.mkdir(parents=True)
@@ -167,8 +178,23 @@ class WeightLoader:
             fetch(self._connection, command, into)
         except (WeightsError, OSError, redis.RedisError) as exc:
             shutil.rmtree(into, ignore_errors=True)
-            return FetchedVersion(command, [], f"adapter {command.adapter!r}: {exc}")
+            return FetchedVersion(command, [], f"adapter: {command.adapter!r}: {exc}")
+        error = _adapter_file_error(into)
+        if error is not None:
+            shutil.rmtree(into, ignore_errors=True)
+            return FetchedVersion(command, [], f"adapter: {command.adapter!r}: {error}")
         return FetchedVersion(command, [into])
+
+
+def _adapter_file_error(directory: Path) -> Optional[str]:
+    """Why the adapter's tensor file must not be loaded, if it must not."""
+    try:
+        check_tensor_file(directory / ADAPTER_WEIGHTS_FILE)
+    except TensorFileError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot read {ADAPTER_WEIGHTS_FILE} ({exc})"
+    return None
 
 
 def release(fetched: Union[FetchedVersion, None]) -> None:

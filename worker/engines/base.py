@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from schemas import GenerationRequest
 from worker.replies import ReplyFormat
@@ -196,3 +196,16 @@ class Engine(Protocol):
     def parameter_spec(self) -> Optional[dict[str, tuple[str, tuple[int, ...]]]]:
         """What a weight version must hold (engines/weight_swap.py); None: no weights (the fake engine)."""
         ...
+
+
+@runtime_checkable
+class ReadsImages(Protocol):
+    """An engine whose requests may name images in files or at URLs (the vision engine): those
+    (worker/images.py io_image_inputs) are read first, off the loop's thread and each within its
+    deadline (worker/input_prep.py), then handed to `prepare`."""
+
+    def read_image(self, field: str, url: str, deadline: float) -> bytes:
+        """That input's bytes, by `deadline` (a time.monotonic() time); ImageError naming `field` if not."""
+        ...
+
+    def prepare(self, request: GenerationRequest, fetched: Optional[Mapping[str, bytes]] = None) -> Prompt: ...

@@ -22,6 +22,7 @@ whose rows then prefill together in one batched call.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -39,7 +40,7 @@ from worker.engines.sampling import (RawLogits, RowGuard, attach_logprobs, logit
                                      repair_random_state, requested_distribution)
 from worker.engines.text import RequestRejected, measure_kv_bytes_per_token, model_context_length
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
-from worker.images import ImagePolicy, load_image
+from worker.images import ImagePolicy, image_bytes, load_image
 
 # Model types whose processor and `get_input_embeddings` this engine is written against.
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -225,7 +226,12 @@ class VisionEngine:
         return parameter_spec(self.model)
 
     # --- requests -------------------------------------------------------------------------
-    def prepare(self, request: GenerationRequest) -> Prompt:
+    def read_image(self, field: str, url: str, deadline: float) -> bytes:
+        return image_bytes(url, field, self._images, deadline)
+
+    def prepare(self, request: GenerationRequest, fetched: Optional[Mapping[str, bytes]] = None) -> Prompt:
+        """The request's token ids and the processor's pixels; images in files or at URLs come in
+        `fetched` (by field) when they were read already, and are read here otherwise."""
         constraint = None
         if request.constraint is not None:
             if request.ignore_eos:
@@ -246,7 +252,8 @@ class VisionEngine:
         text = self._apply_chat_template(messages, request.chat_template_kwargs or {})
         if not sources:
             return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)), inputs=plain)
-        images = [load_image(url, field, self._images, self._fit_pixels) for field, url in sources]
+        read = fetched or {}
+        images = [load_image(url, field, self._images, self._fit_pixels, read.get(field)) for field, url in sources]
         try:
             features = self.processor(text=[text], images=images, add_special_tokens=False)
         except Exception as exc:  # e.g. an aspect ratio the model's resizing refuses

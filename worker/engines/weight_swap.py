@@ -23,14 +23,27 @@ class WeightsError(ValueError):
 
 
 def swap_into(model: Any, files: list[Path]) -> None:
-    """Load the files into the model: mlx checks every name and shape before it changes anything."""
+    """Load the files into the model, all or nothing: every tensor is read and checked finite before
+    the model takes any (mlx checks every name and shape before it changes anything). Both versions
+    are in memory for that moment. The weights thread checked the files already; this read catches a
+    file that changed since (mlx raises RuntimeError on one cut short)."""
     import mlx.core as mx
 
-    weights: dict[str, Any] = {}
-    for path in files:
-        weights.update(mx.load(str(path)))
+    try:
+        weights: dict[str, Any] = {}
+        for path in files:
+            weights.update(mx.load(str(path)))
+        floating = [name for name, array in weights.items() if mx.issubdtype(array.dtype, mx.floating)]
+        finite = [mx.all(mx.isfinite(weights[name])) for name in floating]
+        mx.eval(list(weights.values()), finite)
+    except Exception as exc:
+        raise WeightsError(f"could not read the version's files: {type(exc).__name__}: {exc}") from None
+    bad = [name for name, ok in zip(floating, finite) if not ok.item()]
+    if bad:
+        raise WeightsError(f"parameter {bad[0]!r} holds values that are not finite (NaN or infinite)"
+                           + (f", and {len(bad) - 1} more" if len(bad) > 1 else ""))
     try:
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
+    except Exception as exc:
         raise WeightsError(f"the model refused the version: {exc}") from None
     mx.eval(model.parameters())

@@ -1,0 +1,167 @@
+"""A job runs once, and its first result stays: a hostile producer holding the documented ACL
+(docs/operations.md) rewrites ended jobs' hashes and pushes their ids back on a queue, in every way
+it can, next to a real worker and good traffic; no ended job runs again, no result key changes by a
+byte, the worker lives, and the good jobs finish. A worker that was given up for dead and comes back
+later does not replace the result the sweep wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rq import Queue, Retry
+
+from producer import Client
+from schemas import keys
+from schemas.serializer import JSON_SERIALIZER
+from tests.test_hostile_jobs import drain, leftovers, plant, good_fields
+from tests.test_security import PRODUCER_ACL
+from tests.workers import start_fake_worker, stop, wait_for
+
+pytestmark = pytest.mark.slow
+
+GOOD = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4}
+ATTACK = {"prompt_token_ids": [66, 66, 66], "max_tokens": 6}  # the text the attacker would like to see
+
+
+def job_data(request: dict) -> str:
+    return json.dumps([keys.JOB_FUNCTION, None, [], {"request": request}])
+
+
+@pytest.fixture
+def hostile(redis_url):
+    """A connection as the documented producer ACL user."""
+    admin = redis.Redis.from_url(redis_url)
+    name, *rules = PRODUCER_ACL.split()
+    password = next(rule for rule in rules if rule.startswith(">"))
+    admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
+    port = admin.connection_pool.connection_kwargs["port"]
+    conn = redis.Redis(host="127.0.0.1", port=port, username=name, password=password.removeprefix(">"))
+    assert conn.ping()
+    with pytest.raises(redis.exceptions.NoPermissionError):  # what the ACL means to hold
+        conn.set(keys.result_key("anything"), "forged")
+    yield conn
+    conn.close()
+    admin.execute_command("ACL", "DELUSER", name)
+
+
+REWRITES = st.fixed_dictionaries({}, optional={
+    "status": st.sampled_from(["queued", "started", "finished", "failed", "canceled", "stopped", "scheduled",
+                               "deferred", "", "bogus"]),
+    "data": st.sampled_from([job_data(ATTACK), job_data(GOOD), "garbage"]),
+    "origin": st.sampled_from(["mlxq", "elsewhere"]),
+    "result_ttl": st.sampled_from(["-1", "5", "86400"]),
+    "retries_left": st.sampled_from(["0", "3"]),
+})
+REPLAYS = st.tuples(REWRITES, st.sampled_from(["rpush", "lpush", "twice", "delete-and-recreate"]))
+
+
+def replay(conn: redis.Redis, job_id: str, fields: dict, how: str) -> None:
+    key = f"rq:job:{job_id}"
+    if how == "delete-and-recreate":
+        conn.delete(key)
+        conn.hset(key, mapping={"data": job_data(ATTACK), "status": "queued", "origin": "mlxq",
+                                "created_at": "2026-11-30T00:00:00.000000Z", **fields})
+    elif fields:
+        conn.hset(key, mapping=fields)
+    if how == "lpush":
+        conn.lpush("rq:queue:mlxq", job_id)
+    else:
+        conn.rpush("rq:queue:mlxq", job_id)
+        if how == "twice":
+            conn.rpush("rq:queue:mlxq", job_id)
+
+
+def test_a_hostile_producer_cannot_run_an_ended_job_again_or_replace_its_result(redis_url, hostile):
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    worker = start_fake_worker(redis_url, name="runs-once", step_delay_s=0.0)
+    log = drain(worker)
+    try:
+        # Jobs that ended every way a job ends: finished, failed (refused), cancelled while queued.
+        ended = [client.submit(GOOD) for _ in range(6)]
+        queue = Queue("mlxq", connection=conn, serializer=JSON_SERIALIZER)
+        ended.append(queue.enqueue(keys.JOB_FUNCTION, request={"prompt": "x", "max_tokens": 0}).id)  # refused
+        client.wait_many(ended, timeout=60)
+        ended.append(client.submit({**GOOD, "max_tokens": 400}, job_id=f"cancel-{uuid.uuid4()}"))
+        client.cancel(ended[-1])
+        wait_for(lambda: conn.exists(keys.result_key(ended[-1])), timeout=30, what="the cancelled job's result")
+        before = {job_id: conn.get(keys.result_key(job_id)) for job_id in ended}
+        assert {json.loads(raw)["status"] for raw in before.values()} == {"finished", "failed", "cancelled"}
+        # A hash whose status says it ended, with no result key: not run; given a result that says why.
+        plant(conn, "said-finished", good_fields(status="finished"))
+        plant(conn, "said-canceled", good_fields(status="canceled"))
+        replays: list[tuple[str, dict, str]] = []
+
+        @settings(max_examples=int(os.environ.get("MLXQ_FUZZ_EXAMPLES", "60")), deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(st.sampled_from(ended), REPLAYS)
+        def attack(job_id, entry):
+            fields, how = entry
+            replay(hostile, job_id, fields, how)
+            replays.append((job_id, fields, how))
+
+        attack()
+        good = [client.submit(GOOD) for _ in range(8)]
+        assert all(r.status == "finished" for r in client.wait_many(good, timeout=60).values())
+        wait_for(lambda: leftovers(conn, ["mlxq"]) == {}, timeout=60, what="every replayed id off the queue")
+        wait_for(lambda: conn.exists(keys.result_key("said-finished"), keys.result_key("said-canceled")) == 2,
+                 timeout=30, what="results for the planted ended hashes")
+        time.sleep(1)  # anything run by mistake would have written by now
+        assert worker.poll() is None, "the worker died"
+    finally:
+        stop(worker)
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]
+    for job_id, raw in before.items():
+        assert conn.get(keys.result_key(job_id)) == raw, (job_id, [r for r in replays if r[0] == job_id])
+    said_finished = json.loads(conn.get(keys.result_key("said-finished")))
+    assert said_finished["status"] == "failed" and "has ended already" in said_finished["error"]["message"]
+    assert json.loads(conn.get(keys.result_key("said-canceled")))["status"] == "cancelled"
+    assert "Traceback" not in out, out[-3000:]
+    print(f"{len(replays)} replays of {len(ended)} ended jobs; every result unchanged")
+
+
+@pytest.mark.parametrize("retried", [False, True])
+def test_a_worker_given_up_for_dead_does_not_replace_the_result_written_after_it(redis_url, retried):
+    """Frozen (SIGSTOP) past its heartbeat: another worker's sweep fails the job (or re-queues it, and
+    runs it: `retried`). Thawed, the first worker finishes its run; the first result stays."""
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    frozen = start_fake_worker(redis_url, name="frozen", step_delay_s=0.05)
+    frozen_log = drain(frozen)
+    sweeper = None
+    try:
+        wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= 1, timeout=30, what="the first worker")
+        queue = Queue("mlxq", connection=conn, serializer=JSON_SERIALIZER)
+        job_id = queue.enqueue(keys.JOB_FUNCTION, request={**GOOD, "max_tokens": 120, "ignore_eos": True},
+                               retry=Retry(max=1) if retried else None).id
+        wait_for(lambda: client.status(job_id) == "started", timeout=30, what="the job to start")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        sweeper = start_fake_worker(redis_url, name="sweeper", step_delay_s=0.0)
+        wait_for(lambda: conn.exists(keys.result_key(job_id)), timeout=60, what="the sweep's (or the rerun's) result")
+        first = conn.get(keys.result_key(job_id))
+        os.kill(frozen.pid, signal.SIGCONT)
+        wait_for(lambda: any("had a result already" in line for line in frozen_log)
+                 or conn.get(keys.result_key(job_id)) != first, timeout=60, what="the thawed worker to finish its run")
+        assert conn.get(keys.result_key(job_id)) == first
+        result = json.loads(first)
+        if retried:
+            assert result["status"] == "finished" and result["worker"] == "sweeper", result
+        else:
+            assert result["status"] == "failed" and result["error"]["type"] == "AbandonedJobError", result
+        after = client.wait(client.submit(GOOD), timeout=60)  # both go on working
+        assert after.status == "finished"
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        out = stop(frozen)
+        sweeper_out = stop(sweeper) if sweeper is not None else ""
+    assert frozen.returncode == 0, "".join(frozen_log)[-3000:] + out
+    assert sweeper is None or sweeper.returncode == 0, sweeper_out[-3000:]
