@@ -60,7 +60,8 @@ REWRITES = st.fixed_dictionaries({}, optional={
     "result_ttl": st.sampled_from(["-1", "5", "86400"]),
     "retries_left": st.sampled_from(["0", "3"]),
 })
-REPLAYS = st.tuples(REWRITES, st.sampled_from(["rpush", "lpush", "twice", "delete-and-recreate"]))
+# (LPUSH, a push to a queue's head, is refused by the producer ACL: tests/test_security.py.)
+REPLAYS = st.tuples(REWRITES, st.sampled_from(["rpush", "twice", "delete-and-recreate"]))
 
 
 def replay(conn: redis.Redis, job_id: str, fields: dict, how: str) -> None:
@@ -71,12 +72,9 @@ def replay(conn: redis.Redis, job_id: str, fields: dict, how: str) -> None:
                                 "created_at": "2026-11-30T00:00:00.000000Z", **fields})
     elif fields:
         conn.hset(key, mapping=fields)
-    if how == "lpush":
-        conn.lpush("rq:queue:mlxq", job_id)
-    else:
+    conn.rpush("rq:queue:mlxq", job_id)
+    if how == "twice":
         conn.rpush("rq:queue:mlxq", job_id)
-        if how == "twice":
-            conn.rpush("rq:queue:mlxq", job_id)
 
 
 def test_a_hostile_producer_cannot_run_an_ended_job_again_or_replace_its_result(redis_url, hostile):
