@@ -34,8 +34,8 @@ class WorkerSettings(BaseSettings):
     redis_url: Optional[SecretStr] = None
     # `mlxq worker --processes N`: worker processes on this host.
     processes: int = 1
-    model: Optional[str] = None  # path or hub id; MLXQ_MODEL
-    alias: Optional[str] = None  # name requests use in `model`; default: model's last path component
+    model: Optional[str] = None  # directory, .gguf file or hub id; MLXQ_MODEL
+    alias: Optional[str] = None  # name requests use in `model`; default: model's last path component (a .gguf's stem)
     max_num_seqs: int = 32  # most sequences decoding at once
     default_max_tokens: int = 256  # for requests that leave max_tokens unset
     max_tokens_limit: int = 4096
@@ -65,9 +65,18 @@ class WorkerSettings(BaseSettings):
     # BatchGenerator; the worker logs which and why), "compiled" (refuse to start where it is not
     # exact), "batch-generator" (always mlx-lm's). See docs/engine.md.
     decode: str = "auto"
-    # The compiled engine compiles its decode step at start-up for sequences up to this many tokens
-    # (every batch bucket); longer ones compile the first time they occur. 0: no warm-up.
+    # The compiled engine's decode step shapes (every batch bucket, sequences up to
+    # decode_warmup_tokens): "background" (the worker serves at once; a low-priority process
+    # builds their kernels, and each shape compiles at its first step after that, running
+    # uncompiled until then), "blocking" (compiled before the first job is taken), "off" (each
+    # compiles at its first step). Longer sequences' shapes compile when first needed.
+    decode_warmup: str = "background"
     decode_warmup_tokens: int = 512
+    # Weight formats at load (worker/weight_prep.py): on a CPU, half-precision tensors become float32
+    # (MLX's CPU half-precision arithmetic is slow); off Metal, quantized layers are dequantized when
+    # memory allows. Each can be turned off.
+    upcast: bool = True
+    keep_quantized: bool = False
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
     blas_threads: Optional[int] = None
@@ -177,6 +186,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_ADAPTER_MEMORY_MB must be >= 1, got {self.adapter_memory_mb}")
         if self.decode not in ("auto", "compiled", "batch-generator"):
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
+        if self.decode_warmup not in ("background", "blocking", "off"):
+            raise ValueError(f"MLXQ_DECODE_WARMUP must be background, blocking or off, got {self.decode_warmup!r}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:
