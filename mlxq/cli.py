@@ -96,6 +96,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         vision=args.vision,
+        tiny=args.tiny,
     )
 
 
@@ -192,10 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
     p.add_argument("--url", help=f"use this Redis instead of starting a private one ({URL_PASSWORD_NOTE})")
-    p.add_argument("--model", help="use this model instead of building the tiny one")
+    p.add_argument("--model", help="use this model instead of the packaged real one (mlxq real-model)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random-weight model (gibberish, starts in a second)")
     p.add_argument("--jobs", type=int, default=48)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, help="new tokens per job (48 on the real model, else 32)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--vision", action="store_true",
                    help="image jobs (generated pictures) and text jobs on a tiny vision-language model")
