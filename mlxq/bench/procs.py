@@ -117,7 +117,13 @@ def library_loaded(pid: int, library_path: Optional[str]) -> Optional[bool]:
 
 
 def resolve_model(model: Optional[str], shape: str, dtype: str, cache: Optional[Path]) -> tuple[str, dict[str, Any]]:
-    """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir."""
+    """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir. A
+    .gguf file is benchmarked as its converted mlx-lm directory (worker/gguf.py), which every arm loads."""
+    if model and model.lower().endswith(".gguf"):
+        from worker.gguf import converted_directory
+
+        directory = str(converted_directory(Path(model)))
+        return directory, {"path": directory, "source": model, "gguf": model}
     if model:
         return model, {"path": model, "source": model}
     root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq" / "bench-models"

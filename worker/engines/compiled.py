@@ -193,6 +193,7 @@ class CompiledEngine:
         counters: dict[str, Any] = dict(self._counters.as_dict())
         counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
                         uncompiled_steps=self._decode.uncompiled_steps,
+                        kernels_prebuilding=int(self._prebuild is not None and not self._prebuild.done),
                         slot_buffer_bytes=self._table.buffers.nbytes if self._table.buffers else 0, **self._lora.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
