@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
-from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
-                              interrupt_on_signals, versions)
+from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, prepared_copy, redis_server_version,
+                              resolve_model, interrupt_on_signals, versions)
 from mlxq.bench.report import headline, scenario_lines, time_split_line, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
@@ -53,6 +53,7 @@ class Runner:
         self.report: dict[str, Any] = {}
         self.records_path = cfg.out / "records.jsonl"
         self.progress = tqdm(disable=True)  # run() sets the real one
+        self._peer: Optional[str] = None  # the model directory D and E load (_peer_model)
 
     def run(self) -> int:
         import worker  # noqa: F401  (the BLAS preload must come before anything imports mlx)
@@ -149,12 +150,23 @@ class Runner:
                          for w in cfg.workers]
             elif key == "D":
                 eos = sorted(int(t) for t in self.tokenizer.eos_token_ids)
-                arms.append(ServerArm(self.model, cfg.max_num_seqs, cfg.prefill_batch_size, eos, procs,
+                arms.append(ServerArm(self._peer_model(), cfg.max_num_seqs, cfg.prefill_batch_size, eos, procs,
                                       cfg.request_timeout_s, blas_path))
             elif key == "E":
-                arms.append(VllmMlxArm(self.model, cfg.vllm_mlx_venv, cfg.create_venv, cfg.max_num_seqs,
+                arms.append(VllmMlxArm(self._peer_model(), cfg.vllm_mlx_venv, cfg.create_venv, cfg.max_num_seqs,
                                        cfg.prefill_batch_size, procs, cfg.request_timeout_s, blas_path))
         return arms
+
+    def _peer_model(self) -> str:
+        """The model directory D and E load as it is: with --weights worker, a copy in the worker's
+        weight formats (mlxq/bench/procs.py prepared_copy), so their text and speed compare."""
+        if self.cfg.weights == "as-loaded":
+            return self.model
+        if self._peer is None:
+            self._peer, notes = prepared_copy(self.model, self.cfg.model_cache)
+            if notes:
+                self.report["model"]["peers_load"] = {"path": self._peer, "weight_formats": notes}
+        return self._peer
 
     def _weights_env(self) -> dict[str, str]:
         """The workers' settings for --weights: as-loaded turns both of the worker's steps off."""
