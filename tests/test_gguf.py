@@ -150,3 +150,20 @@ def test_the_real_model_answers_through_a_worker(real_model, redis_url):
     assert "Paris" in result.choices[0].text, (result.choices[0].text, out)
     assert f"Listening on mlxq:{alias}" in out or f"mlxq:{alias}" in out, out
     assert "weights: 422 float16 tensors upcast to float32" in out and "211 quantized layers dequantized" in out, out
+
+
+def test_the_real_models_tokenizer_comes_from_its_metadata(real_model):
+    """SmolLM2's byte-level BPE with llama.cpp's `smollm` pre-tokenizer (digits one by one), its
+    control tokens, its ChatML template with the default system prompt, and eos <|im_end|>."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(converted_directory(Path(real_model)))
+    ids = tokenizer.encode("What is 12 times 345?")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert [p.strip() for p in pieces if p.strip().isdigit()] == list("12345"), pieces
+    assert tokenizer.decode(ids) == "What is 12 times 345?"
+    assert tokenizer.eos_token == "<|im_end|>" and set(tokenizer.eos_token_ids) == {2}
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.encode("<|im_start|>") == [1]  # a control token is one special token
