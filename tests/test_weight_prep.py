@@ -146,3 +146,14 @@ def test_the_worker_logs_what_it_did_to_the_weights(half_model_dirs, caplog):
     with caplog.at_level(logging.INFO, logger="mlxq.worker"):
         kept, _ = load_model(WorkerSettings(model=half_model_dirs["bfloat16"], upcast=False))
     assert _dtypes(kept) == {"bfloat16"}
+
+
+def test_free_memory_is_read_per_platform(monkeypatch):
+    from worker.weight_prep import available_memory_bytes
+
+    assert available_memory_bytes("cpu") > 0  # the host's available RAM
+    monkeypatch.setattr(mx, "device_info", lambda: {"free_memory": 123, "total_memory": 1000})
+    assert available_memory_bytes("cuda") == 123
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 1000})
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 100)
+    assert available_memory_bytes("metal") == 900

@@ -121,7 +121,10 @@ def available_memory_bytes(platform: str) -> int:
     if platform != "cpu":
         import mlx.core as mx
 
-        total = int(mx.device_info().get("memory_size", 0))
+        info = mx.device_info()
+        if "free_memory" in info:  # CUDA (MLX reads it from NVML)
+            return int(info["free_memory"])
+        total = int(info.get("memory_size", info.get("total_memory", 0)))  # Metal: the unified memory
         if total:
             return max(0, total - int(mx.get_active_memory()))
     try:
