@@ -14,7 +14,6 @@ import worker  # noqa: F401  (BLAS before MLX)
 import mlx.core as mx
 
 from schemas import keys
-from tests.reference import greedy_alone
 from tests.workers import start_worker, stop, wait_for
 from worker.engines.decode_step import DecodeStep
 from worker.engines.slot_cache import KVLayout, SlotBuffers

@@ -145,6 +145,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--startup-cold", action=argparse.BooleanOptionalAction, default=True,
                    help="startup: each worker starts with an empty kernel cache, as on a new machine (default on)")
     g.add_argument("--startup-wave", type=int, default=8, help="startup: requests at once after the first (8)")
+    g.add_argument("--startup-paths", type=_list(str), default=("batch-generator", "auto"),
+                   help="startup: the workers compared: batch-generator, auto (the default worker), blocking (auto "
+                        "with every shape compiled before the first job) (default batch-generator,auto)")
     p.set_defaults(func=_run)
 
 
@@ -177,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         image_model=args.image_model, image_shape=args.image_shape, image_requests=args.image_requests,
         image_new_tokens=args.image_new_tokens, weights=args.weights, weights_variants=args.weights_variants,
         weights_rows=args.weights_rows, weights_steps=args.weights_steps, weights_prefill=args.weights_prefill,
-        startup_cold=args.startup_cold, startup_wave=args.startup_wave,
+        startup_cold=args.startup_cold, startup_wave=args.startup_wave, startup_paths=args.startup_paths,
     )
 
 

@@ -99,6 +99,7 @@ class BenchConfig:
     weights_prefill: int = 128
     startup_cold: bool = True  # scenario startup: each worker starts with an empty kernel cache
     startup_wave: int = 8
+    startup_paths: tuple[str, ...] = ("batch-generator", "auto")  # scenario_startup.PATHS
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -138,6 +139,10 @@ class BenchConfig:
             raise ValueError("--weights-rows and --weights-steps must be >= 1, --weights-prefill >= 8")
         if self.startup_wave < 1:
             raise ValueError("--startup-wave must be >= 1")
+        from mlxq.bench.scenario_startup import PATHS
+
+        if not self.startup_paths or any(p not in PATHS for p in self.startup_paths):
+            raise ValueError(f"--startup-paths: choose from {','.join(PATHS)}")
         if self.soak_engine not in ("model", "fake"):
             raise ValueError("--soak-engine is model or fake")
 

@@ -1,7 +1,7 @@
 """Scenario `startup`: how soon a fresh worker answers, and what it decodes at then and later, on
 each decode path (MLXQ_DECODE=batch-generator, then auto: mlxq's compiled engine where it is exact).
 
-For each path (and each --repeats), one worker process starts with its first job already queued
+For each path of --startup-paths (and each --repeats), one worker process starts with its first job already queued
 (a --prompt-tokens prompt, --new-tokens greedy tokens): `first_answer_s` is the process's start to
 that job's result. With --startup-cold (the default) each worker gets an empty kernel cache (its own
 TMPDIR), as on a machine that never ran this model: the compiled engine's kernels are built then.
@@ -21,7 +21,11 @@ from mlxq.bench.config import BenchConfig
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import BenchRequest, Tokenizer, all_at_once, make_prompts
 
-PATHS = ("batch-generator", "auto")
+# --startup-paths: a worker's MLXQ_DECODE, or "blocking" (auto with MLXQ_DECODE_WARMUP=blocking: every
+# shape compiled before the first job, as before kernels were built in the background)
+PATHS = ("batch-generator", "auto", "blocking")
+PATH_ENV = {"batch-generator": {"MLXQ_DECODE": "batch-generator"}, "auto": {"MLXQ_DECODE": "auto"},
+            "blocking": {"MLXQ_DECODE": "auto", "MLXQ_DECODE_WARMUP": "blocking"}}
 SETTLE_TIMEOUT_S = 900.0
 
 
@@ -33,7 +37,7 @@ def startup(cfg: BenchConfig, tokenizer: Tokenizer,
                            "wave": cfg.startup_wave, "paths": {}}
     texts: dict[str, list[int]] = {}
     for repeat in range(cfg.repeats):
-        for path in PATHS:
+        for path in cfg.startup_paths:
             run = _one(cfg, tokenizer, make_cluster, path, probe, repeat, texts)
             out["paths"].setdefault(path, []).append(run)
             print(f"   {path}: first answer {run['first_answer_s']:.1f} s after the start; "
@@ -53,7 +57,7 @@ def startup(cfg: BenchConfig, tokenizer: Tokenizer,
 
 def _one(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: Callable[..., MlxqCluster], path: str,
          probe: dict[str, Any], repeat: int, texts: dict[str, list[int]]) -> dict[str, Any]:
-    env = {"MLXQ_DECODE": path}
+    env = dict(PATH_ENV[path])
     if cfg.startup_cold:
         env["TMPDIR"] = tempfile.mkdtemp(prefix=f"kernels-{path}-", dir=cfg.logs)
     cluster = make_cluster(1, cfg.max_num_seqs, env)
@@ -70,7 +74,7 @@ def _one(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: Callable[..., Mlx
         while cluster.worker_stats("engine_").get("kernels_prebuilding") == "1" and time.monotonic() < deadline:
             time.sleep(2.0)
             cluster.results([cluster.client.submit(tick, queue=cluster.queue)], 120.0)
-        if path != "batch-generator":
+        if path == "auto":
             run["settled_after_s"] = time.perf_counter() - started
         _wave(cfg, tokenizer, cluster, f"compile-{path}-{repeat}")  # each shape compiles at its first step
         run["settled_tokens_per_s"] = _wave(cfg, tokenizer, cluster, f"settled-{path}-{repeat}")
@@ -87,15 +91,18 @@ def _wave(cfg: BenchConfig, tokenizer: Tokenizer, cluster: MlxqCluster, salt: st
 
 
 def startup_line(s: dict[str, Any]) -> str:
-    b, c = s.get("batch-generator", {}), s.get("auto", {})
+    b, c, w = s.get("batch-generator", {}), s.get("auto", {}), s.get("blocking")
 
     def f(x: Any, digits: int = 1) -> str:
         return "—" if x is None else f"{x:,.{digits}f}"
 
+    blocking = (f"; with the blocking warm-up: first answer {f(w.get('first_answer_s'))} s, then "
+                f"{f(w.get('settled_tokens_per_s'))} tok/s") if w else ""
     return (f"- start-up ({'empty kernel cache' if s['cold'] else 'kernels on disk'}; first job "
             f"{s['prompt_tokens']}+{s['new_tokens']} tokens, queued before the worker started): first answer "
             f"{f(c.get('first_answer_s'))} s compiled path vs {f(b.get('first_answer_s'))} s BatchGenerator "
             f"({f(s.get('first_answer_ratio'), 2)}x); {s['wave']} requests at once right after: "
             f"{f(c.get('early_tokens_per_s'))} vs {f(b.get('early_tokens_per_s'))} tok/s; once the kernels are "
             f"built: {f(c.get('settled_tokens_per_s'))} vs {f(b.get('settled_tokens_per_s'))} tok/s "
-            f"({f(s.get('settled_ratio'), 2)}x); same first answer on both: {s.get('same_first_answer')}")
+            f"({f(s.get('settled_ratio'), 2)}x); the same first answer on every path: {s.get('same_first_answer')}"
+            + blocking)
