@@ -39,7 +39,7 @@ HOW_TO_CONVERT = ("re-quantize it to a type MLX reads with llama.cpp (`llama-qua
                   "OUT.gguf Q8_0`, or Q4_0), or convert the original Hugging Face model with "
                   "`mlx_lm.convert --hf-path ... [-q]` and serve that directory")
 # Bump when the converted directory's contents change: older cache entries are then rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 # GGUF metadata value types (the GGUF spec) and the struct format of the fixed-size ones.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -175,6 +175,8 @@ def model_config(metadata: dict[str, Any], tensors: dict[str, Any], types: dict[
         "max_position_embeddings": int(number("context_length", 4096)),
         "vocab_size": int(vocab.item()) if vocab is not None else len(metadata["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": "output.weight" not in tensors,
+        # MLX reads F16 tensors, and the scales of quantized ones, as float16
+        "torch_dtype": "float32" if set(types.values()) == {"F32"} else "float16",
     }
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         if f"tokenizer.ggml.{name}_token_id" in metadata:

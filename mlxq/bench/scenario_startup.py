@@ -59,6 +59,7 @@ def _one(cfg: BenchConfig, tokenizer: Tokenizer, make_cluster: Callable[..., Mlx
          probe: dict[str, Any], repeat: int, texts: dict[str, list[int]]) -> dict[str, Any]:
     env = dict(PATH_ENV[path])
     if cfg.startup_cold:
+        cfg.logs.mkdir(parents=True, exist_ok=True)
         env["TMPDIR"] = tempfile.mkdtemp(prefix=f"kernels-{path}-", dir=cfg.logs)
     cluster = make_cluster(1, cfg.max_num_seqs, env)
     started = time.perf_counter()
