@@ -246,7 +246,8 @@ class CompiledEngine:
         self._prebuild = KernelPrebuild(model_dir, self.warm_up_shapes(max_tokens), upcast=upcast,
                                         keep_quantized=keep_quantized, grouped_mask=self._layout.grouped_mask)
         self._decode.may_compile = self._prebuild.ready
-        self.warm_up_prefill(max_tokens)
+        if mx.default_device().type != mx.DeviceType.cpu:  # the CPU's prefill builds no kernels: nothing to gain
+            self.warm_up_prefill(max_tokens)
 
     def close(self) -> None:
         """Stop the kernel prebuild, if it still runs."""
