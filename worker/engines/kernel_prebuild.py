@@ -45,12 +45,12 @@ class KernelPrebuild:
         spec = {"model": model_dir, "shapes": self.shapes, "upcast": upcast, "keep_quantized": keep_quantized,
                 "grouped_mask": grouped_mask, "parent": os.getpid()}
         # At the lowest priority from its first thread on (BLAS starts its threads when it loads): the
-        # worker's steps come first, this process takes the CPU they leave.
+        # worker's steps come first, this process takes the CPU they leave. It stays in the worker's
+        # session: Linux shares the CPU fairly between sessions (autogroups) whatever their nice values.
         nice = [path, "-n", "19"] if (path := shutil.which("nice")) else []
         self._process = subprocess.Popen(
             [*nice, sys.executable, "-m", "worker.engines.kernel_prebuild", json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            start_new_session=True)  # a terminal's Ctrl-C reaches the worker, which stops it
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), name="mlxq-kernel-prebuild",
                                          daemon=True)
         self._reader.start()
@@ -81,7 +81,9 @@ class KernelPrebuild:
             else:
                 lines.append(line.rstrip())
         code = self._process.wait()
-        if code != 0:
+        if code < 0:  # stopped by a signal: the worker is stopping
+            log.info("decode step kernels: the prebuilding process was stopped (signal %d)", -code)
+        elif code != 0:
             self.failure = f"exit status {code}: {' | '.join(lines[-5:])}"
             log.warning("decode step kernels: the prebuilding process failed (%s); shapes compile when first needed",
                         self.failure)
