@@ -157,3 +157,30 @@ def test_free_memory_is_read_per_platform(monkeypatch):
     monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 1000})
     monkeypatch.setattr(mx, "get_active_memory", lambda: 100)
     assert available_memory_bytes("metal") == 900
+
+
+def test_an_upcast_model_takes_weight_versions_in_the_checkpoints_precision(half_model_dirs, tmp_path):
+    """A trainer publishes what it trains (bfloat16); the CPU worker serves float32: the version is
+    accepted and cast up exactly, and a version of another shape or dtype is still refused."""
+    import numpy as np
+
+    from worker.engines.weight_swap import WeightsError, parameter_spec, swap_into
+    from worker.weights import check_files
+
+    model = _load(half_model_dirs["bfloat16"])
+    prepare_weights(model, "cpu")
+    spec = parameter_spec(model)
+    assert {dtype for dtype, _ in spec.values()} == {"float32|bfloat16|float16"}
+    version = {name: (a * 2).astype(mx.bfloat16) for name, a in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(tmp_path / "v.safetensors"), version)
+    check_files([tmp_path / "v.safetensors"], spec)
+    swap_into(model, [tmp_path / "v.safetensors"])
+    assert _dtypes(model) == {"float32"}
+    for name, array in tree_flatten(model.parameters()):
+        assert np.array_equal(np.array(array), np.array(version[name].astype(mx.float32))), name
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), {**version, "model.norm.weight": mx.zeros((3,), mx.int32)})
+    with pytest.raises(WeightsError, match=r"model\.norm\.weight.*int32, the model \(64,\) float32 or bfloat16"):
+        check_files([tmp_path / "bad.safetensors"], spec)
+    exact = _load(half_model_dirs["bfloat16"])
+    prepare_weights(exact, "cpu", upcast=False)  # served as it is: versions must match exactly
+    assert {dtype for dtype, _ in parameter_spec(exact).values()} == {"bfloat16"}

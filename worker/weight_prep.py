@@ -76,6 +76,7 @@ def prepare_weights(model: Any, platform: Optional[str] = None, *, upcast: bool 
             kinds = "/".join(sorted({str(a.dtype).removeprefix("mlx.core.") for _, a in halves}))
             model.set_dtype(mx.float32, predicate=lambda dtype: dtype in (mx.float16, mx.bfloat16))
             report.upcast = True
+            model.mlxq_upcast = True  # weight versions may come in half precision (worker/engines/weight_swap.py)
             done.append(f"{len(halves)} {kinds} tensors upcast to float32 "
                         f"(+{sum(a.nbytes for _, a in halves) / 2**20:.0f} MiB; MLXQ_UPCAST=0 keeps them)")
     quantized = quantized_layers(model)

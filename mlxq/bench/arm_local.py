@@ -201,7 +201,9 @@ class SchedulerArm(_BatchingArm):
     def _settings(self) -> Any:
         from worker.settings import WorkerSettings
 
-        return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size)
+        # Its shapes compiled before it runs, as K's are: a background build would share the measured CPU.
+        return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size,
+                                       decode_warmup="blocking")
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         from mlxq.bench.arm_mlxq import fill_from_result, payload
