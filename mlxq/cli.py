@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mlxq import api_command, batch_command, control_commands, info, producer_commands, stats_command
+from mlxq import api_command, batch_command, control_commands, info, producer_commands, real_model, stats_command
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import DEFAULT_URL, resolve_url
 from mlxq.bench import cli as bench_cli
@@ -96,6 +96,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         vision=args.vision,
+        tiny=args.tiny,
     )
 
 
@@ -144,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the working directory may set too; a flag beats the variable, the variable beats .env."))
     p.add_argument("queues", nargs="*", help="queues to listen on, in priority order")
     p.add_argument("--url", help=f"Redis URL (default: $MLXQ_REDIS_URL or {DEFAULT_URL}; {URL_PASSWORD_NOTE})")
-    p.add_argument("--model", help="model path or hub id (MLXQ_MODEL)")
-    p.add_argument("--alias", help="name requests use for this model (default: last path component)")
+    p.add_argument("--model", help="model directory, .gguf file (F32, F16, Q4_0, Q4_1, Q8_0) or hub id (MLXQ_MODEL)")
+    p.add_argument("--alias", help="name requests use for this model (default: last path component; a .gguf's stem)")
     p.add_argument("--priorities", help=(
         "priorities, highest first, e.g. high,default,low (MLXQ_PRIORITIES): without queues, listen on each "
         "priority's queues in turn (mlxq:<alias>@high, mlxq@high, mlxq:<alias>, mlxq, ...)"))
@@ -160,9 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for resident LoRA adapters, least recently used out first (default 1024)")
     p.add_argument("--decode", choices=("auto", "compiled", "batch-generator"),
                    help="decode path (MLXQ_DECODE; default auto: mlxq's compiled engine where it is exact)")
+    p.add_argument("--decode-warmup", choices=("background", "blocking", "off"), help=(
+        "the compiled decode step's shapes (MLXQ_DECODE_WARMUP; default background: serve at once while a "
+        "low-priority process builds their kernels; blocking: compile them before taking jobs; off: each at first use)"))
     p.add_argument("--decode-warmup-tokens", type=int, help=(
-        "the compiled decode step is compiled at start-up for sequences up to this many tokens "
-        "(MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
+        "the warm-up covers sequences up to this many tokens (MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
+    p.add_argument("--upcast", action=argparse.BooleanOptionalAction, default=None, help=(
+        "CPU: half-precision (bfloat16/float16) tensors become float32 at load (MLXQ_UPCAST; default on)"))
+    p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None, help=(
+        "keep quantized layers quantized (MLXQ_KEEP_QUANTIZED; default off: dequantized at load on CPU and CUDA "
+        "when memory allows; Metal always keeps them)"))
     p.add_argument("--metrics-port", type=int, help=(
         "serve Prometheus metrics on this port (MLXQ_METRICS_PORT); with --processes N, process i on port + i"))
     p.add_argument("--blas", help="Linux CPU: auto | off | path to a BLAS library (default auto: OpenBLAS)")
@@ -191,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
     p.add_argument("--url", help=f"use this Redis instead of starting a private one ({URL_PASSWORD_NOTE})")
-    p.add_argument("--model", help="use this model instead of building the tiny one")
+    p.add_argument("--model", help="use this model instead of the packaged real one (mlxq real-model)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random-weight model (gibberish, starts in a second)")
     p.add_argument("--jobs", type=int, default=48)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, help="new tokens per job (48 on the real model, else 32)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--vision", action="store_true",
                    help="image jobs (generated pictures) and text jobs on a tiny vision-language model")
@@ -207,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
     info.register(sub)
     stats_command.register(sub)
+    real_model.register(sub)
     return parser
 
 

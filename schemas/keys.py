@@ -157,5 +157,7 @@ def prioritized_queues(queues: list[str], priorities: tuple[str, ...]) -> list[s
 
 
 def model_alias(model: str) -> str:
-    """The worker's default alias for a model path or hub id: its last path component."""
-    return model.rstrip("/").rsplit("/", 1)[-1]
+    """The worker's default alias for a model path or hub id: its last path component; for a
+    .gguf file, the file's stem."""
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name

@@ -62,3 +62,13 @@ def reference(tiny_model_dir):
         return greedy_alone(model, prompt_ids, max_tokens, set() if ignore_eos else eos)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """The packaged SmolLM2-135M-Instruct GGUF file (`mlxq real-model`; its package is part of the
+    dev setup, so a missing one fails the test with the command that installs it)."""
+    import worker  # noqa: F401  (BLAS before MLX)
+    from mlxq.real_model import put_in_place
+
+    return str(put_in_place())

@@ -318,3 +318,54 @@ def test_a_multi_worker_time_split_is_the_mean_worker() -> None:
     line = time_split_line(split, 10.0)
     assert "outside the engine 2.00 s" in line and line.endswith("(the mean of 2 workers)")
     assert "mean" not in time_split_line({**split, "workers": 1}, 10.0)
+
+
+@pytest.fixture(scope="module")
+def quantized_bf16_dir(tiny_model_dir: str, tmp_path_factory) -> str:
+    """The tiny model as mlx-community ships real ones: 4-bit, bfloat16 scales and norms."""
+    import worker  # noqa: F401  (BLAS before MLX)
+    from mlx_lm import convert
+
+    path = tmp_path_factory.mktemp("quantized") / "tiny-4bit"
+    convert(tiny_model_dir, mlx_path=str(path), quantize=True, q_group_size=32, q_bits=4, dtype="bfloat16")
+    return str(path)
+
+
+def test_the_weights_scenario_times_each_format(quantized_bf16_dir: str, tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    from mlxq.bench.config import BenchConfig
+    from mlxq.bench.scenario_weights import weights, weights_line
+
+    cfg = BenchConfig(out=tmp_path, weights_variants=("as-loaded", "upcast", "dequantized", "worker"),
+                      weights_rows=(1, 2), weights_steps=1, weights_prefill=16)
+    tokenizer = load(quantized_bf16_dir, lazy=True)[1]
+    out = weights(cfg, quantized_bf16_dir, tokenizer)
+    variants = out["variants"]
+    assert list(variants) == ["as-loaded", "upcast", "dequantized", "worker"]
+    assert "bfloat16" in variants["as-loaded"]["dtypes"] and "uint32" in variants["as-loaded"]["dtypes"]
+    assert set(variants["upcast"]["dtypes"]) == {"float32", "uint32"}  # still quantized, float32 scales
+    assert set(variants["dequantized"]["dtypes"]) == {"bfloat16"}  # dense, in the checkpoint's precision
+    assert set(variants["worker"]["dtypes"]) == {"float32"}  # this CPU: upcast and dequantized
+    for entry in variants.values():
+        assert set(entry["decode_step_ms"]) == {"1", "2"} and all(ms > 0 for ms in entry["decode_step_ms"].values())
+        assert entry["prefill_ms"] > 0 and entry["prefill_speedup"] > 0
+    assert variants["as-loaded"]["decode_speedup"] == {"1": 1.0, "2": 1.0}
+    assert "weight formats" in weights_line(out) and "worker: step 1 rows" in weights_line(out)
+
+
+@pytest.mark.slow
+def test_the_startup_scenario_compares_the_decode_paths(tiny_model_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out), "--scenario",
+            "startup", "--startup-wave", "2", "--prompt-tokens", "8", "--new-tokens", "4", "--no-startup-cold",
+            "--max-num-seqs", "4"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    startup = json.loads((out / "report.json").read_text())["scenarios"]["startup"]
+    assert set(startup["paths"]) == {"batch-generator", "auto"} and startup["same_first_answer"], startup
+    for path in ("batch-generator", "auto"):
+        assert startup[path]["first_answer_s"] > 0 and startup[path]["settled_tokens_per_s"] > 0
+    engine = startup["paths"]["auto"][0]["engine"]
+    assert engine["kernels_prebuilding"] == "0" and int(engine["compiled_shapes"]) > 0, engine
+    assert startup["first_answer_ratio"] > 0 and "start-up (kernels on disk" in done.stdout

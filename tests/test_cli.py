@@ -69,8 +69,10 @@ def test_submit_result_and_cancel_a_running_job(redis_url, tiny_model_dir, tmp_p
     assert proc.returncode == 0, out
 
 
-def test_demo_runs_end_to_end_on_its_own_redis_and_model():
-    done = mlxq("demo", "--jobs", "8", "--max-tokens", "4", "--threads", "2", timeout=300)
+def test_demo_runs_end_to_end_on_its_own_redis_and_the_real_model(real_model):
+    done = mlxq("demo", "--jobs", "8", "--max-tokens", "8", "--threads", "2", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "started a private redis-server" in done.stdout
     assert "8 jobs from 2 threads" in done.stdout and ", 0 failed" in done.stdout
+    assert "after the worker started: 'What is the capital of France?' -> 'The capital of France is Paris.'" \
+        in done.stdout, done.stdout

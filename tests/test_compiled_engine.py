@@ -410,8 +410,8 @@ def test_the_setting_picks_the_engine_and_the_worker_logs_path_and_warm_up(tiny_
     from worker.settings import WorkerSettings
 
     with caplog.at_level(logging.INFO, logger="mlxq.worker"):
-        auto = build_engine(WorkerSettings.from_env({"MLXQ_DECODE_WARMUP_TOKENS": "128"}, model=tiny_model_dir,
-                                                    max_num_seqs=4))
+        auto = build_engine(WorkerSettings.from_env({"MLXQ_DECODE_WARMUP_TOKENS": "128", "MLXQ_DECODE_WARMUP": "blocking"},
+                                                    model=tiny_model_dir, max_num_seqs=4))
     assert isinstance(auto, CompiledEngine) and len(auto.compiled_shapes) == len([1, 2, 3, 4])
     messages = [r.message for r in caplog.records]
     assert any(m.startswith("decode path: compiled (llama") for m in messages)

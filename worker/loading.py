@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
+from worker.gguf import GGUFError, check_gguf, converted_directory, is_gguf
 from worker.platform import apply_metal_limits, device_description, limit_blas_threads, preload_blas
 from worker.settings import WorkerSettings
+from worker.weight_prep import current_platform, prepare_weights
 
 log = logging.getLogger("mlxq.worker")
 
@@ -19,9 +22,19 @@ class ModelLoadError(RuntimeError):
 
 
 def check_model_setting(model: Optional[str]) -> None:
-    """Fail fast, before registering with rq, on a model that is neither a directory nor a hub id."""
+    """Fail fast, before registering with rq, on a model that is neither a directory, a GGUF file
+    of tensor types MLX reads, nor a hub id."""
     if not model:
-        raise ModelLoadError("no model configured: set MLXQ_MODEL or pass --model (a local path or a hub id)")
+        raise ModelLoadError("no model configured: set MLXQ_MODEL or pass --model (a local path, a .gguf file or "
+                             "a hub id)")
+    if is_gguf(model):
+        if not os.path.isfile(os.path.expanduser(model)):
+            raise ModelLoadError(f"MLXQ_MODEL: {model!r}: no such GGUF file")
+        try:
+            check_gguf(Path(model).expanduser())
+        except GGUFError as exc:
+            raise ModelLoadError(f"MLXQ_MODEL: {exc}") from None
+        return
     looks_local = os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
         raise ModelLoadError(f"MLXQ_MODEL: {model!r} is not a directory (give a local model directory or a hub id "
@@ -33,35 +46,50 @@ def load_model(settings: WorkerSettings) -> tuple[Any, Any]:
     check_model_setting(settings.model)
     blas = preload_blas(settings.blas)
     blas_threads = limit_blas_threads(settings.blas_threads, blas) if settings.blas_threads else None
+    started = time.perf_counter()
     try:
         model, tokenizer = _load(settings)
     except ModelLoadError:
         raise
+    except GGUFError as exc:
+        raise ModelLoadError(f"MLXQ_MODEL: {exc}") from None
     except Exception as exc:
         raise ModelLoadError(f"MLXQ_MODEL: could not load {settings.model!r}: {type(exc).__name__}: {exc}") from exc
+    loaded_s = time.perf_counter() - started
+    formats = prepare_weights(model, upcast=settings.upcast, keep_quantized=settings.keep_quantized)
     limits = apply_metal_limits(settings.metal_wired_limit_mb, settings.metal_cache_limit_mb)
     log.info(
-        "loaded %s (%s); BLAS: %s%s",
+        "loaded %s in %.1f s (%s); BLAS: %s%s",
         settings.model,
+        loaded_s,
         device_description(),
         blas.name + (f", {blas_threads}" if blas_threads else ""),
         f"; Metal {', '.join(limits)}" if limits else "",
     )
+    if formats.notes:
+        log.info("weights: %s (%.1f s)", "; ".join(formats.notes), time.perf_counter() - started - loaded_s)
     return model, tokenizer
+
+
+def model_directory(model: str) -> str:
+    """The directory mlx-lm / mlx-vlm load for `model`: a GGUF file's converted copy
+    (worker/gguf.py), else `model` itself (a directory or a hub id)."""
+    return str(converted_directory(Path(model))) if is_gguf(model) else model
 
 
 def _load(settings: WorkerSettings) -> tuple[Any, Any]:
     assert settings.model
-    if is_vision_model(settings.model):
+    path = model_directory(settings.model)
+    if is_vision_model(path):
         try:
             from mlx_vlm import load as load_vlm
         except ImportError as exc:
             raise ModelLoadError(f"MLXQ_MODEL: {settings.model!r} is a vision-language model: install mlxq[vlm] "
                                  f"({exc})") from None
-        return load_vlm(settings.model, trust_remote_code=settings.trust_remote_code)
+        return load_vlm(path, trust_remote_code=settings.trust_remote_code)
     from mlx_lm import load
 
-    return load(settings.model, tokenizer_config={"trust_remote_code": settings.trust_remote_code})
+    return load(path, tokenizer_config={"trust_remote_code": settings.trust_remote_code})
 
 
 def build_engine(settings: WorkerSettings) -> Any:
@@ -83,9 +111,11 @@ def build_engine(settings: WorkerSettings) -> Any:
     return engine_for_model(settings, model, tokenizer)
 
 
-def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> Any:
+def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any, model_dir: Optional[str] = None) -> Any:
     """The text engine for a loaded model: mlxq's compiled decode path where it is exact (its decode
-    step compiled here, before any job), mlx-lm's BatchGenerator otherwise (worker/engines/decode_path.py)."""
+    step's kernels built as MLXQ_DECODE_WARMUP says, from `model_dir`, the served model's
+    directory or hub id: default MLXQ_MODEL's), mlx-lm's BatchGenerator otherwise
+    (worker/engines/decode_path.py)."""
     from worker.engines.decode_path import choose_decode_path
 
     path = choose_decode_path(model, settings.decode)
@@ -100,10 +130,20 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
         from worker.engines.compiled import CompiledEngine
 
         engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes, **options)
-        if settings.decode_warmup_tokens:
-            shapes, seconds = engine.warm_up(settings.decode_warmup_tokens)
+        tokens, warmup = settings.decode_warmup_tokens, settings.decode_warmup
+        model_dir = model_dir or (model_directory(settings.model) if settings.model else None)
+        if tokens and warmup == "background" and model_dir is not None and current_platform() != "metal":
+            engine.prebuild_kernels(model_dir, tokens)
+            log.info("decode step: serving at once; kernels for %d shapes (up to %d slots x %d tokens) are built "
+                     "in the background", len(engine.warm_up_shapes(tokens)), settings.max_num_seqs, tokens)
+        elif tokens and warmup == "background":
+            log.info("decode step: serving at once; each shape compiles at its first step (%s)",
+                     "Metal builds its kernels in the worker's process" if model_dir else "no model directory to "
+                     "build kernels from")
+        elif tokens and warmup == "blocking":
+            shapes, seconds = engine.warm_up(tokens)
             log.info("decode step warm-up: %d shapes (up to %d slots x %d tokens) compiled in %.1f s",
-                     shapes, settings.max_num_seqs, settings.decode_warmup_tokens, seconds)
+                     shapes, settings.max_num_seqs, tokens, seconds)
         return engine
     from worker.engines.text import TextEngine
 
@@ -111,8 +151,9 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
 
 
 def is_vision_model(model: str) -> bool:
-    """Whether the model's config.json describes a vision-language model (it has a vision tower)."""
-    return "vision_config" in model_config(model)
+    """Whether the model's config.json describes a vision-language model (it has a vision tower);
+    a GGUF file holds a text model."""
+    return not is_gguf(model) and "vision_config" in model_config(model)
 
 
 def model_config(model: str) -> dict[str, Any]:

@@ -35,8 +35,8 @@ class WorkerSettings(BaseSettings):
     redis_url: Optional[SecretStr] = None
     # `mlxq worker --processes N`: worker processes on this host.
     processes: int = 1
-    model: Optional[str] = None  # path or hub id; MLXQ_MODEL
-    alias: Optional[str] = None  # name requests use in `model`; default: model's last path component
+    model: Optional[str] = None  # directory, .gguf file or hub id; MLXQ_MODEL
+    alias: Optional[str] = None  # name requests use in `model`; default: model's last path component (a .gguf's stem)
     max_num_seqs: int = 32  # most sequences decoding at once
     default_max_tokens: int = 256  # for requests that leave max_tokens unset
     max_tokens_limit: int = 4096
@@ -66,14 +66,23 @@ class WorkerSettings(BaseSettings):
     # BatchGenerator; the worker logs which and why), "compiled" (refuse to start where it is not
     # exact), "batch-generator" (always mlx-lm's). See docs/engine.md.
     decode: str = "auto"
-    # The compiled engine compiles its decode step at start-up for sequences up to this many tokens
-    # (every batch bucket); longer ones compile the first time they occur. 0: no warm-up.
+    # The compiled engine's decode step shapes (every batch bucket, sequences up to
+    # decode_warmup_tokens): "background" (the worker serves at once; a low-priority process
+    # builds their kernels, and each shape compiles at its first step after that, running
+    # uncompiled until then), "blocking" (compiled before the first job is taken), "off" (each
+    # compiles at its first step). Longer sequences' shapes compile when first needed.
+    decode_warmup: str = "background"
     decode_warmup_tokens: int = 512
     # Agents (docs/tools.md): the tool-call format replies are parsed and forced in ("auto": picked from
     # the model's chat template and config; or hermes, llama3_json, mistral, one of mlx-lm's parsers),
     # and whether a thinking model's reasoning is split from its answer ("auto" | "none").
     tool_call_format: str = "auto"
     reasoning: str = "auto"
+    # Weight formats at load (worker/weight_prep.py): on a CPU, half-precision tensors become float32
+    # (MLX's CPU half-precision arithmetic is slow); off Metal, quantized layers are dequantized when
+    # memory allows. Each can be turned off.
+    upcast: bool = True
+    keep_quantized: bool = False
     blas: str = "auto"  # Linux CPU only: "auto" | "off" | path to a BLAS shared library
     # Linux CPU only: threads of that BLAS; default one per core. Several workers on one host: a share each.
     blas_threads: Optional[int] = None
@@ -188,6 +197,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_DECODE must be auto, compiled or batch-generator, got {self.decode!r}")
         if self.reasoning not in ("auto", "none"):
             raise ValueError(f"MLXQ_REASONING must be auto or none, got {self.reasoning!r}")
+        if self.decode_warmup not in ("background", "blocking", "off"):
+            raise ValueError(f"MLXQ_DECODE_WARMUP must be background, blocking or off, got {self.decode_warmup!r}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:

@@ -66,9 +66,9 @@ def check_files(files: list[Path], expected: ParameterSpec) -> None:
     if extra:
         raise WeightsError(f"{len(extra)} tensors are not parameters of this model, e.g. {extra[0]!r}")
     for name, (dtype, shape) in expected.items():
-        if found[name] != (dtype, shape):
+        if found[name][1] != shape or found[name][0] not in dtype.split("|"):
             raise WeightsError(f"parameter {name!r}: the version has {found[name][1]} {found[name][0]}, the model "
-                               f"{shape} {dtype}")
+                               f"{shape} {dtype.replace('|', ' or ')}")
 
 
 def fetch(connection: redis.Redis, command: ControlCommand, into: Path) -> list[Path]:

@@ -17,19 +17,27 @@ from worker.engines.counters import EngineCounters
 
 
 class LocalModel:
-    """One loaded copy of the model (and its tokenizer), shared by A, B and S and dropped after them."""
+    """One loaded copy of the model (and its tokenizer), shared by A, B and S and dropped after them.
+    `weights="worker"`: in the formats a worker serves on this device (worker/weight_prep.py);
+    "as-loaded": as mlx-lm loads it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, weights: str = "worker") -> None:
         self.path = path
+        self.weights = weights
         self.model: Any = None
         self.tokenizer: Any = None
+        self.formats: list[str] = []  # what was done to the weights, in words
 
     def load(self) -> Any:
         if self.model is None:
             import worker  # noqa: F401  (same BLAS as the mlxq worker, before mlx loads)
             from mlx_lm import load
 
+            from worker.weight_prep import prepare_weights
+
             self.model, self.tokenizer = load(self.path)
+            if self.weights == "worker":
+                self.formats = prepare_weights(self.model).notes
         return self.model
 
     def unload(self) -> None:
@@ -193,7 +201,9 @@ class SchedulerArm(_BatchingArm):
     def _settings(self) -> Any:
         from worker.settings import WorkerSettings
 
-        return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size)
+        # Its shapes compiled before it runs, as K's are: a background build would share the measured CPU.
+        return WorkerSettings.from_env(max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size,
+                                       decode_warmup="blocking")
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
         from mlxq.bench.arm_mlxq import fill_from_result, payload

@@ -81,7 +81,9 @@ class MlxqCluster:
         self.client: Optional[Client] = None
         self._procs: list[Any] = []
 
-    def start(self, ready_timeout: float = 900.0) -> None:
+    def start(self, ready_timeout: float = 900.0, probe: Optional[dict[str, Any]] = None) -> list[GenerationResult]:
+        """Start the workers and wait until each answered `probe` (default: one tiny job), sent to
+        its own queue as the processes start; their answers."""
         self.conn = redis.Redis.from_url(self.url)
         self.client = Client(connection=self.conn)
         for i in range(self.workers):
@@ -92,10 +94,10 @@ class MlxqCluster:
             env = {"MLXQ_PREFILL_BATCH_SIZE": str(self.prefill_batch_size), **self.env,
                    **{name: value for name, value in self.shares[i].to_env().items() if name in SHARED_SETTINGS}}
             self._procs.append(self.procs.start(self.names[i], argv, env))
-        # Readiness: one tiny job through each worker's own queue (it loads the model first).
-        probe = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        # Readiness: one job through each worker's own queue (it loads the model first).
+        probe = probe or {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         ids = [self.client.submit(probe, queue=q, timeout=JOB_TIMEOUT_S) for q in self.warm_queues]
-        self._wait(ids, ready_timeout)
+        return self._wait(ids, ready_timeout)
 
     def _wait(self, ids: list[str], timeout: float) -> list[GenerationResult]:
         assert self.client is not None

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from mlxq.bench.config import ARMS, RL_PARTS, SCENARIOS, BenchConfig
+from mlxq.bench.config import ARMS, RL_PARTS, SCENARIOS, WEIGHTS, BenchConfig
 
 __all__ = ["register", "config_from_args"]
 
@@ -25,7 +25,9 @@ Benchmark mlxq against its alternatives on one machine, with the same model and 
   K  mlxq's compiled decode engine alone in this process, fed as B is: K/B is the engine against mlx-lm's
 Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates). Scenarios
 (--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, structured, images (image jobs
-alone, through mlx-vlm's batched generation and through mlxq), or all.
+alone, through mlx-vlm's batched generation and through mlxq), weights (the model's weight formats on this
+device: decode step and prefill), startup (a fresh worker's first answer and early throughput, per decode
+path), or all. --model takes a model directory, a .gguf file or a hub id.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
 """
 
@@ -52,6 +54,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--shape", default="smollm-135m", help="tiny | smollm-135m | qwen2.5-0.5b (default smollm-135m)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16, for a built --shape model")
     g.add_argument("--model-cache", type=Path, help="where built models are kept (default ~/.cache/mlxq/bench-models)")
+    g.add_argument("--weights", choices=WEIGHTS, default="worker",
+                   help="A, B, S, K and C's workers run the model as a worker serves it on this device (worker: "
+                        "half precision upcast on a CPU, quantized layers dequantized off Metal) or as mlx-lm loads "
+                        "it (as-loaded); D and E always load it as it is")
 
     g = p.add_argument_group("what to run")
     g.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
@@ -130,6 +136,18 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--image-shape", default="small", help="images: tiny | small random qwen2_vl (default small)")
     g.add_argument("--image-requests", type=int, default=32, help="images: image jobs sent at once (32)")
     g.add_argument("--image-new-tokens", type=int, default=32, help="images: new tokens per job (32)")
+    g.add_argument("--weights-variants", type=_list(str), default=("as-loaded", "upcast", "worker"),
+                   help="weights: formats to time, the first is the baseline: as-loaded, upcast, dequantized, "
+                        "upcast-dequantized, worker (default as-loaded,upcast,worker)")
+    g.add_argument("--weights-rows", type=_list(int), default=(1, 8), help="weights: decode step rows (1,8)")
+    g.add_argument("--weights-steps", type=int, default=8, help="weights: timed decode steps per row count (8)")
+    g.add_argument("--weights-prefill", type=int, default=128, help="weights: prompt tokens of the timed prefill (128)")
+    g.add_argument("--startup-cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="startup: each worker starts with an empty kernel cache, as on a new machine (default on)")
+    g.add_argument("--startup-wave", type=int, default=8, help="startup: requests at once after the first (8)")
+    g.add_argument("--startup-paths", type=_list(str), default=("batch-generator", "auto"),
+                   help="startup: the workers compared: batch-generator, auto (the default worker), blocking (auto "
+                        "with every shape compiled before the first job) (default batch-generator,auto)")
     p.set_defaults(func=_run)
 
 
@@ -160,7 +178,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         soak_engine=args.soak_engine, soak_sample_s=args.soak_sample,
         gateway_clients=args.gateway_clients, gateway_requests=args.gateway_requests,
         image_model=args.image_model, image_shape=args.image_shape, image_requests=args.image_requests,
-        image_new_tokens=args.image_new_tokens,
+        image_new_tokens=args.image_new_tokens, weights=args.weights, weights_variants=args.weights_variants,
+        weights_rows=args.weights_rows, weights_steps=args.weights_steps, weights_prefill=args.weights_prefill,
+        startup_cold=args.startup_cold, startup_wave=args.startup_wave, startup_paths=args.startup_paths,
     )
 
 

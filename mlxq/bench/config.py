@@ -8,7 +8,9 @@ from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S", "K")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
-             "gateway-blocking", "images")
+             "gateway-blocking", "images", "weights", "startup")
+# --weights: the in-process arms' model as a worker serves it on this device, or as mlx-lm loads it
+WEIGHTS = ("worker", "as-loaded")
 
 # --scenario rl: n samples vs independent requests, the cost of a weight swap, mixed adapters
 RL_PARTS = ("samples", "swap", "adapters")
@@ -90,6 +92,14 @@ class BenchConfig:
     image_shape: str = "small"
     image_requests: int = 32
     image_new_tokens: int = 32
+    weights: str = "worker"  # the in-process arms' weight formats (WEIGHTS); C's workers follow it
+    weights_variants: tuple[str, ...] = ("as-loaded", "upcast", "worker")  # scenario weights
+    weights_rows: tuple[int, ...] = (1, 8)
+    weights_steps: int = 8
+    weights_prefill: int = 128
+    startup_cold: bool = True  # scenario startup: each worker starts with an empty kernel cache
+    startup_wave: int = 8
+    startup_paths: tuple[str, ...] = ("batch-generator", "auto")  # scenario_startup.PATHS
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -119,6 +129,20 @@ class BenchConfig:
             raise ValueError("--rl-swap-sequences and --rl-swap-rounds must be >= 1, --rl-swap-new-tokens >= 2")
         if self.image_requests < 1 or self.image_new_tokens < 1:
             raise ValueError("--image-requests and --image-new-tokens must be >= 1")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights: {' or '.join(WEIGHTS)}")
+        from mlxq.bench.scenario_weights import WEIGHT_VARIANTS
+
+        if not self.weights_variants or any(v not in WEIGHT_VARIANTS for v in self.weights_variants):
+            raise ValueError(f"--weights-variants: choose from {','.join(WEIGHT_VARIANTS)}")
+        if any(n < 1 for n in self.weights_rows) or self.weights_steps < 1 or self.weights_prefill < 8:
+            raise ValueError("--weights-rows and --weights-steps must be >= 1, --weights-prefill >= 8")
+        if self.startup_wave < 1:
+            raise ValueError("--startup-wave must be >= 1")
+        from mlxq.bench.scenario_startup import PATHS
+
+        if not self.startup_paths or any(p not in PATHS for p in self.startup_paths):
+            raise ValueError(f"--startup-paths: choose from {','.join(PATHS)}")
         if self.soak_engine not in ("model", "fake"):
             raise ValueError("--soak-engine is model or fake")
 

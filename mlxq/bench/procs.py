@@ -117,7 +117,13 @@ def library_loaded(pid: int, library_path: Optional[str]) -> Optional[bool]:
 
 
 def resolve_model(model: Optional[str], shape: str, dtype: str, cache: Optional[Path]) -> tuple[str, dict[str, Any]]:
-    """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir."""
+    """The model path to benchmark; builds the random-weight `shape` model once, in a cache dir. A
+    .gguf file is benchmarked as its converted mlx-lm directory (worker/gguf.py), which every arm loads."""
+    if model and model.lower().endswith(".gguf"):
+        from worker.gguf import converted_directory
+
+        directory = str(converted_directory(Path(model)))
+        return directory, {"path": directory, "source": model, "gguf": model}
     if model:
         return model, {"path": model, "source": model}
     root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq" / "bench-models"
@@ -193,3 +199,29 @@ def redis_server_version(url: str) -> Optional[str]:
         return str(info.get("redis_version"))
     except Exception:
         return None
+
+
+def prepared_copy(path: str, cache: Optional[Path]) -> tuple[str, list[str]]:
+    """The model at `path` in the weight formats a worker serves it in on this device
+    (worker/weight_prep.py), saved once as a model directory for the peers that load a directory as
+    it is (mlx_lm.server, vllm-mlx), so every arm computes with the same weights; `path` itself
+    where a worker changes nothing. Also what was done, in words."""
+    from mlx_lm.utils import load_model, load_tokenizer, save
+
+    from worker.weight_prep import current_platform, prepare_weights
+
+    root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq" / "bench-models"
+    model, config = load_model(Path(path))
+    report = prepare_weights(model)
+    if not report.notes:
+        return path, []
+    target = root / "prepared" / f"{Path(path).name}-{current_platform()}"
+    if not (target / "config.json").exists():
+        if report.dequantized:
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        if report.upcast:
+            config["torch_dtype"] = "float32"
+        print(f"saving the model as a worker serves it on this device in {target} (once)", flush=True)
+        save(target, path, model, load_tokenizer(Path(path)), config)
+    return str(target), report.notes

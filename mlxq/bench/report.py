@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
-from mlxq.bench import scenario_gateway, scenario_rl_swap
+from mlxq.bench import scenario_gateway, scenario_rl_swap, scenario_startup, scenario_weights
 from mlxq.bench.stats import median, ratio
 
 ARM_ORDER = ("A", "B", "K", "S", "C1", "C2", "C3", "C4", "D", "E")
@@ -277,6 +277,8 @@ def _soak_line(s: dict[str, Any]) -> str:
 
 
 _SCENARIO_LINES = {
+    "weights": scenario_weights.weights_line,
+    "startup": scenario_startup.startup_line,
     "overhead": _overhead_line,
     "late-joiner": _late_joiner_line,
     "rl": lambda r: "\n".join(([_rl_line(r)] if "grouped" in r else []) + scenario_rl_swap.rl_lines(r)),

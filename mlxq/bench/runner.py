@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from mlxq.bench.arms import Arm, ArmSkipped
 from mlxq.bench.config import ARM_LABELS, BenchConfig
-from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, redis_server_version, resolve_model,
-                              interrupt_on_signals, versions)
+from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, prepared_copy, redis_server_version,
+                              resolve_model, interrupt_on_signals, versions)
 from mlxq.bench.report import headline, scenario_lines, time_split_line, write_all
 from mlxq.bench.stats import summarize
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
@@ -53,6 +53,7 @@ class Runner:
         self.report: dict[str, Any] = {}
         self.records_path = cfg.out / "records.jsonl"
         self.progress = tqdm(disable=True)  # run() sets the real one
+        self._peer: Optional[str] = None  # the model directory D and E load (_peer_model)
 
     def run(self) -> int:
         import worker  # noqa: F401  (the BLAS preload must come before anything imports mlx)
@@ -90,7 +91,7 @@ class Runner:
                 "open_requests": cfg.open_requests,
                 "workers": list(cfg.workers), "warmup_tokens": cfg.warmup_tokens, "seed": cfg.seed,
                 "sampling": "greedy (temperature 0); EOS never ends a request (fixed lengths)",
-                "scenarios": list(cfg.scenarios), "arms": list(cfg.arms),
+                "scenarios": list(cfg.scenarios), "arms": list(cfg.arms), "weights": cfg.weights,
             },
             "arms": {}, "results": [], "scenarios": {},
         }
@@ -129,7 +130,7 @@ class Runner:
         from mlxq.bench.arm_vllm_mlx import VllmMlxArm
 
         cfg, blas_path = self.cfg, self.blas.path
-        self.local = LocalModel(self.model)
+        self.local = LocalModel(self.model, cfg.weights)
         arms: list[Arm] = []
         for key in cfg.arms:
             if key == "A":
@@ -145,15 +146,31 @@ class Runner:
                 arms.append(CompiledEngineArm(self.local, cfg.max_num_seqs, cfg.prefill_batch_size, longest))
             elif key == "C":
                 arms += [MlxqArm(MlxqCluster(url, self.model, w, cfg.max_num_seqs, cfg.prefill_batch_size, procs,
-                                             blas_path=blas_path), cfg.request_timeout_s) for w in cfg.workers]
+                                             blas_path=blas_path, env=self._weights_env()), cfg.request_timeout_s)
+                         for w in cfg.workers]
             elif key == "D":
                 eos = sorted(int(t) for t in self.tokenizer.eos_token_ids)
-                arms.append(ServerArm(self.model, cfg.max_num_seqs, cfg.prefill_batch_size, eos, procs,
+                arms.append(ServerArm(self._peer_model(), cfg.max_num_seqs, cfg.prefill_batch_size, eos, procs,
                                       cfg.request_timeout_s, blas_path))
             elif key == "E":
-                arms.append(VllmMlxArm(self.model, cfg.vllm_mlx_venv, cfg.create_venv, cfg.max_num_seqs,
+                arms.append(VllmMlxArm(self._peer_model(), cfg.vllm_mlx_venv, cfg.create_venv, cfg.max_num_seqs,
                                        cfg.prefill_batch_size, procs, cfg.request_timeout_s, blas_path))
         return arms
+
+    def _peer_model(self) -> str:
+        """The model directory D and E load as it is: with --weights worker, a copy in the worker's
+        weight formats (mlxq/bench/procs.py prepared_copy), so their text and speed compare."""
+        if self.cfg.weights == "as-loaded":
+            return self.model
+        if self._peer is None:
+            self._peer, notes = prepared_copy(self.model, self.cfg.model_cache)
+            if notes:
+                self.report["model"]["peers_load"] = {"path": self._peer, "weight_formats": notes}
+        return self._peer
+
+    def _weights_env(self) -> dict[str, str]:
+        """The workers' settings for --weights: as-loaded turns both of the worker's steps off."""
+        return {"MLXQ_UPCAST": "0", "MLXQ_KEEP_QUANTIZED": "1"} if self.cfg.weights == "as-loaded" else {}
 
     def _throughput(self, procs: ProcessSet, url: str) -> None:
         """Every arm on every workload, `repeats` times over, interleaved: on a shared machine the
@@ -170,6 +187,8 @@ class Runner:
                 later = arms[position + 1:] if repeat == repeats - 1 else arms
                 if not any(a.key in IN_PROCESS for a in later):
                     self.local.unload()
+        if getattr(self.local, "formats", None):  # what the in-process arms' model was given at load
+            self.report.setdefault("model", {})["weight_formats"] = self.local.formats
         self.report["blas_checks"] = {
             key: entry.get("info", {}).get("blas_loaded") for key, entry in self.report["arms"].items()
             if key not in IN_PROCESS  # they run in this process, whose BLAS is the report's `blas`
@@ -232,14 +251,15 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import images, scenario_gateway, scenario_rl_swap, scenarios, soak, structured
+        from mlxq.bench import (images, scenario_gateway, scenario_rl_swap, scenario_startup, scenario_weights, scenarios,
+                                soak, structured)
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
 
         def make_cluster(workers: int, max_num_seqs: int, env: Optional[dict[str, str]] = None) -> MlxqCluster:
             return MlxqCluster(url, self.model, workers, max_num_seqs, cfg.prefill_batch_size, procs,
-                               blas_path=self.blas.path, env=env)
+                               blas_path=self.blas.path, env={**self._weights_env(), **(env or {})})
 
         def soak_run() -> dict[str, Any]:
             if cfg.soak_engine == "fake":
@@ -258,6 +278,8 @@ class Runner:
             "gateway-stream": lambda: scenario_gateway.gateway_stream(cfg, self.tokenizer, make_cluster, url, procs),
             "gateway-blocking": lambda: scenario_gateway.gateway_blocking(cfg, url, procs),
             "images": lambda: images.images(cfg, url, procs, self.blas.path),
+            "weights": lambda: scenario_weights.weights(cfg, self.model, self.tokenizer),
+            "startup": lambda: scenario_startup.startup(cfg, self.tokenizer, make_cluster),
         }
         for name, run in runs.items():
             if name not in cfg.scenarios:

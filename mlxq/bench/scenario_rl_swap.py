@@ -46,13 +46,18 @@ BIN_S = 0.1  # the timeline's bins in report.json
 SWAP_LINE = re.compile(r"swapped in version (\d+) of the weights \((\w+)\) in ([\d.]+) s")
 
 
-def save_version(model_path: str, directory: Path) -> Path:
-    """The served model's own parameters, in MLX's naming, as a version's directory."""
+def save_version(model_path: str, directory: Path, weights: str = "worker") -> Path:
+    """The served model's own parameters, in MLX's naming, as a version's directory; with
+    `weights="worker"` in the formats the workers serve them in (worker/weight_prep.py)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
+    from worker.weight_prep import prepare_weights
+
     model, _ = load(model_path)
+    if weights == "worker":
+        prepare_weights(model)
     mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return directory
 
@@ -295,7 +300,7 @@ def weight_swap(cfg: BenchConfig, url: str, procs: ProcessSet, model: str, blas_
     runs: list[dict[str, Any]] = []
     load_jobs: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="mlxq-bench-version-") as tmp:
-        version_dir = save_version(model, Path(tmp))
+        version_dir = save_version(model, Path(tmp), cfg.weights)
         version = 1
         for workers in cfg.workers:
             swaps, trace = _fleet_run(cfg, url, procs, model, blas_path, tokenizer, version_dir, workers, version)

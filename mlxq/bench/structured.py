@@ -99,6 +99,10 @@ def structured(cfg: BenchConfig, model_path: str, decode: str = "auto") -> dict[
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the worker's loop runs its steps
     rows = cfg.max_num_seqs
     model, tokenizer = load(model_path)
+    if cfg.weights == "worker":  # as a worker serves it on this device
+        from worker.weight_prep import prepare_weights
+
+        prepare_weights(model)
     # Every prompt in one prefill batch, so that all rows decode together for the whole window.
     settings = WorkerSettings(max_num_seqs=rows, prefill_batch_size=rows, prefix_cache_mb=0, decode=decode,
                               decode_warmup_tokens=0)

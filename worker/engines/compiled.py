@@ -121,6 +121,7 @@ class CompiledEngine:
         # Events that need no step: sequences whose adapter could not be had when added, prompts only scored.
         self._refused: list[TokenEvent] = []
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
+        self._prebuild: Optional[Any] = None  # a KernelPrebuild (prebuild_kernels)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -200,6 +201,8 @@ class CompiledEngine:
     def stats(self) -> EngineStats:
         counters: dict[str, Any] = dict(self._counters.as_dict())
         counters.update(compiled_shapes=len(self._decode.shapes), compile_s=self._decode.compile_seconds,
+                        uncompiled_steps=self._decode.uncompiled_steps,
+                        kernels_prebuilding=int(self._prebuild is not None and not self._prebuild.done),
                         slot_buffer_bytes=self._table.buffers.nbytes if self._table.buffers else 0, **self._lora.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
@@ -219,18 +222,46 @@ class CompiledEngine:
         """How long each shape took to compile, and whether the warm-up or a running batch did it."""
         return list(self._decode.shapes.values())
 
-    def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
-        """Compile the decode step for every slot bucket up to max_num_seqs (or those of `slots`)
-        at every length bucket up to `max_tokens`, and run one lone prompt's prefill (on CUDA the
-        first run of its kernels took 0.4 s, a stall for a batch the first joiner would join): how
-        many shapes, and the seconds it took."""
+    def warm_up_shapes(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+        """Every slot bucket up to max_num_seqs (or those of `slots`) at every length bucket up to
+        `max_tokens`, shortest first (the first two hold every kernel: worker/engines/kernel_prebuild.py)."""
         buckets = self._table.ladder() if slots is None else sorted({self._table.shape_for(n, 1)[0] for n in slots})
-        shapes = [(n, length) for n in buckets for length in ladder(max_tokens, MIN_LENGTH_BUCKET)]
+        return [(n, length) for length in ladder(max_tokens, MIN_LENGTH_BUCKET) for n in buckets]
+
+    def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
+        """Compile the decode step for `warm_up_shapes` now, and run one lone prompt's prefill (on
+        CUDA the first run of its kernels took 0.4 s, a stall for a batch the first joiner would
+        join): how many shapes, and the seconds it took. Serving waits for it; `prebuild_kernels`
+        does not."""
+        shapes = self.warm_up_shapes(max_tokens, slots)
         seconds = self._decode.warm_up(self._layout, shapes)
+        return len(shapes), seconds + self.warm_up_prefill(max_tokens)
+
+    def warm_up_prefill(self, max_tokens: int) -> float:
+        """Run one lone prompt's prefill (uncompiled, so quick; on CUDA its first run in a process
+        took 0.4 s, a stall for the batch the first joiner would join): the seconds it took."""
         started = time.perf_counter()
         cache, logits = self._prefill.on_own_cache([0] * min(max_tokens, MIN_LENGTH_BUCKET))
         mx.eval(logits[:, -1, :], [c.state for c in cache])
-        return len(shapes), seconds + time.perf_counter() - started
+        return time.perf_counter() - started
+
+    def prebuild_kernels(self, model_dir: str, max_tokens: int) -> None:
+        """Build the kernels of `warm_up_shapes(max_tokens)` in a background process
+        (worker/engines/kernel_prebuild.py) from `model_dir`, the served model's directory; until
+        a shape's are built, its steps run uncompiled."""
+        from worker.engines.kernel_prebuild import KernelPrebuild, served_formats
+
+        upcast, keep_quantized = served_formats(self.model)
+        self._prebuild = KernelPrebuild(model_dir, self.warm_up_shapes(max_tokens), upcast=upcast,
+                                        keep_quantized=keep_quantized, grouped_mask=self._layout.grouped_mask)
+        self._decode.may_compile = self._prebuild.ready
+        if mx.default_device().type != mx.DeviceType.cpu:  # the CPU's prefill builds no kernels: nothing to gain
+            self.warm_up_prefill(max_tokens)
+
+    def close(self) -> None:
+        """Stop the kernel prebuild, if it still runs."""
+        if self._prebuild is not None:
+            self._prebuild.stop()
 
     def add(self, specs: list[SequenceSpec]) -> None:
         """Queue sequences, in order. Sequences with the same prompt (a request's n choices) share

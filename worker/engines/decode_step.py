@@ -3,6 +3,11 @@
 
 The model's weights are passed to `mx.compile` as implicit inputs (not baked in as constants), so
 weights swapped under a running engine are read by the next step without a recompile.
+
+A shape is compiled the first time a step needs it, in that step, unless `may_compile` says its
+kernels are not built yet (worker/engines/kernel_prebuild.py builds them in another process):
+then that step runs the same function uncompiled, with the same result, and a later step of that
+shape compiles it.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
 
@@ -46,7 +51,7 @@ def ladder(upto: int, smallest: int = 1) -> list[int]:
 class CompileRecord:
     slots: int
     length: int
-    seconds: float
+    seconds: float  # a warm-up's: tracing and one run; a step's: tracing (its run is the step's)
     at_start: bool  # compiled by the warm-up, not by a running batch
 
 
@@ -54,14 +59,17 @@ class DecodeStep:
     """`step(tokens, positions, buffers) -> logits`: one token of every slot through the model,
     the buffers updated in place (the caller's `SlotBuffers` takes the new arrays)."""
 
-    def __init__(self, model: Any, grouped_mask: bool = False, extra_inputs: Optional[dict[str, Any]] = None
-                 ) -> None:
+    def __init__(self, model: Any, grouped_mask: bool = False, extra_inputs: Optional[dict[str, Any]] = None,
+                 may_compile: Optional[Callable[[tuple[int, int]], bool]] = None) -> None:
         """`extra_inputs`: a dict the model reads while it runs (the LoRA stacks and rows,
-        worker/engines/lora.py), an input of every call as the weights are."""
+        worker/engines/lora.py), an input of every call as the weights are. `may_compile(shape)`:
+        whether a step may compile `shape` now (None: always)."""
         self.model = model
         self.grouped_mask = grouped_mask
+        self.may_compile = may_compile
         self._compiled = mx.compile(self._decode, inputs=[model] if extra_inputs is None else [model, extra_inputs])
         self.shapes: dict[tuple[int, int], CompileRecord] = {}
+        self.uncompiled_steps = 0  # steps run uncompiled while their shape's kernels were being built
 
     def _decode(self, tokens: mx.array, positions: mx.array, arrays: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
         half = len(arrays) // 2
@@ -73,9 +81,18 @@ class DecodeStep:
 
     def __call__(self, tokens: mx.array, positions: mx.array, buffers: SlotBuffers) -> mx.array:
         shape = (buffers.slots, buffers.length)
-        if shape not in self.shapes:
-            self._compile(buffers, at_start=False)
-        logits, arrays = self._compiled(tokens, positions, buffers.arrays())
+        if shape in self.shapes:
+            logits, arrays = self._compiled(tokens, positions, buffers.arrays())
+        elif self.may_compile is not None and not self.may_compile(shape):
+            self.uncompiled_steps += 1
+            logits, arrays = self._decode(tokens, positions, buffers.arrays())
+        else:
+            started = time.perf_counter()
+            logits, arrays = self._compiled(tokens, positions, buffers.arrays())
+            record = CompileRecord(shape[0], shape[1], time.perf_counter() - started, at_start=False)
+            self.shapes[shape] = record
+            log.info("decode step: compiled %d slots x %d positions at first use (traced in %.2f s)",
+                     record.slots, record.length, record.seconds)
         half = len(arrays) // 2
         buffers.keys, buffers.values = arrays[:half], arrays[half:]
         return logits
@@ -90,7 +107,7 @@ class DecodeStep:
 
     def _compile(self, buffers: SlotBuffers, at_start: bool) -> None:
         """Trace and run the step once on throwaway copies of the shape (the first run of a shape
-        is where MLX builds its kernels), and record how long it took."""
+        is where MLX builds its kernels, unless they are on disk already), and record how long it took."""
         started = time.perf_counter()
         scratch = SlotBuffers([mx.zeros_like(a) for a in buffers.keys], [mx.zeros_like(a) for a in buffers.values])
         tokens = mx.zeros((buffers.slots,), mx.uint32)  # the dtypes of a real step: a new dtype recompiles
@@ -99,9 +116,6 @@ class DecodeStep:
         mx.eval(logits, arrays)
         record = CompileRecord(buffers.slots, buffers.length, time.perf_counter() - started, at_start)
         self.shapes[(buffers.slots, buffers.length)] = record
-        if not at_start:
-            log.info("decode step: compiled %d slots x %d positions in %.2f s (not warmed up at start)",
-                     record.slots, record.length, record.seconds)
 
     @property
     def compile_seconds(self) -> float:

@@ -10,12 +10,22 @@ from typing import Any
 ParameterSpec = dict[str, tuple[str, tuple[int, ...]]]  # parameter name -> (dtype, shape)
 
 
+# A model upcast at load (worker/weight_prep.py) takes a float32 parameter in any of these dtypes, as
+# the checkpoint had it (a trainer publishes what it trains): swap_into casts it, exactly.
+UPCAST_ACCEPTS = "float32|bfloat16|float16"
+
+
 def parameter_spec(model: Any) -> ParameterSpec:
-    """What a version must hold for this model: each parameter, in MLX's naming, with its dtype and shape."""
+    """What a version must hold for this model: each parameter, in MLX's naming, with its dtype
+    (several, `|`-separated, where the model takes any of them) and shape."""
     from mlx.utils import tree_flatten
 
-    return {name: (str(array.dtype).removeprefix("mlx.core."), tuple(array.shape))
-            for name, array in tree_flatten(model.parameters())}
+    upcast = bool(getattr(model, "mlxq_upcast", False))
+    spec = {}
+    for name, array in tree_flatten(model.parameters()):
+        dtype = str(array.dtype).removeprefix("mlx.core.")
+        spec[name] = (UPCAST_ACCEPTS if upcast and dtype == "float32" else dtype, tuple(array.shape))
+    return spec
 
 
 class WeightsError(ValueError):
@@ -29,10 +39,16 @@ def swap_into(model: Any, files: list[Path]) -> None:
     file that changed since (mlx raises RuntimeError on one cut short)."""
     import mlx.core as mx
 
+    from mlx.utils import tree_flatten
+
     try:
         weights: dict[str, Any] = {}
         for path in files:
             weights.update(mx.load(str(path)))
+        served = dict(tree_flatten(model.parameters()))
+        for name, array in weights.items():  # a half-precision version of an upcast model: cast up
+            if name in served and array.dtype != served[name].dtype and mx.issubdtype(array.dtype, mx.floating):
+                weights[name] = array.astype(served[name].dtype)
         floating = [name for name, array in weights.items() if mx.issubdtype(array.dtype, mx.floating)]
         finite = [mx.all(mx.isfinite(weights[name])) for name in floating]
         mx.eval(list(weights.values()), finite)
