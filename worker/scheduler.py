@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
-from schemas.request import InvalidRequestError, RequestLimits
+from schemas.request import InvalidRequestError, RequestLimits, check_result_entries
 from schemas.result import no_output_result
 from worker.engines.base import Engine, EngineStats, Prompt, SamplingParams, SequenceSpec
 from worker.output import EndedJob, JobOutput, StreamDelta
@@ -140,6 +140,7 @@ class BatchScheduler:
             prompt_ids = prompt.token_ids
             self._check_prompt(prompt_ids)
             max_tokens = request.max_tokens or self.default_max_tokens
+            check_result_entries(request, max_tokens, self.limits)
             self._check_against_model(request, len(prompt_ids), max_tokens)
             self._check_capacity(request, len(prompt_ids) + max_tokens, prompt.extra_bytes)
         except (InvalidRequestError, ValueError) as exc:

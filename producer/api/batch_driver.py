@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from rq.job import Job
@@ -31,9 +32,10 @@ from producer.aio import execute_batch
 from producer.api import keys as api_keys
 from producer.api.batches import FINAL, BatchErrors, BatchState, BatchStore
 from producer.api.gateway import Gateway
-from producer.batchfile import BatchLine, LineError, error_line, outcome_line, parse_line
+from producer.batchfile import BatchLine, LineError, error_line, outcome_line_json, parse_line
 from producer.errors import JobNotFound
-from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
+from producer.openai_responses import encode
+from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, parse_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 
@@ -44,6 +46,7 @@ log = logging.getLogger("mlxq.api.batches")
 LEASE_S = 60
 VALIDATE_CHUNK = 2000
 MAX_ERRORS_LISTED = 100
+COLLECT_BYTES = 16 * 1024 * 1024  # results read (and their lines written) together at most
 RESULT_MARGIN_S = 3600  # a batch's lists outlive its window by this much
 
 # KEYS: in-flight hash, output list, error list, batch hash, tenant's in-flight set.
@@ -186,40 +189,56 @@ class BatchDriver:
         return int(await self._connection.hlen(api_keys.batch_in_flight(state.id)))
 
     async def _collect_ended(self, state: BatchState) -> None:
+        """Write the lines of the jobs that ended. Results are read a group at a time, each group at most
+        COLLECT_BYTES of them (or one larger result), and written before the next is read."""
         in_flight = {k.decode(): v for k, v in (await self._connection.hgetall(api_keys.batch_in_flight(state.id))).items()}
         if not in_flight:
             return
         ids = list(in_flight)
-        client = self._gw.client
         async with self._connection.pipeline(transaction=False) as pipe:
             for job_id in ids:
-                pipe.get(keys.result_key(job_id))
+                pipe.strlen(keys.result_key(job_id))
                 pipe.hget(Job.key_for(job_id), "status")
             raw = await pipe.execute()
-        written: list[tuple[str, bool, dict[str, Any]]] = []
-        for i, job_id in enumerate(ids):
+        sized = [(job_id, int(raw[2 * i])) for i, job_id in enumerate(ids) if raw[2 * i]]
+        without = [(job_id, raw[2 * i + 1]) for i, job_id in enumerate(ids) if not raw[2 * i]]
+        written: list[tuple[str, bool, bytes]] = []
+        for job_id, status in without:  # not ended, or ended by something other than a worker
             try:
-                result: Optional[GenerationResult] = await client._settled(job_state(job_id, raw[2 * i], raw[2 * i + 1]))
+                result: Optional[GenerationResult] = await self._gw.client._settled(job_state(job_id, None, status))
             except JobNotFound:
                 result = lost_result(job_id)
-            if result is None:
-                continue
-            line = parse_line(in_flight[job_id], _piece_of(job_id) + 1, None, state.object.endpoint)
-            if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
-                written.append((job_id, True, error_line(line.custom_id, line.code, line.message, job_id)))
-            elif result.status == "cancelled" and state.stop == "expired":
-                written.append((job_id, True, error_line(line.custom_id, "batch_expired", EXPIRED, job_id)))
-            else:
-                written.append((job_id, *outcome_line(line, job_id, result, int(time.time()))))
+            if result is not None:
+                written.append(self._line(state, job_id, in_flight[job_id], result))
         await self._write(state, written)
+        for group in _groups(sized, COLLECT_BYTES):
+            async with self._connection.pipeline(transaction=False) as pipe:
+                for job_id in group:
+                    pipe.get(keys.result_key(job_id))
+                results = await pipe.execute()
+            written = []
+            for job_id, raw_result in zip(group, results):
+                if raw_result is not None:  # (one that expired meanwhile is found lost next round)
+                    written.append(self._line(state, job_id, in_flight[job_id], parse_result(job_id, raw_result)))
+            del results
+            await self._write(state, written)
 
-    async def _write(self, state: BatchState, lines: list[tuple[str, bool, dict[str, Any]]],
+    def _line(self, state: BatchState, job_id: str, text: bytes, result: GenerationResult) -> tuple[str, bool, bytes]:
+        """The output or error line of a job that ended, as (job id, is_error, the line's JSON)."""
+        line = parse_line(text, _piece_of(job_id) + 1, None, state.object.endpoint)
+        if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
+            return job_id, True, encode(error_line(line.custom_id, line.code, line.message, job_id))
+        if result.status == "cancelled" and state.stop == "expired":
+            return job_id, True, encode(error_line(line.custom_id, "batch_expired", EXPIRED, job_id))
+        return (job_id, *outcome_line_json(line, job_id, result, int(time.time())))
+
+    async def _write(self, state: BatchState, lines: Sequence[tuple[str, bool, dict[str, Any] | bytes]],
                      position: Optional[tuple[int, int]] = None) -> None:
         if not lines and position is None:
             return
         args: list[Any] = [position[0] if position else "", position[1] if position else 0, self._lists_ttl(state)]
         for job_id, is_error, line in lines:
-            args += [job_id, "1" if is_error else "0", json.dumps(line, ensure_ascii=False)]
+            args += [job_id, "1" if is_error else "0", line if isinstance(line, bytes) else encode(line)]
         await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
                                   api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
                                   api_keys.in_flight(state.tenant.tag)], args=args)
@@ -307,6 +326,20 @@ class BatchDriver:
         setattr(batch, f"{final}_at", int(time.time()))
         await self._batches.save(state)
         await self._connection.srem(api_keys.ACTIVE_BATCHES, state.id)
+
+
+def _groups(sized: list[tuple[str, int]], budget: int) -> Iterator[list[str]]:
+    """The ids of `sized` ((id, bytes) pairs) in order, in groups of at most `budget` bytes (or one larger)."""
+    group: list[str] = []
+    total = 0
+    for job_id, size in sized:
+        if group and total + size > budget:
+            yield group
+            group, total = [], 0
+        group.append(job_id)
+        total += size
+    if group:
+        yield group
 
 
 def _piece_of(job_id: str) -> int:

@@ -27,7 +27,8 @@ from producer.api.settings import GatewaySettings
 __all__ = ["FileDeleted", "FileList", "FileObject", "FileRecord", "FileStore"]
 
 PUSH_LINES = 2000  # lines per RPUSH of an upload
-READ_LINES = 2000  # lines per LRANGE of a download
+READ_LINES = 2000  # lines per LRANGE of a download, at most
+READ_BYTES = 4 * 1024 * 1024  # ... and about this many bytes
 SWEEP_EVERY_S = 600.0
 MAX_FILE_TTL_S = 30 * 24 * 3600  # the longest expiry an upload or a batch's output may ask for
 
@@ -69,6 +70,13 @@ class FileRecord(FileObject):
 
     def public(self) -> FileObject:
         return FileObject.model_validate(self.model_dump(include=set(FileObject.model_fields)))
+
+
+def lines_per_read(size: int, lines: int) -> int:
+    """Lines of a file of `size` bytes and `lines` lines to read from Redis at once: READ_LINES, fewer
+    where its lines are long, so that a read holds about READ_BYTES (a batch output's lines can be
+    megabytes each; one line is read whole, whatever its size)."""
+    return max(1, min(READ_LINES, READ_BYTES * max(lines, 1) // max(size, 1)))
 
 
 def split_lines(data: bytes) -> list[bytes]:
@@ -139,9 +147,10 @@ class FileStore:
                 await pipe.execute()
             return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=False)
         path = self._dir / file_id
+        step = lines_per_read(size, lines)
         with path.open("wb") as handle:
-            for start in range(0, lines, READ_LINES):
-                chunk = await self._connection.lrange(list_key, start, start + READ_LINES - 1)
+            for start in range(0, lines, step):
+                chunk = await self._connection.lrange(list_key, start, start + step - 1)
                 await asyncio.to_thread(handle.write, b"".join(line + b"\n" for line in chunk))
         await self._connection.delete(list_key)
         return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=True)
@@ -232,8 +241,9 @@ class FileStore:
             return
         key = api_keys.file_data(record.id)
         count = await self._connection.llen(key)
-        for start in range(0, count, READ_LINES):
-            pieces = await self._connection.lrange(key, start, start + READ_LINES - 1)
+        step = lines_per_read(record.bytes, count)
+        for start in range(0, count, step):
+            pieces = await self._connection.lrange(key, start, start + step - 1)
             last = start + len(pieces) >= count
             yield b"\n".join(pieces) + (b"" if last else b"\n")
 

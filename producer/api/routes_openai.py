@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
@@ -25,10 +25,10 @@ from producer.openai_responses import (
     ChatCompletionChunk,
     ChunkWriter,
     Completion,
-    build_response,
-    dump,
     error_body,
     merge_token_events,
+    response_entries,
+    response_pieces,
     result_error,
 )
 from schemas import GenerationRequest, GenerationResult
@@ -36,6 +36,8 @@ from schemas import GenerationRequest, GenerationResult
 __all__ = ["router"]
 
 router = APIRouter()
+
+STREAM_ABOVE_ENTRIES = 8192  # a response with more logprob entries than this is sent as it is made
 
 _STREAMED = {"text/event-stream": {"schema": {"type": "string"}, "description": "with stream=true: SSE chunks"}}
 
@@ -112,7 +114,11 @@ async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation
     failed = result_error(result)
     if failed is not None:
         return JSONResponse(failed[1], status_code=failed[0], headers=headers)
-    return JSONResponse(dump(build_response(body, job_id, result, created)), headers=headers)
+    pieces = response_pieces(body, job_id, result, created)
+    if response_entries(result) <= STREAM_ABOVE_ENTRIES:
+        return Response(b"".join(pieces), media_type="application/json", headers=headers)
+    # Made piece by piece on a worker thread as the client reads it (docs/gateway.md, "Large results").
+    return StreamingResponse(pieces, media_type="application/json", headers=headers)
 
 
 async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:

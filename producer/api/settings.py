@@ -64,6 +64,8 @@ class GatewaySettings(BaseSettings):
         keys.DEFAULT_PRIORITIES, validation_alias=AliasChoices("MLXQ_PRIORITIES", "priorities"))
     max_tokens: int = Field(RequestLimits.max_tokens, ge=1)
     max_prompt_chars: int = Field(RequestLimits.max_prompt_chars, ge=1)
+    # n x max_tokens x (1 + top_logprobs) of one request at most (docs/requests.md); keep it at the workers'.
+    max_result_entries: int = Field(RequestLimits.max_result_entries, ge=1)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -102,7 +104,8 @@ class GatewaySettings(BaseSettings):
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(max_tokens=self.max_tokens, max_prompt_chars=self.max_prompt_chars)
+        return RequestLimits(max_tokens=self.max_tokens, max_prompt_chars=self.max_prompt_chars,
+                             max_result_entries=self.max_result_entries)
 
     def __repr__(self) -> str:  # the URL may hold a password; key digests are not for logs either
         return f"GatewaySettings(keys={len(self.api_keys)}, files_dir={self.files_dir})"
