@@ -271,8 +271,10 @@ def encode(value: Any) -> bytes:
 
 
 def response_entries(result: GenerationResult) -> int:
-    """The logprob entries a response to `result` carries: each token's, and each alternative's."""
-    return sum(len(c.logprobs or ()) + sum(len(t) for t in c.top_logprobs or ()) for c in result.choices)
+    """About the logprob entries a response to `result` carries: each token's, and each alternative's
+    (as many for every token as for the first)."""
+    return sum(len(c.logprobs or ()) * (1 + (len(c.top_logprobs[0]) if c.top_logprobs else 0))
+               for c in result.choices)
 
 
 def response_pieces(body: OpenAIRequest, job_id: str, result: GenerationResult, created: int,

@@ -20,6 +20,8 @@ from mlxq.redis_server import RedisServer
 from producer.api import stored_results
 from producer.api.stored_results import open_result
 from producer.errors import MlxqError
+from producer.lean_results import parse_result_lean
+from producer.wire import parse_result
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest
 from producer.openai_responses import build_response, dump, response_pieces
 from schemas import GenerationRequest, GenerationResult, InvalidRequestError, RequestLimits, keys
@@ -211,3 +213,71 @@ def test_large_results_served_three_ways_are_the_same_answer(served: tuple[str, 
     assert len(raw) > stored_results.HEAD_BYTES and int(answer.headers["content-length"]) == len(answer.content)
     assert answer.json() == {"id": job["id"], "object": "mlxq.job", "status": "finished",
                              "result": json.loads(raw), "cancelled": None}
+
+
+# ---------------------------------------------------------------- results read lean
+
+_entry = st.fixed_dictionaries({"token_id": st.integers(-2, 300) | st.text(max_size=2) | st.floats(),
+                                "token": _tokens | st.integers(), "logprob": st.floats() | st.text(max_size=2)},
+                               optional={"extra": st.integers()})
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.one_of(st.none(), st.lists(st.lists(_entry, max_size=3), max_size=3), st.integers(), st.text(max_size=3)))
+def test_a_lean_read_accepts_and_refuses_what_the_whole_read_does(rows: Any) -> None:
+    raw = json.dumps({"id": "j", "status": "finished", "choices": [
+        {"index": 0, "text": "ab", "token_ids": [1, 2], "logprobs": [-1.0, -2.0], "top_logprobs": rows}]}).encode()
+    try:
+        whole: GenerationResult | None = parse_result(raw_id := "j", raw)
+    except MlxqError:
+        whole = None
+    if whole is None:
+        with pytest.raises(MlxqError, match="malformed"):
+            parse_result_lean(raw_id, raw, lean_above=0)
+        return
+    lean = parse_result_lean(raw_id, raw, lean_above=0)
+    assert [list(c.top_logprobs) if c.top_logprobs is not None else None for c in lean.choices] == \
+        [c.top_logprobs for c in whole.choices]
+    assert [c.model_copy(update={"top_logprobs": None}) for c in lean.choices] == \
+        [c.model_copy(update={"top_logprobs": None}) for c in whole.choices]
+    assert lean.model_copy(update={"choices": []}) == whole.model_copy(update={"choices": []})
+
+
+@settings(max_examples=60, deadline=None)
+@given(result=results(), chat=st.booleans())
+def test_a_response_from_a_lean_read_is_the_same(result: GenerationResult, chat: bool) -> None:
+    body = (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+            if chat else CompletionRequest(model="m", prompt="x"))
+    lean = parse_result_lean("j", result.model_dump_json().encode(), lean_above=0)
+    assert b"".join(response_pieces(body, "j", lean, 7, 2)) == b"".join(response_pieces(body, "j", result, 7, 2))
+
+
+def test_the_dashboard_reads_each_results_timings_from_its_end(redis_url: str, conn: redis.Redis) -> None:
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+    from rq.registry import FinishedJobRegistry
+
+    from producer.fleet_history import TIMINGS_TAIL_BYTES, recent_ttfts
+    from schemas.result import ErrorInfo, Timings
+
+    now = time.time()
+    big = _big_result().model_copy(update={"timings": Timings(ttft_s=0.25, finished_at=now)})
+    small = GenerationResult(id="s", status="finished", custom_id='"timings":{"ttft_s": 9}',
+                             timings=Timings(ttft_s=0.5, finished_at=now))
+    late = GenerationResult(id="l", status="failed", timings=Timings(ttft_s=0.75, finished_at=now),
+                            error=ErrorInfo(type="X", message="y" * 2 * TIMINGS_TAIL_BYTES))  # timings out of reach
+    old = GenerationResult(id="o", status="finished", timings=Timings(ttft_s=1.0, finished_at=now - 600))
+    for job_id, result in (("big", big), ("small", small), ("late", late), ("old", old)):
+        conn.set(keys.result_key(job_id), result.model_dump_json())
+        conn.zadd(FinishedJobRegistry.key_template.format("q"), {job_id: now + 100})
+
+    async def read() -> list[float]:
+        connection = aioredis.Redis.from_url(redis_url)
+        try:
+            return await recent_ttfts(connection, ["q"], since=now - 60)
+        finally:
+            await connection.aclose()
+
+    assert sorted(asyncio.run(read())) == [0.25, 0.5]

@@ -35,7 +35,8 @@ from producer.api.gateway import Gateway
 from producer.batchfile import BatchLine, LineError, error_line, outcome_line_json, parse_line
 from producer.errors import JobNotFound
 from producer.openai_responses import encode
-from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, parse_result, plan_jobs, record_enqueue
+from producer.lean_results import parse_result_lean
+from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
 
@@ -216,12 +217,17 @@ class BatchDriver:
                 for job_id in group:
                     pipe.get(keys.result_key(job_id))
                 results = await pipe.execute()
-            written = []
-            for job_id, raw_result in zip(group, results):
-                if raw_result is not None:  # (one that expired meanwhile is found lost next round)
-                    written.append(self._line(state, job_id, in_flight[job_id], parse_result(job_id, raw_result)))
+            # Parsed and made into lines on a thread: a large result takes the event loop's time otherwise.
+            written = await asyncio.to_thread(self._lines, state, [(job_id, in_flight[job_id], raw_result) for
+                                                                  job_id, raw_result in zip(group, results)])
             del results
             await self._write(state, written)
+
+    def _lines(self, state: BatchState, ended: list[tuple[str, bytes, Optional[bytes]]]) -> list[tuple[str, bool, bytes]]:
+        """The lines of (job id, input line, raw result) triples; a result that expired meanwhile is left
+        for the next round, which finds it lost."""
+        return [self._line(state, job_id, text, parse_result_lean(job_id, raw)) for job_id, text, raw in ended
+                if raw is not None]
 
     def _line(self, state: BatchState, job_id: str, text: bytes, result: GenerationResult) -> tuple[str, bool, bytes]:
         """The output or error line of a job that ended, as (job id, is_error, the line's JSON)."""

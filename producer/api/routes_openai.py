@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from producer.api.auth import ERRORS, Tenant
 from producer.api.gateway import Gateway, current_tenant, gateway, invalid, wait_unless_disconnected
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
+from producer.lean_results import parse_result_lean
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_request
 from producer.openai_responses import (
     ChatCompletion,
@@ -143,7 +144,8 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                         messages.append(error_body(f"the job restarted ({event['reason']}); its result will be "
                                                    f"at /v1/jobs/{job_id}", "server_error", code="JobRestarted"))
                     else:
-                        result = await gw.client.result(job_id)
+                        state = (await gw.client._read_states([job_id], parse_result_lean))[0]
+                        result = await gw.client._settled(state)
                         messages += writer.closing(result) if result is not None else []
                     break
                 yield _sse(*messages)
