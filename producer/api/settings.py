@@ -55,6 +55,9 @@ class GatewaySettings(BaseSettings):
     file_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
     file_max_lines: int = Field(50_000, ge=1)
     file_ttl_s: int = Field(30 * 24 * 3600, ge=60)  # uploads and batch outputs expire after this, by default
+    # A tenant's files (uploads and batch outputs) that have not expired take at most this many bytes: an upload
+    # past it is refused (413). Batch outputs are never refused, but count. 0: no quota.
+    file_quota_bytes: int = Field(1024 * 1024 * 1024, ge=0)
     batch_max_in_flight: int = Field(64, ge=1)  # jobs of one batch submitted and not ended, at most
     batch_priority: Optional[str] = None  # the priority of batch jobs (e.g. low); None: the default queues
     # A batch job's result waits this long for a driver to copy it into the batch's output (then it expires).
