@@ -49,9 +49,10 @@ def test_stats_shows_queues_workers_rates_and_failures(redis_url):
         table = mlxq(redis_url)
         watch = subprocess.Popen([sys.executable, "-m", "mlxq", "stats", "--url", redis_url, "--watch", "--json",
                                   "--interval", "0.2"], stdout=subprocess.PIPE, text=True)
-        time.sleep(2.0)
+        first = [watch.stdout.readline() for _ in range(3)]  # (however long the command takes to start)
         watch.send_signal(signal.SIGINT)
-        watched, _ = watch.communicate(timeout=10)
+        rest, _ = watch.communicate(timeout=10)
+        watched = "".join(first) + rest
     finally:
         client.close()
         outs = [stop(w) for w in workers]

@@ -147,6 +147,7 @@ class BatchDriver:
         record = await self._gw.files.get(state.tenant, batch.input_file_id)
         errors: list[dict[str, Any]] = []
         seen: set[str] = set()
+        lines_of: dict[str, list[tuple[int, str]]] = {}  # model -> its first lines (number, custom_id)
         total, pieces, offset, model = 0, 0, 0, None
         while True:
             chunk = await self._gw.files.read_lines(record, pieces, offset, VALIDATE_CHUNK)
@@ -165,6 +166,12 @@ class BatchDriver:
                 else:
                     seen.add(line.custom_id)
                     model = model or line.body.model
+                    named = lines_of.setdefault(line.body.model, [])
+                    if len(named) < MAX_ERRORS_LISTED:
+                        named.append((line.number, line.custom_id))
+        for name in await self._gw.fleet.unknown(lines_of):  # no queue is made for a model nobody serves
+            errors += [_unknown_model(number, custom_id, name).as_batch_error() for number, custom_id in lines_of[name]]
+        errors.sort(key=lambda error: error["line"] or 0)
         if total > self._gw.settings.file_max_lines:
             errors.insert(0, {"code": "too_many_lines", "message": f"more than {self._gw.settings.file_max_lines} "
                               "requests", "param": None, "line": None})
@@ -270,6 +277,7 @@ class BatchDriver:
                 lines.append((job_id, text, parse_line(text, number + 1, settings.limits, state.object.endpoint),
                               scanned))
             scanned = (number + 1, end)
+        lines = await self._known_models_only(lines)
         admitted = await self._gw.admission.admit(state.tenant, [job_id for job_id, *_ in lines]) if lines else 0
         taken = lines[:admitted]
         position = scanned if admitted == len(lines) else lines[admitted][3]
@@ -292,6 +300,17 @@ class BatchDriver:
         if await execute_batch(self._connection, batch, unless_exists=[Job.key_for(valid[0][0])]) is None:
             return  # a driver whose lease ran out submitted these already
         await self._write(state, errors)
+
+    async def _known_models_only(self, lines: list[tuple[str, bytes, BatchLine | LineError, tuple[int, int]]]
+                                 ) -> list[tuple[str, bytes, BatchLine | LineError, tuple[int, int]]]:
+        """The lines, each naming a model no worker serves (any more: it was checked at validation) made an
+        error line, never a job: its queue would be one nobody serves."""
+        unknown = await self._gw.fleet.unknown(line.body.model for _, _, line, _ in lines if isinstance(line, BatchLine))
+        if not unknown:
+            return lines
+        return [(job_id, text, _unknown_model(line.number, line.custom_id, line.body.model)
+                 if isinstance(line, BatchLine) and line.body.model in unknown else line, scanned)
+                for job_id, text, line, scanned in lines]
 
     # -- stopping and finishing
 
@@ -346,6 +365,11 @@ def _groups(sized: list[tuple[str, int]], budget: int) -> Iterator[list[str]]:
         total += size
     if group:
         yield group
+
+
+def _unknown_model(number: int, custom_id: str, model: str) -> LineError:
+    return LineError(number, custom_id, f"line {number}: body.model: the model {model!r} does not exist (no worker "
+                     "serves it)", "body.model", "model_not_found")
 
 
 def _piece_of(job_id: str) -> int:
