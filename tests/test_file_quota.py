@@ -21,7 +21,7 @@ from producer.api.quota import StorageQuota
 from tests.gateway import key_entry, running_gateway, wait_live
 from tests.workers import start_fake_worker, stop
 
-KEYS = {"acme": "sk-acme-quota", "globex": "sk-globex-quota"}
+KEYS = {"acme": "sk-acme-quota", "globex": "sk-globex-quota", "initech": "sk-initech-quota"}
 QUOTA = 3000
 
 
@@ -60,7 +60,8 @@ def base() -> Iterator[tuple[str, redis.Redis]]:
         try:
             wait_live(conn, "fake")
             entries = ",".join(key_entry(t, k) for t, k in KEYS.items())
-            with running_gateway(server.url, api_keys=entries, file_quota_bytes=QUOTA, batch_drive_interval_s=0.1) as url:
+            with running_gateway(server.url, api_keys=entries, file_quota_bytes=QUOTA, batch_drive_interval_s=0.1,
+                                 batch_max_in_flight=1) as url:
                 yield url, conn
         finally:
             output = stop(worker)
@@ -72,10 +73,14 @@ def _client(base: str, tenant: str = "acme") -> openai.OpenAI:
     return openai.OpenAI(base_url=base, api_key=KEYS[tenant], max_retries=0)
 
 
+def _line(custom_id: str = "a") -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "fake", "messages": [{"role": "user", "content": "x"}],
+                                "max_tokens": 40}}).encode()
+
+
 def _file(size: int) -> bytes:
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40}}
-    data = json.dumps(line).encode()
+    data = _line()
     return data + b" " * (size - len(data) - 1) + b"\n"
 
 
@@ -105,3 +110,25 @@ def test_uploads_past_the_quota_are_refused_until_files_are_deleted(base: tuple[
         acme.files.create(file=("c.jsonl", io.BytesIO(_file(QUOTA - 1500 - output.bytes + 1))), purpose="batch")
     assert refused.value.status_code == 413
     acme.files.create(file=("c.jsonl", io.BytesIO(_file(QUOTA - 1500 - output.bytes))), purpose="batch")
+
+
+def test_a_batch_stops_sending_lines_once_its_tenants_files_fill_the_quota(base: tuple[str, redis.Redis]) -> None:
+    url, _ = base
+    client = _client(url, "initech")
+    data = b"".join(_line(f"line-{i}") + b"\n" for i in range(8))
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    assert batch.status == "completed" and batch.request_counts.total == 8
+    output = client.files.retrieve(batch.output_file_id)
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    sent = batch.request_counts.completed
+    assert 1 <= sent < 8 and len(errors) == 8 - sent
+    assert {e["error"]["code"] for e in errors} == {"storage_quota_exceeded"}
+    assert f"storage quota of {QUOTA} bytes" in errors[0]["error"]["message"]
+    # it stopped as soon as the quota was full: one line's output (the one job in flight) past it at most
+    per_line = output.bytes / sent
+    assert uploaded.bytes + output.bytes - per_line < QUOTA

@@ -11,7 +11,10 @@ lease (a Redis key with a TTL) at that moment. One advance, from the state in Re
 - past the completion window, or cancelled: the jobs in flight are cancelled, the lines never sent go
   to the error file (`batch_expired` / `batch_cancelled`), and once nothing is in flight the batch
   ends `expired` / `cancelled`; otherwise, once every line is written, `completed`. The output and
-  error files are then made from the lists.
+  error files are then made from the lists;
+- once the tenant's files (this batch's lines counted as they are written) fill its storage quota,
+  the lines never sent go to the error file (`storage_quota_exceeded`), the jobs in flight end, and the
+  batch ends `completed`.
 
 A replica that dies mid-advance loses nothing: its lease expires and the next one starts from Redis.
 """
@@ -52,9 +55,11 @@ RESULT_MARGIN_S = 3600  # a batch's lists outlive its window by this much
 
 # KEYS: in-flight hash, output list, error list, batch hash, tenant's in-flight set.
 # ARGV: next piece ('' to leave it), next offset, list ttl, then (job id or '', '0' output | '1' error, line)
-# triples. A line is written only if its job id left the in-flight hash here (or it has none).
+# triples. A line is written only if its job id left the in-flight hash here (or it has none). Returns the
+# bytes written.
 _COLLECT = """
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[4], 'next_piece', ARGV[1], 'next_offset', ARGV[2]) end
+local written = 0
 for i = 4, #ARGV, 3 do
   local id, kind, line = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if id == '' or redis.call('HDEL', KEYS[1], id) == 1 then
@@ -65,12 +70,14 @@ for i = 4, #ARGV, 3 do
     redis.call('HINCRBY', KEYS[4], count, 1)
     redis.call('HINCRBY', KEYS[4], size, #line + 1)
     if id ~= '' then redis.call('ZREM', KEYS[5], id) end
+    written = written + #line + 1
   end
 end
-return 1
+return written
 """
 
 EXPIRED = "the batch's completion window ended before this request did"
+OVER_QUOTA = "over_quota"  # a stop: the tenant's files fill its storage quota
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -132,6 +139,9 @@ class BatchDriver:
                 return await self._finish(state)
             return await self._validate(state)
         await self._collect_ended(state)
+        if state.stop is None and await self._gw.files.quota.full(state.tenant):  # (what was just written counts)
+            state.stop = OVER_QUOTA
+            await self._batches.save(state, stop=state.stop)
         if state.stop:
             await self._stop(state)
         else:
@@ -252,9 +262,12 @@ class BatchDriver:
         args: list[Any] = [position[0] if position else "", position[1] if position else 0, self._lists_ttl(state)]
         for job_id, is_error, line in lines:
             args += [job_id, "1" if is_error else "0", line if isinstance(line, bytes) else encode(line)]
-        await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
-                                  api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
-                                  api_keys.in_flight(state.tenant.tag)], args=args)
+        written = await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
+                                            api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
+                                            api_keys.in_flight(state.tenant.tag)], args=args)
+        if written:  # the tenant's storage, as the lines are written (producer/api/quota.py)
+            await self._gw.files.quota.reserve(state.tenant, _usage_name(state.id), int(written),
+                                               time.time() + self._lists_ttl(state), force=True)
 
     def _lists_ttl(self, state: BatchState) -> int:
         return max(int(state.object.expires_at or time.time()) - int(time.time()), 0) + RESULT_MARGIN_S
@@ -315,15 +328,21 @@ class BatchDriver:
     # -- stopping and finishing
 
     async def _stop(self, state: BatchState) -> None:
-        """Cancel what is in flight; write every line never sent to the error file."""
-        for raw in await self._connection.hkeys(api_keys.batch_in_flight(state.id)):
-            await self._gw.cancel_quietly(raw.decode())
+        """Cancel what is in flight (unless the quota stops it: that lets them end); write every line never
+        sent to the error file."""
+        if state.stop != OVER_QUOTA:
+            for raw in await self._connection.hkeys(api_keys.batch_in_flight(state.id)):
+                await self._gw.cancel_quietly(raw.decode())
         start, offset = state.counts["next_piece"], state.counts["next_offset"]
         if start >= state.counts["pieces"]:
             return
         record = await self._gw.files.get(state.tenant, state.object.input_file_id)
-        code, message = (("batch_expired", EXPIRED) if state.stop == "expired"
-                         else ("batch_cancelled", "the batch was cancelled before this request ended"))
+        code, message = {
+            "expired": ("batch_expired", EXPIRED),
+            OVER_QUOTA: ("storage_quota_exceeded", f"this tenant's files reached its storage quota of "
+                         f"{self._gw.files.quota.quota_bytes} bytes (MLXQ_API_FILE_QUOTA_BYTES) before this request "
+                         "was sent"),
+        }.get(state.stop or "", ("batch_cancelled", "the batch was cancelled before this request ended"))
         while start < state.counts["pieces"]:
             chunk = await self._gw.files.read_lines(record, start, offset, VALIDATE_CHUNK)
             if not chunk:
@@ -346,6 +365,7 @@ class BatchDriver:
                     api_keys.batch_lines(state.id, is_error), lines,
                     state.counts["err_bytes" if is_error else "out_bytes"], ttl)
                 setattr(batch, attribute, made.id)
+        await self._gw.files.quota.release(state.tenant, _usage_name(state.id))  # the files count it now
         final = {"cancelled": "cancelled", "expired": "expired"}.get(state.stop or "", "completed")
         batch.status = final  # type: ignore[assignment]
         setattr(batch, f"{final}_at", int(time.time()))
@@ -365,6 +385,11 @@ def _groups(sized: list[tuple[str, int]], budget: int) -> Iterator[list[str]]:
         total += size
     if group:
         yield group
+
+
+def _usage_name(batch_id: str) -> str:
+    """What a batch's lines are counted under in its tenant's storage, until its files are made."""
+    return f"batch:{batch_id}"
 
 
 def _unknown_model(number: int, custom_id: str, model: str) -> LineError:

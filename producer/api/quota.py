@@ -4,8 +4,12 @@ expired nor been deleted, uploads and batch outputs alike, kept in Redis so that
 A tenant's usage is a hash (file id -> bytes, and `total`, their sum) and a sorted set of the same ids by
 the Unix time each file expires. One script reserves an upload's bytes before its contents are written,
 refusing it when the total would pass the quota, so concurrent uploads cannot pass it together; the same
-script first releases the files that expired. Deleting a file releases its bytes at once. A batch's output
-is counted but never refused: it may take a tenant past its quota, and then uploads wait for room.
+script first releases the files that expired. Deleting a file releases its bytes at once.
+
+A batch's output is counted as its lines are written (under `batch:<id>`, until the batch's output and
+error files take their place), and never refused: a batch whose tenant's files fill the quota sends no
+more of its lines (producer/api/batch_driver.py); its jobs in flight still end and are written, so a tenant
+can pass its quota by what those jobs make, and then uploads wait for room.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ local total = tonumber(redis.call('HGET', KEYS[1], 'total') or '0')
 if #ARGV == 1 then return {1, total} end
 local size, quota = tonumber(ARGV[3]), tonumber(ARGV[5])
 if ARGV[6] ~= '1' and quota > 0 and total + size > quota then return {0, total} end
-redis.call('HSET', KEYS[1], ARGV[2], size)
+redis.call('HINCRBY', KEYS[1], ARGV[2], size)
 total = redis.call('HINCRBY', KEYS[1], 'total', size)
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[2])
 for _, key in ipairs(KEYS) do
@@ -73,8 +77,9 @@ class StorageQuota:
 
     async def reserve(self, tenant: Tenant, file_id: str, size: int, expires_at: float, *, force: bool = False,
                       now: Optional[float] = None) -> None:
-        """Count `size` bytes for the file until `expires_at` (Unix seconds), or answer 413 naming the quota
-        (with `force`, a batch's output: count it whatever the quota)."""
+        """Count `size` more bytes for `file_id` until `expires_at` (Unix seconds), or answer 413 naming the
+        quota. With `force` (a batch's output, and its lines as they are written, under `batch:<id>`),
+        count them whatever the quota."""
         now = now if now is not None else time.time()
         keep = max(USAGE_TTL_S, int(expires_at - now) + USAGE_MARGIN_S)
         allowed, total = await self._reserve(keys=self._keys(tenant), args=[
@@ -86,6 +91,10 @@ class StorageQuota:
 
     async def release(self, tenant: Tenant, file_id: str) -> None:
         await self._release(keys=self._keys(tenant), args=[file_id])
+
+    async def full(self, tenant: Tenant) -> bool:
+        """Whether the tenant's files take its whole quota (or more)."""
+        return bool(self.quota_bytes) and await self.used(tenant) >= self.quota_bytes
 
     async def used(self, tenant: Tenant, now: Optional[float] = None) -> int:
         """The bytes the tenant's files take now (those that expired released first)."""
