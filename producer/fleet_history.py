@@ -49,7 +49,7 @@ class Sample:
         ordered = sorted(ttfts)
         return cls(t=snapshot.taken_at, tokens_per_s={w.name: round(w.tokens_per_s_1m, 3) for w in snapshot.workers},
                    models={w.name: w.model for w in snapshot.workers},
-                   queued=sum(q.depth for q in snapshot.queues), in_flight=snapshot.in_flight,
+                   queued=snapshot.jobs_waiting, in_flight=snapshot.in_flight,
                    ttft_p50_s=statistics.median(ordered) if ordered else None,
                    ttft_p90_s=ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None,
                    ttft_jobs=len(ordered))

@@ -48,17 +48,19 @@ def _prefix(template: str) -> str:
 
 
 # KEYS[1] rq:queues. ARGV: the queue key prefix, the started registry's prefix, the most names to return.
-# Returns {queues registered, those holding jobs (waiting or taken), then the names of the deepest of them}.
+# Returns {queues registered, those holding jobs (waiting or taken), the jobs waiting in them all, then the
+# names of the deepest of them}.
 _ACTIVE = """
 local registered = redis.call('SMEMBERS', KEYS[1])
-local active = {}
+local active, waiting = {}, 0
 for _, key in ipairs(registered) do
   local name = string.sub(key, #ARGV[1] + 1)
   local depth = redis.call('LLEN', key)
+  waiting = waiting + depth
   if depth > 0 or redis.call('ZCARD', ARGV[2] .. name) > 0 then active[#active + 1] = {name, depth} end
 end
 table.sort(active, function(a, b) return a[2] > b[2] end)
-local out = {#registered, #active}
+local out = {#registered, #active, waiting}
 for i = 1, math.min(#active, tonumber(ARGV[3])) do out[#out + 1] = active[i][1] end
 return out
 """

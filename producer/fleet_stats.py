@@ -74,6 +74,7 @@ class FleetSnapshot:
     workers: tuple[LiveWorker, ...]
     queues_registered: int = 0  # in RQ's registry (`rq:queues`), listed or not
     queues_with_jobs: int = 0  # of those, the ones holding jobs (listed up to MAX_LISTED)
+    jobs_waiting: int = 0  # in every queue, listed or not
 
     @property
     def models(self) -> dict[str, int]:
@@ -105,7 +106,7 @@ class FleetSnapshot:
                 "workers": [{**asdict(w), "queues": list(w.queues)} for w in self.workers],
                 "models": self.models, "failures": self.failures, "in_flight": self.in_flight,
                 "tokens_per_s": self.tokens_per_s, "queues_registered": self.queues_registered,
-                "queues_with_jobs": self.queues_with_jobs}
+                "queues_with_jobs": self.queues_with_jobs, "jobs_waiting": self.jobs_waiting}
 
 
 Fill = Callable[[Any], None]  # queues commands on a pipeline (sync or asyncio: the same calls)
@@ -121,7 +122,8 @@ def snapshot_plan(now: float, queue_names: tuple[str, ...] = (), max_listed: int
         pipe.execute_command(*active_queues_command(max_listed)))
     names = sorted(_text(n) for n in names_reply)
     prefix = Queue.redis_queue_namespace_prefix
-    registered, with_jobs, rq_queues = int(active[0]), int(active[1]), {_text(name) for name in active[2:]}
+    registered, with_jobs, jobs_waiting = int(active[0]), int(active[1]), int(active[2])
+    rq_queues = {_text(name) for name in active[3:]}
 
     def presences_and_queues(pipe: Any) -> None:
         for name in names:
@@ -155,7 +157,8 @@ def snapshot_plan(now: float, queue_names: tuple[str, ...] = (), max_listed: int
         started = _unix(enqueued_at.get(head)) if head else None
         rows.append(QueueStats(queue, int(counts[4 * i]), max(0.0, now - started) if started else None,
                                int(counts[4 * i + 2]), int(counts[4 * i + 3])))
-    return FleetSnapshot(now, tuple(rows), tuple(workers), registered, with_jobs)
+    jobs_waiting = max(jobs_waiting, sum(row.depth for row in rows))  # (a listed queue need not be registered)
+    return FleetSnapshot(now, tuple(rows), tuple(workers), registered, with_jobs, jobs_waiting)
 
 
 def read_snapshot(connection: redis.Redis, queue_names: tuple[str, ...] = ()) -> FleetSnapshot:

@@ -147,6 +147,7 @@ def test_views_list_served_queues_and_the_deepest_with_jobs_however_many_are_reg
     assert {q.name for q in snapshot.queues if q.depth} == {f"mlxq:busy-{i}" for i in range(5, MAX_LISTED + 5)}
     assert not any(name.startswith(("mlxq:junk-", "mlxq:shallow-")) for name in names)  # the deepest are listed
     assert snapshot.queues_registered == 20_000 + MAX_LISTED + 5 and snapshot.queues_with_jobs == MAX_LISTED + 5
+    assert snapshot.jobs_waiting == 5 + 2 * MAX_LISTED  # the queues not listed too
     assert read_snapshot(conn, ("mlxq:junk-7",)).queues[0].depth == 0  # a queue asked for by name is read
 
     async def prune_all() -> list[str]:
