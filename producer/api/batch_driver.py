@@ -37,8 +37,8 @@ from producer.api.batches import FINAL, BatchErrors, BatchState, BatchStore
 from producer.api.gateway import Gateway
 from producer.batchfile import BatchLine, LineError, error_line, outcome_line_json, parse_line
 from producer.errors import JobNotFound
-from producer.openai_responses import encode
 from producer.lean_results import parse_result_lean
+from producer.openai_responses import encode
 from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
