@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, help="max_tokens for requests that leave it unset (256)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for (4096)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (32768)")
+    p.add_argument("--max-result-entries", type=int,
+                   help="most n x max_tokens x (1 + top_logprobs) of one request: what its result may hold (131072)")
     p.add_argument("--prefix-cache-mb", type=int,
                    help="memory for KV caches of prompts reused across jobs; 0 turns it off (default 1024)")
     p.add_argument("--adapter-dir", help="folder whose subdirectories are LoRA adapters by name (MLXQ_ADAPTER_DIR)")

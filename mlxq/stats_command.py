@@ -54,7 +54,8 @@ def render(snapshot: FleetSnapshot) -> Group:
         failures.add_row(error_type, str(count))
     models = ", ".join(f"{model or '?'} x{count}" for model, count in snapshot.models.items()) or "none"
     summary = (f"models: {models}; jobs in flight {snapshot.in_flight}; "
-               f"{snapshot.tokens_per_s:.1f} tokens/s over the last minute")
+               f"{snapshot.tokens_per_s:.1f} tokens/s over the last minute; "
+               f"{snapshot.queues_registered} queues registered, {snapshot.queues_with_jobs} holding jobs")
     return Group(queues, workers, failures, summary)
 
 

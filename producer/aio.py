@@ -45,6 +45,7 @@ from producer.wire import (
     job_options,
     job_state,
     latest_result_detail,
+    parse_result,
     parse_server_version,
     plan_jobs,
     public_status,
@@ -59,10 +60,24 @@ from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
-__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "JobWatch", "MAX_CONNECTIONS", "ReadStates", "execute_batch"]
+__all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "JobWatch", "MAX_CONNECTIONS", "ReadStates", "execute_batch",
+           "parsed_state"]
 
 # Reads the states of some jobs in one snapshot (AsyncClient._read_states, or a caller's own that does more).
 ReadStates = Callable[[Sequence[str]], Awaitable[list[JobState]]]
+
+# A result this large is parsed on a thread, so that the event loop keeps serving meanwhile (parsing a result
+# of the largest size a request may make takes a fair part of a second; a raised cap, seconds).
+PARSE_ON_THREAD_BYTES = 1 << 20
+
+
+async def parsed_state(job_id: str, raw_result: bytes | None, raw_status: bytes | None,
+                       parse: Callable[[str, bytes], GenerationResult] = parse_result) -> JobState:
+    """`job_state`, on a thread for a large result."""
+    if raw_result is not None and len(raw_result) > PARSE_ON_THREAD_BYTES:
+        return await asyncio.to_thread(job_state, job_id, raw_result, raw_status, parse)
+    return job_state(job_id, raw_result, raw_status, parse)
+
 
 # Connections an AsyncClient that opened its own may hold at once (a `max_connections` in the URL wins);
 # past them, a command waits for one to be free.
@@ -224,14 +239,15 @@ class AsyncClient:
 
     # -- reading
 
-    async def _read_states(self, job_ids: Sequence[str]) -> list[JobState]:
+    async def _read_states(self, job_ids: Sequence[str],
+                           parse: Callable[[str, bytes], GenerationResult] = parse_result) -> list[JobState]:
         with broker_errors():
             async with self.connection.pipeline() as pipe:
                 for job_id in job_ids:
                     pipe.get(keys.result_key(job_id))
                     pipe.hget(Job.key_for(job_id), "status")
                 raw = await pipe.execute()
-        return [job_state(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)]
+        return [await parsed_state(job_id, raw[2 * i], raw[2 * i + 1], parse) for i, job_id in enumerate(job_ids)]
 
     async def _settled(self, state: JobState) -> GenerationResult | None:
         if state.result is not None:

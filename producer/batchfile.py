@@ -12,12 +12,13 @@ that never ran (invalid, cancelled, expired) or whose result could not be read o
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from producer.errors import InvalidRequest
 from producer.openai_requests import CHAT_PATH, COMPLETIONS_PATH, OpenAIRequest, parse_openai_request, to_generation_request
-from producer.openai_responses import build_response, dump, result_error
+from producer.openai_responses import build_response, dump, encode, response_pieces, result_error
 from schemas import GenerationRequest, GenerationResult, RequestLimits
 
 __all__ = [
@@ -29,8 +30,9 @@ __all__ = [
     "error_line",
     "line_text",
     "outcome_line",
-    "unreadable_line",
+    "outcome_line_json",
     "parse_line",
+    "unreadable_line",
 ]
 
 ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH)
@@ -111,6 +113,18 @@ def outcome_line(line: BatchLine, job_id: str, result: GenerationResult, created
         status, error = failed
         return True, _line(job_id, line.custom_id, {"status_code": status, "request_id": job_id, "body": error}, None)
     return True, error_line(line.custom_id, "batch_cancelled", "the request was cancelled before it ended", job_id)
+
+
+def outcome_line_json(line: BatchLine, job_id: str, result: GenerationResult, created: int) -> tuple[bool, bytes]:
+    """`outcome_line` as one line of JSON, its response body made in pieces (`response_pieces`): a large
+    result's line is never held as Python objects."""
+    if result.status != "finished":
+        is_error, out = outcome_line(line, job_id, result, created)
+        return is_error, encode(out)
+    marker = f"\x00{uuid.uuid4().hex}\x00"  # where the body goes
+    frame = encode(_line(job_id, line.custom_id, {"status_code": 200, "request_id": job_id, "body": marker}, None))
+    before, _, after = frame.partition(encode(marker))
+    return False, b"".join([before, *response_pieces(line.body, job_id, result, created), after])
 
 
 def error_line(custom_id: Optional[str], code: str, message: str, job_id: str | None = None) -> dict[str, Any]:

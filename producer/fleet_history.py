@@ -30,6 +30,7 @@ __all__ = ["HistorySampler", "Sample", "read_history", "recent_ttfts"]
 log = logging.getLogger("mlxq.api")
 
 TTFT_JOBS_PER_QUEUE = 50  # results read per queue and sample: a sample of a busy queue's jobs, not all
+TIMINGS_TAIL_BYTES = 8192  # of each: a result's timings and the short fields after them
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Sample:
         ordered = sorted(ttfts)
         return cls(t=snapshot.taken_at, tokens_per_s={w.name: round(w.tokens_per_s_1m, 3) for w in snapshot.workers},
                    models={w.name: w.model for w in snapshot.workers},
-                   queued=sum(q.depth for q in snapshot.queues), in_flight=snapshot.in_flight,
+                   queued=snapshot.jobs_waiting, in_flight=snapshot.in_flight,
                    ttft_p50_s=statistics.median(ordered) if ordered else None,
                    ttft_p90_s=ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None,
                    ttft_jobs=len(ordered))
@@ -65,15 +66,29 @@ async def recent_ttfts(connection: aioredis.Redis, queues: list[str], since: flo
     job_ids = [job_id.decode() for ids in await pipe.execute() for job_id in ids]
     if not job_ids:
         return []
+    # Each result's last TIMINGS_TAIL_BYTES: its timings come after its choices, which can be megabytes.
+    pipe = connection.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.getrange(keys.result_key(job_id), -TIMINGS_TAIL_BYTES, -1)
     ttfts = []
-    for raw in await connection.mget([keys.result_key(job_id) for job_id in job_ids]):
-        try:
-            timings = json.loads(raw)["timings"] if raw else None
-        except (ValueError, KeyError, TypeError):
-            continue
+    for tail in await pipe.execute():
+        timings = _timings(tail)
         if timings and timings.get("ttft_s") is not None and (timings.get("finished_at") or 0) > since:
             ttfts.append(float(timings["ttft_s"]))
     return ttfts
+
+
+def _timings(tail: bytes) -> Optional[dict[str, Any]]:
+    """The `timings` object in the end of a result's JSON, if it is there. (`"timings":{` cannot occur
+    inside a JSON string, whose quotes are escaped.)"""
+    at = tail.rfind(b'"timings":{')
+    if at < 0:
+        return None
+    try:
+        timings, _ = json.JSONDecoder().raw_decode(tail[at + len(b'"timings":'):].decode(errors="replace"))
+    except ValueError:
+        return None
+    return timings if isinstance(timings, dict) else None
 
 
 async def read_history(connection: aioredis.Redis, window_s: float, now: Optional[float] = None) -> list[Sample]:

@@ -5,7 +5,9 @@ hit rate, failures by type). `mlxq stats`, the gateway's `/metrics` and its `/da
 
 Where each number comes from: queues from RQ's own keys (`rq:queues`, `rq:queue:<q>`, its started and
 failed registries, the head job's `enqueued_at`); workers from their heartbeat entries
-(`mlxq:worker:<name>`, schemas/presence.py) and their stats hashes (`mlxq:stats:<name>`).
+(`mlxq:worker:<name>`, schemas/presence.py) and their stats hashes (`mlxq:stats:<name>`). The queues listed
+are those live workers listen on and the deepest that hold jobs (producer/fleet_queues.py): a view's cost
+does not grow with queues nobody uses.
 
 The reading is a plan of three pipelined round trips that does no I/O itself (`snapshot_plan`);
 `read_snapshot` and `aread_snapshot` are its sync and asyncio drivers.
@@ -26,6 +28,7 @@ from rq.queue import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.utils import utcparse
 
+from producer.fleet_queues import MAX_LISTED, active_queues_command
 from schemas import keys
 from schemas.presence import WorkerPresence
 
@@ -69,6 +72,9 @@ class FleetSnapshot:
     taken_at: float  # Unix seconds
     queues: tuple[QueueStats, ...]
     workers: tuple[LiveWorker, ...]
+    queues_registered: int = 0  # in RQ's registry (`rq:queues`), listed or not
+    queues_with_jobs: int = 0  # of those, the ones holding jobs (listed up to MAX_LISTED)
+    jobs_waiting: int = 0  # in every queue, listed or not
 
     @property
     def models(self) -> dict[str, int]:
@@ -99,21 +105,25 @@ class FleetSnapshot:
         return {"taken_at": self.taken_at, "queues": [asdict(q) for q in self.queues],
                 "workers": [{**asdict(w), "queues": list(w.queues)} for w in self.workers],
                 "models": self.models, "failures": self.failures, "in_flight": self.in_flight,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "queues_registered": self.queues_registered,
+                "queues_with_jobs": self.queues_with_jobs, "jobs_waiting": self.jobs_waiting}
 
 
 Fill = Callable[[Any], None]  # queues commands on a pipeline (sync or asyncio: the same calls)
 
 
-def snapshot_plan(now: float, queue_names: tuple[str, ...] = ()) -> Generator[Fill, list[Any], FleetSnapshot]:
+def snapshot_plan(now: float, queue_names: tuple[str, ...] = (), max_listed: int = MAX_LISTED
+                  ) -> Generator[Fill, list[Any], FleetSnapshot]:
     """The reading, as a generator: it yields what to queue on a fresh pipeline and is sent that
-    pipeline's replies. Queues: `queue_names`, else every queue RQ knows and every one a live worker
-    listens on."""
-    names_reply, known = yield lambda pipe: (pipe.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf"),
-                                             pipe.smembers(Queue.redis_queues_keys))
+    pipeline's replies. Queues: `queue_names`, else every one a live worker listens on and the `max_listed`
+    deepest that RQ knows and that hold jobs (producer/fleet_queues.py)."""
+    names_reply, active = yield lambda pipe: (
+        pipe.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf"),
+        pipe.execute_command(*active_queues_command(max_listed)))
     names = sorted(_text(n) for n in names_reply)
     prefix = Queue.redis_queue_namespace_prefix
-    rq_queues = {_text(k)[len(prefix):] for k in known if _text(k).startswith(prefix)}
+    registered, with_jobs, jobs_waiting = int(active[0]), int(active[1]), int(active[2])
+    rq_queues = {_text(name) for name in active[3:]}
 
     def presences_and_queues(pipe: Any) -> None:
         for name in names:
@@ -147,7 +157,8 @@ def snapshot_plan(now: float, queue_names: tuple[str, ...] = ()) -> Generator[Fi
         started = _unix(enqueued_at.get(head)) if head else None
         rows.append(QueueStats(queue, int(counts[4 * i]), max(0.0, now - started) if started else None,
                                int(counts[4 * i + 2]), int(counts[4 * i + 3])))
-    return FleetSnapshot(now, tuple(rows), tuple(workers))
+    jobs_waiting = max(jobs_waiting, sum(row.depth for row in rows))  # (a listed queue need not be registered)
+    return FleetSnapshot(now, tuple(rows), tuple(workers), registered, with_jobs, jobs_waiting)
 
 
 def read_snapshot(connection: redis.Redis, queue_names: tuple[str, ...] = ()) -> FleetSnapshot:

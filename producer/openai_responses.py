@@ -18,11 +18,18 @@ empty arguments, then the arguments), as OpenAI's streams do. A choice whose tex
 did not parse carries `tool_call_error` (the text stays in the content). A completion with `echo` has
 the prompt's text (and with `logprobs` its tokens, their logprobs and top entries, the first token's
 null) ahead of the completion's.
+
+A blocking response goes out as `response_pieces`: exactly Starlette's `JSONResponse` rendering of
+`dump(build_response(...))`, but its per-token logprobs, nearly all of a large response (each token and
+its alternatives with their UTF-8 bytes), made and encoded a few hundred tokens at a time, so the whole
+response never exists as Python objects nor needs to exist whole as JSON (docs/gateway.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel
@@ -40,8 +47,11 @@ __all__ = [
     "ErrorBody",
     "build_response",
     "dump",
+    "encode",
     "error_body",
     "merge_completions",
+    "response_entries",
+    "response_pieces",
     "result_error",
 ]
 
@@ -328,6 +338,89 @@ def dump(model: BaseModel) -> dict[str, Any]:
             if isinstance(message, dict) and message.get(name, 0) is None:
                 del message[name]
     return data
+
+
+# -- blocking responses as JSON bytes, in pieces
+
+PIECE_TOKENS = 256  # tokens whose logprobs are made and encoded together
+
+# Starlette's JSONResponse.render settings: the same bytes whichever way a response goes out.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def encode(value: Any) -> bytes:
+    return _ENCODER.encode(value).encode()
+
+
+def response_entries(result: GenerationResult) -> int:
+    """About the logprob entries a response to `result` carries: each token's, and each alternative's
+    (as many for every token as for the first)."""
+    return sum(len(c.logprobs or ()) * (1 + (len(c.top_logprobs[0]) if c.top_logprobs else 0))
+               for c in result.choices)
+
+
+def response_pieces(body: OpenAIRequest, job_id: str, result: GenerationResult, created: int,
+                    piece_tokens: int = PIECE_TOKENS) -> Iterator[bytes]:
+    """`encode(dump(build_response(body, job_id, result, created)))`, in pieces."""
+    bare = result.model_copy(update={"choices": [c.model_copy(update={"logprobs": None, "top_logprobs": None})
+                                                 for c in result.choices]})
+    shell = dump(build_response(body, job_id, bare, created))
+    # Each choice with logprobs gets an unguessable marker in the shell, where its logprobs go.
+    nonce = uuid.uuid4().hex
+    markers: list[tuple[bytes, Choice]] = []
+    for data, choice in zip(shell["choices"], result.choices):
+        if choice.logprobs is not None:
+            marker = f"\x00{nonce}:{choice.index}\x00"
+            data["logprobs"] = marker
+            markers.append((encode(marker), choice))
+    rest = encode(shell)
+    chat = isinstance(body, ChatCompletionRequest)
+    for marker, choice in markers:
+        before, _, rest = rest.partition(marker)
+        yield before
+        yield from (_chat_logprobs_json(choice, piece_tokens) if chat else _completion_logprobs_json(choice, piece_tokens))
+    yield rest
+
+
+def _chat_logprobs_json(choice: Choice, piece_tokens: int) -> Iterator[bytes]:
+    """`{"content":[...],"refusal":null}`, as `ChoiceLogprobs` dumps it."""
+    logprobs = choice.logprobs or []
+    yield b'{"content":['
+    for start in range(0, len(logprobs), piece_tokens):
+        end = start + piece_tokens
+        part = _chat_logprobs_of(choice.token_ids[start:end], logprobs[start:end],
+                                 choice.top_logprobs[start:end] if choice.top_logprobs is not None else None)
+        items = encode(part.model_dump(mode="json")["content"])[1:-1]
+        yield (b"," + items) if start else items
+    yield b'],"refusal":null}'
+
+
+def _completion_logprobs_json(choice: Choice, piece_tokens: int) -> Iterator[bytes]:
+    """`{"tokens":...,"token_logprobs":...,"top_logprobs":...,"text_offset":...}`, as `CompletionLogprobs`
+    dumps it."""
+    logprobs = choice.logprobs or []
+    tops = choice.top_logprobs
+    tokens = [_token_string(choice.token_ids[i], _tops(tops, i)) for i in range(len(logprobs))]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    yield b'{"tokens":' + encode(tokens) + b',"token_logprobs":' + encode(list(logprobs)) + b',"top_logprobs":'
+    if tops is None:
+        yield b"null"
+    else:
+        yield from _top_dicts(tops, piece_tokens)
+    yield b',"text_offset":' + encode(offsets) + b"}"
+
+
+def _top_dicts(tops: Sequence[Sequence[TopLogprob]], piece_tokens: int) -> Iterator[bytes]:
+    yield b"["
+    for start in range(0, len(tops), piece_tokens):
+        items: list[Optional[dict[str, float]]] = [{t.token: t.logprob for t in entry}
+                                                   for entry in tops[start:start + piece_tokens]]
+        encoded = encode(items)[1:-1]
+        yield (b"," + encoded) if start else encoded
+    yield b"]"
 
 
 def merge_token_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

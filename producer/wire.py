@@ -9,7 +9,7 @@ import functools
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
@@ -297,11 +297,12 @@ def parse_result(job_id: str, raw: bytes | str) -> GenerationResult:
         raise MlxqError(f"malformed result for job {job_id}: {exc}") from exc
 
 
-def job_state(job_id: str, raw_result: bytes | None, rawrq_status: bytes | None) -> JobState:
-    """Build a JobState from `GET mlxq:result:<id>` and `HGET rq:job:<id> status`."""
+def job_state(job_id: str, raw_result: bytes | None, rawrq_status: bytes | None,
+              parse: Callable[[str, bytes], GenerationResult] = parse_result) -> JobState:
+    """Build a JobState from `GET mlxq:result:<id>` and `HGET rq:job:<id> status`, the result read by `parse`."""
     if raw_result is None and rawrq_status is None:
         raise JobNotFound(job_id)
-    result = parse_result(job_id, raw_result) if raw_result is not None else None
+    result = parse(job_id, raw_result) if raw_result is not None else None
     rq_status = rawrq_status.decode() if isinstance(rawrq_status, bytes) else rawrq_status
     return JobState(job_id, result, rq_status)
 

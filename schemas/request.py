@@ -50,6 +50,10 @@ class RequestLimits:
     # An inline image's decoded size (the worker checks every source). Its base64 takes 4/3 of it in the
     # job, which a worker refuses whole above MLXQ_MAX_JOB_BYTES (16 MiB).
     max_image_bytes: int = 10 * 1024 * 1024
+    # What one result may hold: n x max_tokens x (1 + top_logprobs) token entries (`result_entries`).
+    # A result takes about 60 bytes of JSON per entry (docs/requests.md), so this bounds one result key
+    # near 8 MiB, and what a gateway holds to serve it.
+    max_result_entries: int = 131072
 
 
 class InvalidRequestError(ValueError):
@@ -226,12 +230,32 @@ class GenerationRequest(AgentFields):
 def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
     if request.max_tokens is not None and request.max_tokens > limits.max_tokens:
         raise ValueError(f"max_tokens: {request.max_tokens} exceeds this deployment's limit of {limits.max_tokens}")
+    if request.max_tokens is not None:  # else the worker checks it, with its default max_tokens
+        check_result_entries(request, request.max_tokens, limits)
     if request.prompt_token_ids is not None and len(request.prompt_token_ids) > limits.max_prompt_tokens:
         raise ValueError(
             f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceeds the limit of "
             f"{limits.max_prompt_tokens}"
         )
     _check_image_limits(request, limits)
+
+
+def result_entries(n: int, max_tokens: int, top_logprobs: int) -> int:
+    """The token entries a result can hold at most: each choice's tokens, and each token's alternatives."""
+    return n * max_tokens * (1 + top_logprobs)
+
+
+def check_result_entries(request: GenerationRequest, max_tokens: int, limits: RequestLimits) -> None:
+    """InvalidRequestError unless n x max_tokens x (1 + top_logprobs) is within `limits.max_result_entries`;
+    it names top_logprobs, else n, else max_tokens: the first one a caller would lower."""
+    entries = result_entries(request.n, max_tokens, request.top_logprobs)
+    if entries <= limits.max_result_entries:
+        return
+    field = "top_logprobs" if request.top_logprobs else "n" if request.n > 1 else "max_tokens"
+    raise InvalidRequestError(
+        f"{field}: n {request.n} x max_tokens {max_tokens} x (1 + top_logprobs {request.top_logprobs}) = {entries} "
+        f"result entries exceeds this deployment's limit of {limits.max_result_entries} (MLXQ_MAX_RESULT_ENTRIES); "
+        "lower n, max_tokens or top_logprobs", field=field)
 
 
 def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> None:

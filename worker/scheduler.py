@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
-from schemas.request import InvalidRequestError, RequestLimits
+from schemas.request import InvalidRequestError, RequestLimits, check_result_entries
 from schemas.result import no_output_result
 from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec
 from worker.images import io_image_inputs
@@ -156,6 +156,7 @@ class BatchScheduler:
             self._check_prompt(prompt_ids)
             self._check_agent_fields(request, prompt)
             max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens
+            check_result_entries(request, max_tokens, self.limits)
             self._check_against_model(request, len(prompt_ids), max_tokens)
             self._check_capacity(request, len(prompt_ids) + max_tokens, prompt.extra_bytes)
         except (InvalidRequestError, ValueError) as exc:

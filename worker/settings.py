@@ -41,6 +41,8 @@ class WorkerSettings(BaseSettings):
     default_max_tokens: int = 256  # for requests that leave max_tokens unset
     max_tokens_limit: int = 4096
     max_prompt_tokens: int = 32768
+    # n x max_tokens x (1 + top_logprobs) of one request at most: what its result can hold (docs/requests.md).
+    max_result_entries: int = RequestLimits.max_result_entries
     # A job hash bigger than this (its request, images inline) fails unread: decoding it would stall decoding.
     max_job_bytes: int = 16 * 1024 * 1024
     prefill_batch_size: int = 8
@@ -180,7 +182,7 @@ class WorkerSettings(BaseSettings):
     def validate(self) -> None:  # type: ignore[override]  # (pydantic's deprecated classmethod of that name)
         if self.processes < 1:
             raise ValueError(f"MLXQ_PROCESSES must be >= 1, got {self.processes}")
-        for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens",
+        for name in ("max_num_seqs", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_result_entries",
                      "prefill_batch_size", "prefill_step_size", "max_job_bytes", "max_images", "max_image_bytes",
                      "max_image_pixels", "image_io_threads"):
             if getattr(self, name) < 1:
@@ -249,7 +251,8 @@ class WorkerSettings(BaseSettings):
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(max_tokens=self.max_tokens_limit, max_prompt_tokens=self.max_prompt_tokens,
-                             max_images=self.max_images, max_image_bytes=self.max_image_bytes)
+                             max_images=self.max_images, max_image_bytes=self.max_image_bytes,
+                             max_result_entries=self.max_result_entries)
 
     @property
     def image_policy(self) -> ImagePolicy:

@@ -23,7 +23,9 @@ from producer.api import keys as api_keys
 from producer.api.auth import ApiError, Tenant
 from producer.api.coalesce import Coalescer
 from producer.errors import broker_errors
-from producer.wire import JobState, job_state
+from producer.aio import parsed_state
+from producer.lean_results import parse_result_lean
+from producer.wire import JobState
 from schemas import keys
 from schemas.command_batch import RUN_COMMANDS, CommandBatch
 from schemas.scripts import AsyncScript
@@ -168,7 +170,8 @@ class Admission:
 class SettlingReader:
     """`AsyncClient._read_states`'s twin (a `ReadStates`) that releases a job in the same round trip
     that reads its result, a round trip shared with the other requests' reads of that moment;
-    `released` holds the ids it released."""
+    `released` holds the ids it released. A large result is read lean (`parse_result_lean`): it is for
+    a response."""
 
     admission: Admission
     tenant: Tenant
@@ -180,7 +183,7 @@ class SettlingReader:
             result, status = await self.admission._settle((self.tenant, job_id))
             if result is not None:
                 self.released.add(job_id)
-            states.append(job_state(job_id, result, status))
+            states.append(await parsed_state(job_id, result, status, parse_result_lean))
         return states
 
     async def release_rest(self, job_ids: Sequence[str]) -> None:

@@ -12,7 +12,10 @@ lease (a Redis key with a TTL) at that moment. One advance, from the state in Re
 - past the completion window, or cancelled: the jobs in flight are cancelled, the lines never sent go
   to the error file (`batch_expired` / `batch_cancelled`), and once nothing is in flight the batch
   ends `expired` / `cancelled`; otherwise, once every line is written, `completed`. The output and
-  error files are then made from the lists.
+  error files are then made from the lists;
+- once the tenant's files (this batch's lines counted as they are written) fill its storage quota,
+  the lines never sent go to the error file (`storage_quota_exceeded`), the jobs in flight end, and the
+  batch ends `completed`.
 
 A replica that dies mid-advance loses nothing: its lease expires and the next one starts from Redis.
 """
@@ -24,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 from rq.job import Job
@@ -32,8 +36,10 @@ from producer.aio import execute_batch
 from producer.api import keys as api_keys
 from producer.api.batches import FINAL, BatchErrors, BatchState, BatchStore
 from producer.api.gateway import Gateway
-from producer.batchfile import BatchLine, LineError, error_line, line_text, outcome_line, parse_line, unreadable_line
-from producer.errors import BrokerError, JobNotFound
+from producer.batchfile import BatchLine, LineError, error_line, outcome_line_json, parse_line, unreadable_line
+from producer.errors import JobNotFound
+from producer.lean_results import parse_result_lean
+from producer.openai_responses import encode
 from producer.wire import NO_CONNECTION, job_options, job_state, lost_result, plan_jobs, record_enqueue
 from schemas import GenerationResult, keys
 from schemas.command_batch import CommandBatch
@@ -46,13 +52,16 @@ log = logging.getLogger("mlxq.api.batches")
 LEASE_S = 60
 VALIDATE_CHUNK = 2000
 MAX_ERRORS_LISTED = 100
+COLLECT_BYTES = 16 * 1024 * 1024  # results read (and their lines written) together at most
 RESULT_MARGIN_S = 3600  # a batch's lists outlive its window by this much
 
 # KEYS: in-flight hash, output list, error list, batch hash, tenant's in-flight set.
 # ARGV: next piece ('' to leave it), next offset, list ttl, then (job id or '', '0' output | '1' error, line)
-# triples. A line is written only if its job id left the in-flight hash here (or it has none).
+# triples. A line is written only if its job id left the in-flight hash here (or it has none). Returns the
+# bytes written.
 _COLLECT = """
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[4], 'next_piece', ARGV[1], 'next_offset', ARGV[2]) end
+local written = 0
 for i = 4, #ARGV, 3 do
   local id, kind, line = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if id == '' or redis.call('HDEL', KEYS[1], id) == 1 then
@@ -63,12 +72,14 @@ for i = 4, #ARGV, 3 do
     redis.call('HINCRBY', KEYS[4], count, 1)
     redis.call('HINCRBY', KEYS[4], size, #line + 1)
     if id ~= '' then redis.call('ZREM', KEYS[5], id) end
+    written = written + #line + 1
   end
 end
-return 1
+return written
 """
 
 EXPIRED = "the batch's completion window ended before this request did"
+OVER_QUOTA = "over_quota"  # a stop: the tenant's files fill its storage quota
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -130,6 +141,9 @@ class BatchDriver:
                 return await self._finish(state)
             return await self._validate(state)
         await self._collect_ended(state)
+        if state.stop is None and await self._gw.files.quota.full(state.tenant):  # (what was just written counts)
+            state.stop = OVER_QUOTA
+            await self._batches.save(state, stop=state.stop)
         if state.stop:
             await self._stop(state)
         else:
@@ -145,6 +159,7 @@ class BatchDriver:
         record = await self._gw.files.get(state.tenant, batch.input_file_id)
         errors: list[dict[str, Any]] = []
         seen: set[str] = set()
+        lines_of: dict[str, list[tuple[int, str]]] = {}  # model -> its first lines (number, custom_id)
         total, pieces, offset, model = 0, 0, 0, None
         while True:
             chunk = await self._gw.files.read_lines(record, pieces, offset, VALIDATE_CHUNK)
@@ -163,6 +178,12 @@ class BatchDriver:
                 else:
                     seen.add(line.custom_id)
                     model = model or line.body.model
+                    named = lines_of.setdefault(line.body.model, [])
+                    if len(named) < MAX_ERRORS_LISTED:
+                        named.append((line.number, line.custom_id))
+        for name in await self._gw.fleet.unknown(lines_of):  # no queue is made for a model nobody serves
+            errors += [_unknown_model(number, custom_id, name).as_batch_error() for number, custom_id in lines_of[name]]
+        errors.sort(key=lambda error: error["line"] or 0)
         if total > self._gw.settings.file_max_lines:
             errors.insert(0, {"code": "too_many_lines", "message": f"more than {self._gw.settings.file_max_lines} "
                               "requests", "param": None, "line": None})
@@ -188,56 +209,74 @@ class BatchDriver:
         return int(await self._connection.hlen(api_keys.batch_in_flight(state.id)))
 
     async def _collect_ended(self, state: BatchState) -> None:
+        """Write the lines of the jobs that ended. Results are read a group at a time, each group at most
+        COLLECT_BYTES of them (or one larger result), and written before the next is read."""
         in_flight = {k.decode(): v for k, v in (await self._connection.hgetall(api_keys.batch_in_flight(state.id))).items()}
         if not in_flight:
             return
         ids = list(in_flight)
         async with self._connection.pipeline(transaction=False) as pipe:
             for job_id in ids:
-                pipe.get(keys.result_key(job_id))
+                pipe.strlen(keys.result_key(job_id))
                 pipe.hget(Job.key_for(job_id), "status")
             raw = await pipe.execute()
-        written: list[tuple[str, bool, dict[str, Any]]] = []
-        for i, job_id in enumerate(ids):
+        sized = [(job_id, int(raw[2 * i])) for i, job_id in enumerate(ids) if raw[2 * i]]
+        without = [(job_id, raw[2 * i + 1]) for i, job_id in enumerate(ids) if not raw[2 * i]]
+        written: list[tuple[str, bool, bytes]] = []
+        for job_id, status in without:  # not ended, or ended by something other than a worker
             try:
-                outcome = await self._outcome(state, job_id, in_flight[job_id], raw[2 * i], raw[2 * i + 1])
-            except BrokerError:
-                raise  # Redis is away: the next round collects it
-            except Exception as exc:  # one line that cannot be converted must not stop the others
-                log.exception("batch %s: the result of %s cannot be written as a line", state.id, job_id)
-                outcome = True, unreadable_line(_custom_id(in_flight[job_id]), job_id, exc)
-            if outcome is not None:
-                written.append((job_id, *outcome))
+                result: Optional[GenerationResult] = await self._gw.client._settled(job_state(job_id, None, status))
+            except JobNotFound:
+                result = lost_result(job_id)
+            if result is not None:
+                written.append(self._line(state, job_id, in_flight[job_id], lambda result=result: result))
         await self._write(state, written)
+        for group in _groups(sized, COLLECT_BYTES):
+            async with self._connection.pipeline(transaction=False) as pipe:
+                for job_id in group:
+                    pipe.get(keys.result_key(job_id))
+                results = await pipe.execute()
+            # Parsed and made into lines on a thread: a large result takes the event loop's time otherwise.
+            written = await asyncio.to_thread(self._lines, state, [(job_id, in_flight[job_id], raw_result) for
+                                                                  job_id, raw_result in zip(group, results)])
+            del results
+            await self._write(state, written)
 
-    async def _outcome(self, state: BatchState, job_id: str, text: bytes, raw_result: Optional[bytes],
-                       raw_status: Optional[bytes]) -> Optional[tuple[bool, dict[str, Any]]]:
-        """(is_error, the line) for one in-flight request whose job ended; None while it runs."""
+    def _lines(self, state: BatchState, ended: list[tuple[str, bytes, Optional[bytes]]]) -> list[tuple[str, bool, bytes]]:
+        """The lines of (job id, input line, raw result) triples; a result that expired meanwhile is left
+        for the next round, which finds it lost."""
+        return [self._line(state, job_id, text, lambda job_id=job_id, raw=raw: parse_result_lean(job_id, raw))
+                for job_id, text, raw in ended if raw is not None]
+
+    def _line(self, state: BatchState, job_id: str, text: bytes, read: Callable[[], GenerationResult]
+              ) -> tuple[str, bool, bytes]:
+        """The output or error line of a job that ended, as (job id, is_error, the line's JSON). A result
+        that cannot be read or made into a line becomes this line's error: it never stops the others."""
         try:
-            result: Optional[GenerationResult] = await self._gw.client._settled(job_state(job_id, raw_result, raw_status))
-        except JobNotFound:
-            result = lost_result(job_id)
-        if result is None:
-            return None
-        line = parse_line(text, _piece_of(job_id) + 1, None, state.object.endpoint)
-        if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
-            return True, error_line(line.custom_id, line.code, line.message, job_id)
-        if result.status == "cancelled" and state.stop == "expired":
-            return True, error_line(line.custom_id, "batch_expired", EXPIRED, job_id)
-        is_error, written = outcome_line(line, job_id, result, int(time.time()))
-        line_text(written)  # a line that cannot be written as JSON fails here, as this line's error
-        return is_error, written
+            result = read()
+            line = parse_line(text, _piece_of(job_id) + 1, None, state.object.endpoint)
+            if isinstance(line, LineError):  # it parsed when it was submitted; only a change of code gets here
+                return job_id, True, encode(error_line(line.custom_id, line.code, line.message, job_id))
+            if result.status == "cancelled" and state.stop == "expired":
+                return job_id, True, encode(error_line(line.custom_id, "batch_expired", EXPIRED, job_id))
+            return (job_id, *outcome_line_json(line, job_id, result, int(time.time())))
+        except Exception as exc:
+            log.exception("batch %s: the result of %s cannot be written as a line", state.id, job_id)
+            return job_id, True, encode(unreadable_line(_custom_id(text), job_id, exc))
 
-    async def _write(self, state: BatchState, lines: list[tuple[str, bool, dict[str, Any]]],
+    async def _write(self, state: BatchState, lines: Sequence[tuple[str, bool, dict[str, Any] | bytes]],
                      position: Optional[tuple[int, int]] = None) -> None:
         if not lines and position is None:
             return
         args: list[Any] = [position[0] if position else "", position[1] if position else 0, self._lists_ttl(state)]
         for job_id, is_error, line in lines:
-            args += [job_id, "1" if is_error else "0", line_text(line)]
-        await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
-                                  api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
-                                  api_keys.in_flight(state.tenant.tag)], args=args)
+            args += [job_id, "1" if is_error else "0", line if isinstance(line, bytes) else encode(line)]
+        written = await self._collect(keys=[api_keys.batch_in_flight(state.id), api_keys.batch_lines(state.id, False),
+                                            api_keys.batch_lines(state.id, True), api_keys.batch_record(state.id),
+                                            api_keys.in_flight(state.tenant.tag)], args=args)
+        if written:  # the tenant's storage, as the lines are written (producer/api/quota.py)
+            await self._gw.files.quota.reserve(state.tenant, _usage_name(state.id), int(written),
+                                               time.time() + self._lists_ttl(state), force=True)
 
     def _lists_ttl(self, state: BatchState) -> int:
         return max(int(state.object.expires_at or time.time()) - int(time.time()), 0) + RESULT_MARGIN_S
@@ -260,6 +299,7 @@ class BatchDriver:
                 lines.append((job_id, text, parse_line(text, number + 1, settings.limits, state.object.endpoint),
                               scanned))
             scanned = (number + 1, end)
+        lines = await self._known_models_only(lines)
         admitted = await self._gw.admission.admit(state.tenant, [job_id for job_id, *_ in lines]) if lines else 0
         taken = lines[:admitted]
         position = scanned if admitted == len(lines) else lines[admitted][3]
@@ -283,18 +323,35 @@ class BatchDriver:
             return  # a driver whose lease ran out submitted these already
         await self._write(state, errors)
 
+    async def _known_models_only(self, lines: list[tuple[str, bytes, BatchLine | LineError, tuple[int, int]]]
+                                 ) -> list[tuple[str, bytes, BatchLine | LineError, tuple[int, int]]]:
+        """The lines, each naming a model no worker serves (any more: it was checked at validation) made an
+        error line, never a job: its queue would be one nobody serves."""
+        unknown = await self._gw.fleet.unknown(line.body.model for _, _, line, _ in lines if isinstance(line, BatchLine))
+        if not unknown:
+            return lines
+        return [(job_id, text, _unknown_model(line.number, line.custom_id, line.body.model)
+                 if isinstance(line, BatchLine) and line.body.model in unknown else line, scanned)
+                for job_id, text, line, scanned in lines]
+
     # -- stopping and finishing
 
     async def _stop(self, state: BatchState) -> None:
-        """Cancel what is in flight; write every line never sent to the error file."""
-        for raw in await self._connection.hkeys(api_keys.batch_in_flight(state.id)):
-            await self._gw.cancel_quietly(raw.decode())
+        """Cancel what is in flight (unless the quota stops it: that lets them end); write every line never
+        sent to the error file."""
+        if state.stop != OVER_QUOTA:
+            for raw in await self._connection.hkeys(api_keys.batch_in_flight(state.id)):
+                await self._gw.cancel_quietly(raw.decode())
         start, offset = state.counts["next_piece"], state.counts["next_offset"]
         if start >= state.counts["pieces"]:
             return
         record = await self._gw.files.get(state.tenant, state.object.input_file_id)
-        code, message = (("batch_expired", EXPIRED) if state.stop == "expired"
-                         else ("batch_cancelled", "the batch was cancelled before this request ended"))
+        code, message = {
+            "expired": ("batch_expired", EXPIRED),
+            OVER_QUOTA: ("storage_quota_exceeded", f"this tenant's files reached its storage quota of "
+                         f"{self._gw.files.quota.quota_bytes} bytes (MLXQ_API_FILE_QUOTA_BYTES) before this request "
+                         "was sent"),
+        }.get(state.stop or "", ("batch_cancelled", "the batch was cancelled before this request ended"))
         while start < state.counts["pieces"]:
             chunk = await self._gw.files.read_lines(record, start, offset, VALIDATE_CHUNK)
             if not chunk:
@@ -317,11 +374,36 @@ class BatchDriver:
                     api_keys.batch_lines(state.id, is_error), lines,
                     state.counts["err_bytes" if is_error else "out_bytes"], ttl)
                 setattr(batch, attribute, made.id)
+        await self._gw.files.quota.release(state.tenant, _usage_name(state.id))  # the files count it now
         final = {"cancelled": "cancelled", "expired": "expired"}.get(state.stop or "", "completed")
         batch.status = final  # type: ignore[assignment]
         setattr(batch, f"{final}_at", int(time.time()))
         await self._batches.save(state)
         await self._connection.srem(api_keys.ACTIVE_BATCHES, state.id)
+
+
+def _groups(sized: list[tuple[str, int]], budget: int) -> Iterator[list[str]]:
+    """The ids of `sized` ((id, bytes) pairs) in order, in groups of at most `budget` bytes (or one larger)."""
+    group: list[str] = []
+    total = 0
+    for job_id, size in sized:
+        if group and total + size > budget:
+            yield group
+            group, total = [], 0
+        group.append(job_id)
+        total += size
+    if group:
+        yield group
+
+
+def _usage_name(batch_id: str) -> str:
+    """What a batch's lines are counted under in its tenant's storage, until its files are made."""
+    return f"batch:{batch_id}"
+
+
+def _unknown_model(number: int, custom_id: str, model: str) -> LineError:
+    return LineError(number, custom_id, f"line {number}: body.model: the model {model!r} does not exist (no worker "
+                     "serves it)", "body.model", "model_not_found")
 
 
 def _piece_of(job_id: str) -> int:

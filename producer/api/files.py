@@ -1,5 +1,5 @@
-"""OpenAI Files for batches: uploads checked against OpenAI's limits (200 MB, 50,000 lines), and the
-batches' output and error files, each with an expiry.
+"""OpenAI Files for batches: uploads checked against OpenAI's limits (200 MB, 50,000 lines) and the tenant's
+storage quota (producer/api/quota.py), and the batches' output and error files, each with an expiry.
 
 A file's metadata is a Redis key (so every replica sees it) that expires with the file. Its contents
 live in Redis as a list of its lines, or, with `MLXQ_API_FILES_DIR`, in a file of that directory
@@ -17,17 +17,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal, Optional
 
+import anyio
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from producer.api import keys as api_keys
 from producer.api.auth import ApiError, Tenant, not_found
+from producer.api.quota import StorageQuota
 from producer.api.settings import GatewaySettings
 
 __all__ = ["FileDeleted", "FileList", "FileObject", "FileRecord", "FileStore"]
 
 PUSH_LINES = 2000  # lines per RPUSH of an upload
-READ_LINES = 2000  # lines per LRANGE of a download
+READ_LINES = 2000  # lines per LRANGE of a download, at most
+READ_BYTES = 4 * 1024 * 1024  # ... and about this many bytes
 SWEEP_EVERY_S = 600.0
 MAX_FILE_TTL_S = 30 * 24 * 3600  # the longest expiry an upload or a batch's output may ask for
 
@@ -71,6 +74,13 @@ class FileRecord(FileObject):
         return FileObject.model_validate(self.model_dump(include=set(FileObject.model_fields)))
 
 
+def lines_per_read(size: int, lines: int) -> int:
+    """Lines of a file of `size` bytes and `lines` lines to read from Redis at once: READ_LINES, fewer
+    where its lines are long, so that a read holds about READ_BYTES (a batch output's lines can be
+    megabytes each; one line is read whole, whatever its size)."""
+    return max(1, min(READ_LINES, READ_BYTES * max(lines, 1) // max(size, 1)))
+
+
 def split_lines(data: bytes) -> list[bytes]:
     """The pieces between newlines, the last one too: b"\\n".join(pieces) == data."""
     return data.split(b"\n")
@@ -102,6 +112,7 @@ class FileStore:
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
         self._swept_at = 0.0
+        self.quota = StorageQuota(connection, settings.file_quota_bytes)
 
     def ttl(self, seconds: Optional[int]) -> int:
         if seconds is None:
@@ -112,24 +123,35 @@ class FileStore:
 
     async def create(self, tenant: Tenant, filename: str, purpose: str, data: bytes,
                      ttl_s: Optional[int] = None) -> FileRecord:
-        """Store an upload; the checks of its purpose ("batch": JSON lines) and of the limits first."""
+        """Store an upload; the checks of its purpose ("batch": JSON lines), of the limits and of the tenant's
+        storage quota first (its bytes are reserved before any is written, released if writing fails)."""
         if purpose != "batch":
             raise ApiError(400, f"purpose: only 'batch' files are accepted, got {purpose!r}", param="purpose")
         if len(data) > self._settings.file_max_bytes:
             raise ApiError(413, f"file: {len(data)} bytes exceeds the limit of {self._settings.file_max_bytes}",
                            param="file", code="file_too_large")
+        ttl = self.ttl(ttl_s)
         pieces = split_lines(data)
         lines = await asyncio.to_thread(check_jsonl, pieces, self._settings.file_max_lines)
         if lines == 0:
             raise ApiError(400, "file: holds no request lines", param="file", code="empty_file")
-        return await self._store(tenant, filename[:256] or "upload.jsonl", "batch", pieces, len(data), lines,
-                                 self.ttl(ttl_s))
+        file_id = f"file-{uuid.uuid4().hex}"
+        await self.quota.reserve(tenant, file_id, len(data), time.time() + ttl)
+        try:
+            return await self._store(tenant, file_id, filename[:256] or "upload.jsonl", "batch", pieces, len(data),
+                                     lines, ttl)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.quota.release(tenant, file_id)
+            raise
 
     async def create_from_list(self, tenant: Tenant, filename: str, list_key: str, lines: int, size: int,
                                ttl_s: int) -> FileRecord:
         """A batch's output or error file, from the list of its `lines` lines (`size` bytes with their
-        newlines) that it wrote; the list is consumed."""
+        newlines) that it wrote; the list is consumed. Its bytes count against the tenant's quota, which
+        never refuses it."""
         file_id = f"file-{uuid.uuid4().hex}"
+        await self.quota.reserve(tenant, file_id, size, time.time() + ttl_s, force=True)
         if self._dir is None:
             pieces_key = api_keys.file_data(file_id)
             async with self._connection.pipeline() as pipe:
@@ -139,16 +161,16 @@ class FileStore:
                 await pipe.execute()
             return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=False)
         path = self._dir / file_id
+        step = lines_per_read(size, lines)
         with path.open("wb") as handle:
-            for start in range(0, lines, READ_LINES):
-                chunk = await self._connection.lrange(list_key, start, start + READ_LINES - 1)
+            for start in range(0, lines, step):
+                chunk = await self._connection.lrange(list_key, start, start + step - 1)
                 await asyncio.to_thread(handle.write, b"".join(line + b"\n" for line in chunk))
         await self._connection.delete(list_key)
         return await self._record(tenant, file_id, filename, "batch_output", size, lines, ttl_s, on_disk=True)
 
-    async def _store(self, tenant: Tenant, filename: str, purpose: str, pieces: list[bytes], size: int, lines: int,
-                     ttl_s: int) -> FileRecord:
-        file_id = f"file-{uuid.uuid4().hex}"
+    async def _store(self, tenant: Tenant, file_id: str, filename: str, purpose: str, pieces: list[bytes], size: int,
+                     lines: int, ttl_s: int) -> FileRecord:
         if self._dir is not None:
             await asyncio.to_thread((self._dir / file_id).write_bytes, b"\n".join(pieces))
             await self._sweep()
@@ -210,6 +232,7 @@ class FileStore:
             await pipe.execute()
         if record.on_disk and self._dir is not None:
             await asyncio.to_thread((self._dir / file_id).unlink, True)
+        await self.quota.release(tenant, file_id)
         return FileDeleted(id=file_id)
 
     async def get(self, tenant: Tenant, file_id: str) -> FileRecord:
@@ -232,8 +255,9 @@ class FileStore:
             return
         key = api_keys.file_data(record.id)
         count = await self._connection.llen(key)
-        for start in range(0, count, READ_LINES):
-            pieces = await self._connection.lrange(key, start, start + READ_LINES - 1)
+        step = lines_per_read(record.bytes, count)
+        for start in range(0, count, step):
+            pieces = await self._connection.lrange(key, start, start + step - 1)
             last = start + len(pieces) >= count
             yield b"\n".join(pieces) + (b"" if last else b"\n")
 

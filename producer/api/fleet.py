@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Optional
 
 import redis.asyncio as aioredis
@@ -16,7 +17,7 @@ from producer.api.auth import ApiError
 from schemas import keys
 from schemas.presence import WorkerPresence
 
-__all__ = ["Fleet", "LiveModel"]
+__all__ = ["Fleet", "LiveModel", "model_not_found"]
 
 PRESENCE_WINDOW_S = 3600  # names scored this recently are read; their entries' expiry decides who is live
 SEEN_FOR_S = 7 * 24 * 3600  # a model served this recently, without a live worker now, is answered 503
@@ -85,10 +86,26 @@ class Fleet:
                 return
             raise ApiError(503, f"No live worker serving {model!r} listens on queue {queue!r} (its priority)",
                            "server_error", code="no_live_worker")
-        if model in self._configured or await self._seen_lately(model):
+        if await self.known(model):
             raise ApiError(503, f"No live worker serves the model {model!r}", "server_error", code="no_live_worker")
-        raise ApiError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+        raise model_not_found(model)
 
-    async def _seen_lately(self, model: str) -> bool:
-        seen: Optional[bytes] = await self._connection.hget(api_keys.MODELS_SEEN, model)
-        return seen is not None and time.time() - float(seen) < SEEN_FOR_S
+    async def known(self, model: str) -> bool:
+        """Whether requests may name `model` (`unknown`)."""
+        return not await self.unknown([model])
+
+    async def unknown(self, models: Iterable[str]) -> set[str]:
+        """Those of `models` no request may name, answered 404 and never put on a queue. A model is known when
+        a live worker serves it, it is configured (`MLXQ_API_MODELS`), or a worker served it lately. The one
+        place that says which models exist: chat, jobs and every line of a batch are checked here."""
+        live = await self.models()
+        rest = sorted({model for model in models if model not in live and model not in self._configured})
+        if not rest:
+            return set()
+        seen: list[Optional[bytes]] = await self._connection.hmget(api_keys.MODELS_SEEN, rest)
+        now = time.time()
+        return {model for model, at in zip(rest, seen) if at is None or now - float(at) >= SEEN_FOR_S}
+
+
+def model_not_found(model: str, param: str = "model") -> ApiError:
+    return ApiError(404, f"The model {model!r} does not exist", param=param, code="model_not_found")

@@ -42,6 +42,16 @@ def tenant_files(tag: str) -> str:
     return f"{PREFIX}files:{tag}"
 
 
+def storage_usage(tag: str) -> str:
+    """A hash of the tenant's stored files: file id -> bytes, and `total` (producer/api/quota.py)."""
+    return f"{PREFIX}usage:{tag}"
+
+
+def storage_expiry(tag: str) -> str:
+    """A sorted set of the same file ids by the Unix time each expires."""
+    return f"{PREFIX}usage:{tag}:expiry"
+
+
 def batch_record(batch_id: str) -> str:
     """A batch's hash: `record` (the OpenAI Batch JSON), counters and the driver's position."""
     return f"{PREFIX}batch:{batch_id}"

@@ -2,7 +2,8 @@
 fleet now, producer/fleet_stats.py, and its last minutes, producer/fleet_history.py) and draws its
 charts with plotly.js, served by the gateway itself from the installed `plotly` package (no CDN).
 
-This router's lifespan runs the gateway's history sampler beside the app's own."""
+This router's lifespan runs the gateway's history sampler and its upkeep of RQ's queue registry beside the
+app's own."""
 
 from __future__ import annotations
 
@@ -20,25 +21,35 @@ from fastapi.responses import HTMLResponse, Response
 from producer.api.gateway import gateway
 from producer.api.routes_metrics import ops_access
 from producer.fleet_history import HistorySampler, history_json, read_history
+from producer.fleet_queues import QueuePruner
 from producer.fleet_stats import aread_snapshot
 
 __all__ = ["router"]
 
 
 @contextlib.asynccontextmanager
-async def _sample_history(app: FastAPI) -> AsyncIterator[None]:
+async def _fleet_upkeep(app: FastAPI) -> AsyncIterator[None]:
+    """The history sampler, and the upkeep of RQ's queue registry (producer/fleet_queues.py)."""
     gw = app.state.gateway
     sampler = HistorySampler(gw.client.connection, gw.settings.history_interval_s, gw.settings.history_window_s)
-    task = asyncio.get_running_loop().create_task(sampler.run(), name="mlxq-history")
+
+    async def served() -> set[str]:
+        return {queue for model in (await gw.fleet.models()).values() for queue in model.queues}
+
+    pruner = QueuePruner(gw.client.connection, served, gw.settings.history_interval_s)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(sampler.run(), name="mlxq-history"), loop.create_task(pruner.run(), name="mlxq-queues")]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
-router = APIRouter(lifespan=_sample_history)
+router = APIRouter(lifespan=_fleet_upkeep)
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from producer.api.auth import ERRORS, Tenant, not_found
 from producer.api.gateway import current_tenant, gateway
+from producer.api.stored_results import HEAD_BYTES, open_result
 from producer.aio_stream import AsyncJobStream
-from producer.errors import InvalidRequest, JobNotFound, MlxqError
-from producer.openai_responses import error_body
+from producer.errors import InvalidRequest, JobNotFound, MlxqError, broker_errors
+from producer.openai_responses import encode, error_body
 from producer.wire import public_status
 from schemas import GenerationRequest, GenerationResult
 
@@ -51,15 +52,33 @@ async def create_job(body: GenerationRequest, request: Request, priority: Option
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)
-async def get_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> JobObject:
+async def get_job(job_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> Any:
+    """The job's status and, once it ended, its result: the result key's JSON as the worker wrote it,
+    sent as it is read (docs/gateway.md, "Large results")."""
     client = gateway(request).client
-    try:  # status and result from one read: never `finished` beside a result read a moment before
-        state = (await client._read_states([_owned(tenant, job_id)]))[0]
+    with broker_errors():
+        stored = await open_result(client.connection, _owned(tenant, job_id))
+    if stored is not None:
+        opening = encode({"id": job_id, "object": "mlxq.job", "status": stored.status})[:-1] + b',"result":'
+        closing = b',"cancelled":null}'
+        if stored.size <= HEAD_BYTES:
+            return Response(opening + b"".join([piece async for piece in stored.pieces]) + closing,
+                            media_type="application/json")
+        return StreamingResponse(_framed(opening, stored.pieces, closing), media_type="application/json",
+                                 headers={"Content-Length": str(len(opening) + stored.size + len(closing))})
+    try:  # no result key yet, or a job that ended without one: status and result from one read
+        state = (await client._read_states([job_id]))[0]
         result = await client._settled(state)
-        status = result.status if result is not None else public_status(state)
     except JobNotFound:
         raise not_found("job", job_id) from None
-    return JobObject(id=job_id, status=status, result=result)
+    return JobObject(id=job_id, status=result.status if result is not None else public_status(state), result=result)
+
+
+async def _framed(opening: bytes, pieces: AsyncIterator[bytes], closing: bytes) -> AsyncIterator[bytes]:
+    yield opening
+    async for piece in pieces:
+        yield piece
+    yield closing
 
 
 @router.delete("/v1/jobs/{job_id}", response_model=JobObject, responses=ERRORS)

@@ -49,6 +49,10 @@ class FleetCollector(Collector):
                 family.add_metric([queue.name], float(read(queue)))
             yield family
 
+        yield GaugeMetricFamily("mlxq:queues_registered", "Queues in RQ's registry (rq:queues), listed above or not",
+                                value=snapshot.queues_registered)
+        yield GaugeMetricFamily("mlxq:queues_with_jobs", "Registered queues holding jobs, waiting or taken (the "
+                                "deepest are listed above)", value=snapshot.queues_with_jobs)
         live = GaugeMetricFamily("mlxq:fleet_workers_live", "Live workers, by model", labels=["model_name"])
         for model, count in snapshot.models.items():
             live.add_metric([model], count)

@@ -12,13 +12,14 @@ from typing import Any, Literal, Union
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from producer.api.auth import ERRORS, Tenant
 from producer.api.gateway import Gateway, current_tenant, gateway, invalid
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
+from producer.lean_results import parse_result_lean
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_requests
 from producer.openai_responses import (
     ChatCompletion,
@@ -30,6 +31,8 @@ from producer.openai_responses import (
     error_body,
     merge_completions,
     merge_token_events,
+    response_entries,
+    response_pieces,
     result_error,
 )
 from schemas import GenerationRequest
@@ -37,6 +40,8 @@ from schemas import GenerationRequest
 __all__ = ["router"]
 
 router = APIRouter()
+
+STREAM_ABOVE_ENTRIES = 8192  # a response with more logprob entries than this is sent as it is made
 
 _STREAMED = {"text/event-stream": {"schema": {"type": "string"}, "description": "with stream=true: SSE chunks"}}
 
@@ -101,10 +106,14 @@ async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation
         failed = result_error(result)
         if failed is not None:
             return JSONResponse(failed[1], status_code=failed[0], headers=headers)
-    responses = [build_response(body, job_id, result, created) for job_id, result in zip(job_ids, results)]
-    if len(responses) == 1:
-        return JSONResponse(dump(responses[0]), headers=headers)
-    return JSONResponse(dump(merge_completions(responses, body.n)), headers=headers)  # type: ignore[arg-type]
+    if len(results) > 1:  # one completion request's several prompts, answered as one
+        responses = [build_response(body, job_id, result, created) for job_id, result in zip(job_ids, results)]
+        return JSONResponse(dump(merge_completions(responses, body.n)), headers=headers)  # type: ignore[arg-type]
+    pieces = response_pieces(body, job_ids[0], results[0], created)
+    if response_entries(results[0]) <= STREAM_ABOVE_ENTRIES:
+        return Response(b"".join(pieces), media_type="application/json", headers=headers)
+    # Made piece by piece on a worker thread as the client reads it (docs/gateway.md, "Large results").
+    return StreamingResponse(pieces, media_type="application/json", headers=headers)
 
 
 async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:
@@ -130,7 +139,8 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                         messages.append(error_body(f"the job restarted ({event['reason']}); its result will be "
                                                    f"at /v1/jobs/{job_id}", "server_error", code="JobRestarted"))
                     else:
-                        result = await gw.client.result(job_id)
+                        state = (await gw.client._read_states([job_id], parse_result_lean))[0]
+                        result = await gw.client._settled(state)
                         messages += writer.closing(result) if result is not None else []
                     break
                 yield _sse(*messages)

@@ -59,6 +59,9 @@ class GatewaySettings(BaseSettings):
     file_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
     file_max_lines: int = Field(50_000, ge=1)
     file_ttl_s: int = Field(30 * 24 * 3600, ge=60)  # uploads and batch outputs expire after this, by default
+    # A tenant's files (uploads and batch outputs) that have not expired take at most this many bytes: an upload
+    # past it is refused (413). Batch outputs are never refused, but count. 0: no quota.
+    file_quota_bytes: int = Field(1024 * 1024 * 1024, ge=0)
     batch_max_in_flight: int = Field(64, ge=1)  # jobs of one batch submitted and not ended, at most
     batch_priority: Optional[str] = None  # the priority of batch jobs (e.g. low); None: the default queues
     # A batch job's result waits this long for a driver to copy it into the batch's output (then it expires).
@@ -68,6 +71,8 @@ class GatewaySettings(BaseSettings):
         keys.DEFAULT_PRIORITIES, validation_alias=AliasChoices("MLXQ_PRIORITIES", "priorities"))
     max_tokens: int = Field(RequestLimits.max_tokens, ge=1)
     max_prompt_chars: int = Field(RequestLimits.max_prompt_chars, ge=1)
+    # n x max_tokens x (1 + top_logprobs) of one request at most (docs/requests.md); keep it at the workers'.
+    max_result_entries: int = Field(RequestLimits.max_result_entries, ge=1)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -106,7 +111,8 @@ class GatewaySettings(BaseSettings):
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(max_tokens=self.max_tokens, max_prompt_chars=self.max_prompt_chars)
+        return RequestLimits(max_tokens=self.max_tokens, max_prompt_chars=self.max_prompt_chars,
+                             max_result_entries=self.max_result_entries)
 
     def __repr__(self) -> str:  # the URL may hold a password; key digests are not for logs either
         return f"GatewaySettings(keys={len(self.api_keys)}, files_dir={self.files_dir})"

@@ -157,7 +157,9 @@ class FakeEngine:
             elif seq.produced >= spec.max_tokens:
                 finish = "length"
             logprob = -math.log(2.0) if spec.logprobs else None
-            top = [(token, -math.log(2.0))][: spec.top_logprobs] if spec.top_logprobs else None
+            # The sampled token first, then the tokens after it in the vocabulary, less likely each.
+            top = [((token + i) % VOCAB, -math.log(2.0) - i) for i in range(spec.top_logprobs)] \
+                if spec.top_logprobs else None
             events.append(TokenEvent(uid, token, spec.choice_index, logprob, top, finish, weight_version=self._version,
                                      prompt_logprobs=self._scores.pop(uid, None)))
             if finish:
