@@ -362,6 +362,9 @@ def response_entries(result: GenerationResult) -> int:
 def response_pieces(body: OpenAIRequest, job_id: str, result: GenerationResult, created: int,
                     piece_tokens: int = PIECE_TOKENS) -> Iterator[bytes]:
     """`encode(dump(build_response(body, job_id, result, created)))`, in pieces."""
+    if getattr(body, "echo", False):  # the prompt's logprobs lead each choice's: made whole (a prompt is bounded)
+        yield encode(dump(build_response(body, job_id, result, created)))
+        return
     bare = result.model_copy(update={"choices": [c.model_copy(update={"logprobs": None, "top_logprobs": None})
                                                  for c in result.choices]})
     shell = dump(build_response(body, job_id, bare, created))
