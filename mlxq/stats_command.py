@@ -18,6 +18,7 @@ from rich.table import Table
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.fleet_stats import FleetSnapshot, read_snapshot
 from producer.wire import redact_url, resolve_url
+from schemas import broker
 
 __all__ = ["register", "render"]
 
@@ -60,7 +61,7 @@ def render(snapshot: FleetSnapshot) -> Group:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
-    connection = redis.Redis.from_url(url)
+    connection = broker.connect(url)
     queues = tuple(args.queues)
     console = Console()
     try:

@@ -11,6 +11,7 @@ goes back to the loop (`done`), which alone removes it from its table of running
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -30,9 +31,13 @@ from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
 from worker.intake import Unreadable
 from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
+from worker.redis_health import RedisHealth
+from worker.rq_batch import Registries
 from worker.publish import (Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable,
                             restart_stream)
 from worker.settings import WorkerSettings
+
+log = logging.getLogger("mlxq.worker")
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,12 @@ class RQEnds(Protocol):
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
-                 worker_name: str, metrics: Optional[WorkerMetrics] = None) -> None:
+                 worker_name: str, metrics: Optional[WorkerMetrics] = None, health: Optional[RedisHealth] = None,
+                 registries: Optional[Registries] = None) -> None:
         self._connection = connection
+        self._health = health
+        self._registries = registries
+        self._dropped: set[str] = set()  # jobs another worker took while this one was cut off (bookkeeping's)
         self._metrics = metrics
         self._worker_name = worker_name
         self._bookkeeper = bookkeeper
@@ -148,6 +157,7 @@ class JobEnding:
         """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL a
         round trip while the gate is in force; the stats go with the first."""
         gate = self._bookkeeper.gate
+        pending = self._drop_taken(pending)
         for chunk in per_call(pending, RESULTS_PER_CALL, gate):
             publications = []
             for ending in chunk:
@@ -156,8 +166,30 @@ class JobEnding:
             gate.wait()
             if stats is not None:
                 stats.counters.update(self._tally.counters())
-            publish_results(self._connection, publications, stats=stats)
+            publish_results(self._connection, publications, stats=stats, durability=self._settings.result_durability)
             stats = None
+
+    def _drop_taken(self, pending: list[Ending]) -> list[Ending]:
+        """The endings still this worker's to write. A job that ran while Redis was away from this worker
+        may have been taken meanwhile: its heartbeats lapsed, a live worker's sweep sent it back to its
+        queue (or failed it) and its entry left the started registry, where heartbeats never put it back.
+        Such a job is dropped unwritten (the other run's result stands); only those are checked."""
+        if self._health is None or self._registries is None:
+            return pending
+        suspect = [e for e in pending if self._health.lost_since(_started_at(e.job))]
+        if not suspect:
+            return pending
+        with self._connection.pipeline(transaction=False) as pipe:
+            for ending in suspect:
+                pipe.zscore(self._registries.started(ending.job.origin).key, ending.execution.composite_key)
+            scores = pipe.execute()
+        taken = {e.job_id for e, score in zip(suspect, scores) if score is None}
+        for ending in suspect:
+            if ending.job_id in taken:
+                log.warning("job %s (%s) was taken by another worker while this one was cut off from Redis: "
+                            "dropped without writing", ending.job_id, ending.job.func_name)
+        self._dropped |= taken
+        return [e for e in pending if e.job_id not in taken]
 
     def _publication(self, ending: Ending) -> Publication:
         job, result = ending.job, ending.outcome.result()
@@ -177,6 +209,10 @@ class JobEnding:
         """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is in
         force; a result that could not be built ends its job as failed."""
         gate = self._bookkeeper.gate
+        for ending in [e for e in pending if e.job_id in self._dropped]:
+            self._dropped.discard(ending.job_id)
+            self.done.put(ending)
+        pending = [e for e in pending if e.job_id not in self._dropped]
         for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
             self._rq.finish_successes([e for e in chunk if e.outcome.result().status == "finished"], gate.wait)
             for ending in chunk:
@@ -185,5 +221,12 @@ class JobEnding:
                 self.done.put(ending)
 
     def _end_failed(self, ending: Ending) -> None:
-        self._rq.finish_failure(ending, ending.outcome.result())
+        if ending.job_id in self._dropped:
+            self._dropped.discard(ending.job_id)
+        else:
+            self._rq.finish_failure(ending, ending.outcome.result())
         self.done.put(ending)
+
+
+def _started_at(job: Job) -> float:
+    return job.started_at.timestamp() if job.started_at is not None else 0.0

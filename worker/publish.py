@@ -14,6 +14,7 @@ from rq.utils import now, utcformat
 from schemas import GenerationResult, keys
 from schemas.result import no_output_result
 from schemas.command_batch import CommandBatch
+from schemas.durability import Durability
 from schemas.events import EndStreamEvent, RestartStreamEvent, TokenStreamEvent, encode_event
 from worker.intake import Unreadable
 
@@ -37,12 +38,16 @@ class WorkerStats(NamedTuple):
 
 
 def publish_results(connection: redis.Redis, publications: list[Publication],
-                    stats: Optional[WorkerStats] = None) -> None:
+                    stats: Optional[WorkerStats] = None, durability: Optional[Durability] = None) -> None:
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
-    are refreshed in the same one."""
+    are refreshed in the same one. The first result written for a job stays: a late writer (a worker
+    that was cut off while another took its job, a sweep) never replaces it. With `durability`, the
+    nudges go out only once that many replicas have the results (NotReplicated, a connection error
+    that the bookkeeping thread retries, if they do not confirm in time)."""
     if not publications:
         return
     batch = CommandBatch(connection)
+    nudges = CommandBatch(connection) if durability is not None else batch
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
@@ -51,15 +56,17 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
-        batch.set(keys.result_key(job_id), encoded, ex=item.ttl)
+        batch.set(keys.result_key(job_id), encoded, ex=item.ttl, nx=True)
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
             batch.xadd(keys.stream_key(job_id), encode_event(end))
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
-        batch.publish(keys.done_channel(job_id), job_id)
-    batch.execute()
+        nudges.publish(keys.done_channel(job_id), job_id)
+    batch.execute(durability=durability)
+    if nudges is not batch:
+        nudges.execute()
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:

@@ -73,7 +73,7 @@ class BatchWorker(SimpleWorker):
                               self.settings.max_job_bytes)
         self._jobs = RQJobs(self, self._poller, self._registries, self.settings)
         self._ending = JobEnding(self.connection, self._bookkeeper, self._jobs, self.settings, self.name,
-                                 self._metrics)
+                                 self._metrics, health=self._health, registries=self._registries)
         self._housekeeping = Housekeeping(self.connection, self.queues, self.settings, self._ending.refuse_now)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._loop: Optional[BatchLoop] = None

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import redis
 
+from schemas import broker
 from worker import BatchWorker, WorkerSettings
 from worker.engines.base import TokenEvent
 from worker.engines.fake import FakeEngine
@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     def scheduler_factory(settings: WorkerSettings, name: str) -> Any:
         return BatchScheduler(engine, max_num_seqs=args.max_num_seqs, limits=settings.limits, worker_name=name)
 
-    worker = BatchWorker(args.queues, connection=redis.Redis.from_url(args.url), settings=settings,
+    worker = BatchWorker(args.queues, connection=broker.connect(args.url), settings=settings,
                          scheduler_factory=scheduler_factory, name=args.name)
     engine.bookkeeping_busy = lambda: not worker.bookkeeping_idle
     try:
