@@ -22,8 +22,10 @@ SERVICE = "mlxq"
 
 class SentinelSet:
     def __init__(self, replicas: int = 2, sentinels: int = 3, down_after_ms: int = 1000) -> None:
-        self.primary = RedisServer()
-        self.replicas = [RedisServer(extra_args=["--replicaof", "127.0.0.1", str(self.primary.port)])
+        # A replica's first sync waits 5 s by default, for more replicas to share it: none here.
+        quick = ["--repl-diskless-sync-delay", "0"]
+        self.primary = RedisServer(extra_args=quick)
+        self.replicas = [RedisServer(extra_args=[*quick, "--replicaof", "127.0.0.1", str(self.primary.port)])
                          for _ in range(replicas)]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self._down_after_ms = down_after_ms
@@ -60,6 +62,10 @@ class SentinelSet:
             return int(sentinel.sentinel_get_master_addr_by_name(SERVICE)[1])
 
     def _settled(self) -> bool:
+        for replica in self.replicas:
+            with contextlib.closing(redis.Redis(port=replica.port, socket_timeout=2)) as conn:
+                if conn.info("replication").get("master_link_status") != "up":
+                    return False
         for index in range(len(self.sentinel_ports)):
             with contextlib.closing(self.sentinel(index)) as sentinel:
                 try:

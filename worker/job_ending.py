@@ -209,10 +209,11 @@ class JobEnding:
         """End the RQ jobs whose results finished, RQ_ENDS_PER_CALL a round trip while the gate is in
         force; a result that could not be built ends its job as failed."""
         gate = self._bookkeeper.gate
-        for ending in [e for e in pending if e.job_id in self._dropped]:
+        dropped = [e for e in pending if e.job_id in self._dropped]
+        pending = [e for e in pending if e.job_id not in self._dropped]
+        for ending in dropped:
             self._dropped.discard(ending.job_id)
             self.done.put(ending)
-        pending = [e for e in pending if e.job_id not in self._dropped]
         for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
             self._rq.finish_successes([e for e in chunk if e.outcome.result().status == "finished"], gate.wait)
             for ending in chunk:
