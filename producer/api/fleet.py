@@ -72,9 +72,18 @@ class Fleet:
             await self._connection.hset(api_keys.MODELS_SEEN, mapping={name: int(now) for name in models})
         return models
 
-    async def require(self, model: Optional[str], queue: str) -> None:
+    def may_wait(self, model: Optional[str]) -> bool:
+        """Whether a job for `model` may wait in its queue for a worker that is not live yet: the
+        asynchronous paths (`/v1/jobs`, batches) take a declared model (MLXQ_API_MODELS) whether or not
+        a worker serves it now; its job runs when one comes (its TTL, or the batch's window, decides how long)."""
+        return model is not None and model in self._configured
+
+    async def require(self, model: Optional[str], queue: str, asynchronous: bool = False) -> None:
         """ApiError 404 for a model no worker is known to serve, 503 when none that serves it is live or
-        listens on `queue`. Without a model: 503 unless some live worker listens on `queue`."""
+        listens on `queue` (unless `asynchronous` and the model is declared: `may_wait`). Without a model:
+        503 unless some live worker listens on `queue`."""
+        if asynchronous and self.may_wait(model):
+            return
         if model is None:
             if any(queue in live.queues for live in (await self.models()).values()):
                 return
