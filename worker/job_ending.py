@@ -66,8 +66,8 @@ class Ending:
 
 class JobTally:
     """Jobs ended and tokens made since the worker started, and tokens in the last minute: published
-    in the worker's stats hash (`jobs_finished`, `jobs_failed_<type>`, `tokens`, `tokens_per_s_1m`,
-    `updated_at`) for `mlxq stats`."""
+    in the worker's stats hash (`jobs_finished`, `jobs_cancelled`, `jobs_failed_<type>`, `tokens`,
+    `tokens_per_s_1m`, `updated_at`) for `mlxq stats`. A cancelled job is not a failure."""
 
     WINDOW_S = 60.0
 
@@ -76,8 +76,12 @@ class JobTally:
         self._recent: deque[tuple[float, int]] = deque()  # (time.time(), completion tokens)
 
     def add(self, result: GenerationResult) -> None:
-        name = "jobs_finished" if result.status != "failed" or result.error is None else (
-            f"jobs_failed_{result.error.type}")
+        if result.status == "cancelled":
+            name = "jobs_cancelled"
+        elif result.status == "failed" and result.error is not None:
+            name = f"jobs_failed_{result.error.type}"
+        else:
+            name = "jobs_finished"
         self._counts[name] = self._counts.get(name, 0) + 1
         self._counts["tokens"] += result.usage.completion_tokens
         self._recent.append((time.time(), result.usage.completion_tokens))
@@ -197,6 +201,7 @@ class JobEnding:
             retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
                                self._settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        _log_unfinished(job, result, retried)
         if not retried:
             self._tally.add(result)
             if self._metrics is not None:
@@ -227,6 +232,21 @@ class JobEnding:
         else:
             self._rq.finish_failure(ending, ending.outcome.result())
         self.done.put(ending)
+
+
+def _log_unfinished(job: Job, result: GenerationResult, retried: bool) -> None:
+    """Every failure and cancellation in the worker's log, with the job, its function and the reason
+    (successes are rq's own "Successfully completed" lines)."""
+    if result.status == "finished":
+        return
+    reason = f"{result.error.type}: {result.error.message}" if result.error else "cancel requested"
+    if result.status == "cancelled":
+        log.info("job %s (%s) cancelled after %d token(s): %s", job.id, job.func_name, result.usage.completion_tokens,
+                 reason)
+    elif retried:
+        log.warning("job %s (%s) failed, retried (%s left): %s", job.id, job.func_name, job.retries_left, reason)
+    else:
+        log.warning("job %s (%s) failed: %s", job.id, job.func_name, reason)
 
 
 def _started_at(job: Job) -> float:

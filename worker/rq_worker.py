@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gc
 import signal
+import socket
 import threading
+import uuid
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -47,6 +49,12 @@ from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
 
+def default_worker_name() -> str:
+    """`<host>.<6 hex digits>`: which machine it runs on, at a glance (rq's default is 32 hex digits)."""
+    host = socket.gethostname().split(".")[0] or "worker"
+    return f"{host}.{uuid.uuid4().hex[:6]}"
+
+
 class BatchWorker(SimpleWorker):
     allowed_functions = ALLOWED_FUNCTIONS
 
@@ -59,6 +67,8 @@ class BatchWorker(SimpleWorker):
         **kwargs: Any,
     ) -> None:
         kwargs["serializer"] = JSON_SERIALIZER  # never pickle, whatever the command line said
+        if not kwargs.get("name"):
+            kwargs["name"] = default_worker_name()
         self.settings = settings or WorkerSettings.from_env()
         if queues is None:
             queues = self.settings.default_queues()
