@@ -103,6 +103,8 @@ class RQEnds(Protocol):
 
     def requeue(self, ending: Ending, alone: bool) -> None: ...
 
+    def forget(self, ending: Ending) -> None: ...
+
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
@@ -170,8 +172,13 @@ class JobEnding:
             gate.wait()
             if stats is not None:
                 stats.counters.update(self._tally.counters())
-            publish_results(self._connection, publications, stats=stats, durability=self._settings.result_durability)
+            written_before = publish_results(self._connection, publications, stats=stats,
+                                             durability=self._settings.result_durability)
             stats = None
+            for job_id in written_before:
+                log.warning("job %s: another run of it wrote its result first (this worker was cut off while the "
+                            "job was taken): this run is dropped, not ended in RQ", job_id)
+            self._dropped |= written_before
 
     def _drop_taken(self, pending: list[Ending]) -> list[Ending]:
         """The endings still this worker's to write. A job that ran while Redis was away from this worker
@@ -218,6 +225,7 @@ class JobEnding:
         pending = [e for e in pending if e.job_id not in self._dropped]
         for ending in dropped:
             self._dropped.discard(ending.job_id)
+            self._rq.forget(ending)
             self.done.put(ending)
         for chunk in per_call(pending, RQ_ENDS_PER_CALL, gate):
             self._rq.finish_successes([e for e in chunk if e.outcome.result().status == "finished"], gate.wait)
@@ -229,6 +237,7 @@ class JobEnding:
     def _end_failed(self, ending: Ending) -> None:
         if ending.job_id in self._dropped:
             self._dropped.discard(ending.job_id)
+            self._rq.forget(ending)
         else:
             self._rq.finish_failure(ending, ending.outcome.result())
         self.done.put(ending)

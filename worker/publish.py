@@ -38,25 +38,28 @@ class WorkerStats(NamedTuple):
 
 
 def publish_results(connection: redis.Redis, publications: list[Publication],
-                    stats: Optional[WorkerStats] = None, durability: Optional[Durability] = None) -> None:
+                    stats: Optional[WorkerStats] = None, durability: Optional[Durability] = None) -> set[str]:
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
     are refreshed in the same one. The first result written for a job stays: a late writer (a worker
     that was cut off while another took its job, a sweep) never replaces it. With `durability`, the
     nudges go out only once that many replicas have the results (NotReplicated, a connection error
-    that the bookkeeping thread retries, if they do not confirm in time)."""
+    that the bookkeeping thread retries, if they do not confirm in time). Returns the jobs whose result
+    key was there already: another run of the job wrote first."""
     if not publications:
-        return
+        return set()
     batch = CommandBatch(connection)
     nudges = CommandBatch(connection) if durability is not None else batch
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
+    sets: list[tuple[str, int]] = []
     for item in publications:
         if not item.write_key:
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
         batch.set(keys.result_key(job_id), encoded, ex=item.ttl, nx=True)
+        sets.append((job_id, len(batch) - 1))
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
@@ -64,9 +67,10 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
         nudges.publish(keys.done_channel(job_id), job_id)
-    batch.execute(durability=durability)
+    replies = batch.execute(durability=durability) or []
     if nudges is not batch:
         nudges.execute()
+    return {job_id for job_id, at in sets if at < len(replies) and replies[at] is None}
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:

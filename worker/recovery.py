@@ -96,6 +96,15 @@ def _prepare(connection: redis.Redis, registry: StartedJobRegistry, job_id: str,
     fields = fetch_job_fields(connection, job_id, settings.max_job_bytes)
     if fields is None:
         return None  # rq's cleanup drops the id
+    if connection.exists(keys.result_key(job_id)):
+        # Ended already (its worker wrote the result, then went away before ending it in RQ): running it
+        # again would only make a result that is not kept. Out of the registry, ended as its result says.
+        members = [m for m in connection.zrangebyscore(registry.key, 0, time.time())
+                   if m.decode(errors="replace").partition(":")[0] == job_id]
+        if members:
+            connection.zrem(registry.key, *members)
+        log.info("job %s of a dead worker has its result already: not run again", job_id)
+        return None
     job = read_job(job_id.encode(), fields, connection, settings.max_job_bytes)
     if isinstance(job, Unreadable):
         connection.zrem(registry.key, job_id)

@@ -40,6 +40,12 @@ class RedisHealth:
     def up(self) -> bool:
         return self.down_since is None
 
+    def lapsed(self) -> None:
+        """Heartbeats could not get through for longer than their TTL (a silent network holds calls
+        without failing them): count it as Redis having been away until now."""
+        with self._lock:
+            self.back_at = time.time()
+
     def lost_since(self, started_at: float) -> bool:
         """Whether Redis was away at some time after `started_at` (Unix seconds): then the heartbeats
         of a job started then may have lapsed, and another worker's sweep may have taken it."""

@@ -29,7 +29,7 @@ from worker.intake import Unreadable, read_job
 from worker.job_ending import Ending
 from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poller, TakenJob, WorkerQueues
-from worker.rq_batch import Registries, Success, create_execution, end_successes
+from worker.rq_batch import Registries, Success, create_execution, delete_execution, end_successes
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -179,6 +179,14 @@ class RQJobs:
                     job.execute_failure_callback(TimerDeathPenalty, type(exc), exc, None)
             self._worker.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
                                     started_job_registry=queue.started_job_registry)
+
+    def forget(self, ending: Ending) -> None:
+        """This worker's run of a job another run has ended (or is running): only its own execution
+        leaves the registries; the job's state is the other run's."""
+        batch = CommandBatch(self._worker.connection)
+        delete_execution(ending.job, ending.execution, batch, self._registries)
+        batch.srem(self._poller.running_key, ending.job_id)
+        batch.execute()
 
     def _end_cancelled(self, job: Job, queue: Queue) -> None:
         """What rq's failure path writes for a stopped job (status STOPPED, its execution gone), but

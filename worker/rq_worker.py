@@ -14,6 +14,7 @@ import gc
 import signal
 import socket
 import threading
+import time
 import uuid
 from types import FrameType
 from typing import Any, Callable, Optional
@@ -94,6 +95,7 @@ class BatchWorker(SimpleWorker):
         self._stop_job_ids: set[str] = set()  # written by rq's pubsub thread, taken by the loop
         self._stop_job_lock = threading.Lock()
         self._stop_recorded = False
+        self._beat_ok_at = 0.0  # time.time() the last heartbeat went through (the liveness thread's)
 
     # --- RQ's hooks -----------------------------------------------------------------------
     @property
@@ -289,13 +291,21 @@ class BatchWorker(SimpleWorker):
         running = loop.running
         if self._presence is not None:
             self._presence.refresh(running=len(running), sequences=loop.scheduler.num_sequences)
-        if not running:
-            return
-        ttl = self.settings.heartbeat_ttl_s
-        batch = CommandBatch(self.connection)
-        self.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._poller.running_key, ttl)
-        for inflight in running:
-            inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
-            inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)
-        batch.execute()
+        if running:
+            ttl = self.settings.heartbeat_ttl_s
+            batch = CommandBatch(self.connection)
+            self.heartbeat(ttl, pipeline=batch)
+            batch.expire(self._poller.running_key, ttl)
+            for inflight in running:
+                inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
+                inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)
+            batch.execute()
+        self._beat_went_through()
+
+    def _beat_went_through(self) -> None:
+        """A heartbeat that got through long after the one before: the jobs' entries may have expired
+        meanwhile, and another worker's sweep taken them (their endings are checked: worker/job_ending.py)."""
+        at, before = time.time(), self._beat_ok_at
+        self._beat_ok_at = at
+        if before and at - before > self.settings.heartbeat_ttl_s - self.settings.heartbeat_interval_s:
+            self._health.lapsed()
