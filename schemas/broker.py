@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 import redis
 import redis.asyncio as aioredis
@@ -173,11 +173,3 @@ def redact_url(url: str) -> str:
     user = userinfo.partition(":")[0]
     return f"{scheme}://{user}:***@{hosts}{slash}{tail}"
 
-
-def describe(connection: redis.Redis) -> str:
-    """Where a client goes, for logs: host:port, or the Sentinel service and its current primary."""
-    pool = connection.connection_pool
-    if isinstance(pool, (SentinelConnectionPool, AsyncSentinelConnectionPool)):
-        return f"sentinel service {pool.service_name}"
-    kwargs = pool.connection_kwargs
-    return kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
