@@ -198,7 +198,7 @@ class JobEnding:
         for ending in suspect:
             if ending.job_id in taken:
                 log.warning("job %s (%s) was taken by another worker while this one was cut off from Redis: "
-                            "dropped without writing", ending.job_id, ending.job.func_name)
+                            "dropped without writing", ending.job_id, _function(ending.job))
         self._dropped |= taken
         return [e for e in pending if e.job_id not in taken]
 
@@ -250,12 +250,20 @@ def _log_unfinished(job: Job, result: GenerationResult, retried: bool) -> None:
         return
     reason = f"{result.error.type}: {result.error.message}" if result.error else "cancel requested"
     if result.status == "cancelled":
-        log.info("job %s (%s) cancelled after %d token(s): %s", job.id, job.func_name, result.usage.completion_tokens,
+        log.info("job %s (%s) cancelled after %d token(s): %s", job.id, _function(job), result.usage.completion_tokens,
                  reason)
     elif retried:
-        log.warning("job %s (%s) failed, retried (%s left): %s", job.id, job.func_name, job.retries_left, reason)
+        log.warning("job %s (%s) failed, retried (%s left): %s", job.id, _function(job), job.retries_left, reason)
     else:
-        log.warning("job %s (%s) failed: %s", job.id, job.func_name, reason)
+        log.warning("job %s (%s) failed: %s", job.id, _function(job), reason)
+
+
+def _function(job: Job) -> str:
+    """The job's function as rq reads it from its data, or `unreadable` (a job that failed for that reason)."""
+    try:
+        return str(job.func_name)
+    except Exception:
+        return "unreadable"
 
 
 def _started_at(job: Job) -> float:

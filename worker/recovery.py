@@ -84,6 +84,9 @@ def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], settings: 
             continue
         results = [result for result in (_prepare(connection, registry, job_id, settings) for job_id in expired)
                    if result is not None]
+        for result, _ in results:
+            assert result.error is not None
+            log.warning("job %s failed: %s: %s", result.id, result.error.type, result.error.message)
         publish_results(connection, [Publication(r, keys.result_key_ttl(ttl)) for r, ttl in results])
         registry.cleanup(now)
         handled += expired
