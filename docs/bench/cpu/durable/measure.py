@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -14,7 +15,7 @@ import redis
 
 from mlxq.redis_server import RedisServer
 from producer import Client
-from tests.workers import start_fake_worker, stop, wait_for
+from tests.workers import stop, wait_for
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
 REQUEST = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1}
@@ -35,13 +36,16 @@ def batches(client: Client, durable: bool) -> float:
 
 
 def worker_run(url: str, durable: int) -> float:
+    """Wall time per job, submit to result, through one zero-cost worker (mlxq.bench.fake_worker) started first."""
     client = Client(url)
-    ids = client.submit_many([REQUEST] * N)
-    worker = start_fake_worker(url, name=f"bench-{durable}", step_delay_s=0.0,
-                               env={"MLXQ_DURABLE_RESULTS": str(durable)})
+    worker = subprocess.Popen([sys.executable, "-m", "mlxq.bench.fake_worker", "--url", url, "--name",
+                               f"bench-{durable}", "--max-num-seqs", "256", "--durable-results", str(durable), "mlxq"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: client.status(ids[0]) != "queued", timeout=60, what="the worker to start")
+        wait_for(lambda: client.connection.exists(f"mlxq:worker:bench-{durable}"), timeout=60,
+                 what="the worker to start")
         started = time.perf_counter()
+        ids = client.submit_many([{**REQUEST, "prompt_token_ids": [1 + i % 250, 2, 3]} for i in range(N)])
         client.wait_many(ids, timeout=600)
         return (time.perf_counter() - started) / N * 1e6
     finally:
