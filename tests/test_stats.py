@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 
@@ -49,9 +50,14 @@ def test_stats_shows_queues_workers_rates_and_failures(redis_url):
         table = mlxq(redis_url)
         watch = subprocess.Popen([sys.executable, "-m", "mlxq", "stats", "--url", redis_url, "--watch", "--json",
                                   "--interval", "0.2"], stdout=subprocess.PIPE, text=True)
-        time.sleep(2.0)
+        lines_seen: list[str] = []  # read as they come: a fixed wait lost them to a slow start on a busy machine
+        reader = threading.Thread(target=lambda: lines_seen.extend(iter(watch.stdout.readline, "")), daemon=True)
+        reader.start()
+        wait_for(lambda: sum(1 for line in lines_seen if line.strip()) >= 3, timeout=30, what="three --watch lines")
         watch.send_signal(signal.SIGINT)
-        watched, _ = watch.communicate(timeout=10)
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
+        watched = "".join(lines_seen)
     finally:
         client.close()
         outs = [stop(w) for w in workers]
