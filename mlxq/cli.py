@@ -21,8 +21,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     blas = args.blas or os.environ.get("MLXQ_BLAS") or _dotenv_value("MLXQ_BLAS")
     if blas:
         os.environ["MLXQ_BLAS"] = blas  # read when `worker` is first imported, before MLX
-    import redis
-
+    from schemas import broker
     from worker import BatchWorker
     from worker.settings import SettingsError, WorkerSettings
 
@@ -41,7 +40,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         if settings.engine != "fake":
             check_model_setting(settings.model)
-        connection = redis.Redis.from_url(url)
+        connection = broker.connect(url)
         worker = BatchWorker(args.queues or None, connection=connection, settings=settings, name=args.name)
         worker.work(burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     except ModelLoadError as exc:
@@ -121,6 +120,9 @@ def _add_more_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, help="a failed job runs again at most this many times (5)")
     p.add_argument("--retry-backoff-s", type=float, help="pause before the first retry, doubled each time (1)")
     p.add_argument("--group", help="processes that share waiting jobs out (set by --processes)")
+    p.add_argument("--durable-results", type=int,
+                   help="replicas that must have a result (Redis WAIT) before it is announced (0: none)")
+    p.add_argument("--durable-timeout-ms", type=int, help="how long each such WAIT waits (2000)")
     g = p.add_argument_group("images (vision-language models, docs/images.md)")
     g.add_argument("--image-dir", help="the one folder image paths in requests may name (MLXQ_IMAGE_DIR)")
     g.add_argument("--max-images", type=int, help="image parts per request (8)")

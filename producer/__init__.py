@@ -6,7 +6,9 @@ Imports no MLX and nothing from `worker`.
 
 from producer.aio import AsyncClient
 from producer.client import Client
-from producer.errors import BrokerError, InvalidRequest, JobNotFound, MlxqError, StreamExpired, WaitTimeout
+from producer.errors import (BrokerError, InvalidRequest, JobNotFound, MlxqError, NoLiveWorker, NotDurable, StreamExpired,
+                             WaitTimeout)
+from producer.presence import LiveModel
 from schemas import GenerationRequest, GenerationResult, RequestLimits
 
 __all__ = [
@@ -17,7 +19,10 @@ __all__ = [
     "GenerationResult",
     "InvalidRequest",
     "JobNotFound",
+    "LiveModel",
     "MlxqError",
+    "NoLiveWorker",
+    "NotDurable",
     "RequestLimits",
     "StreamExpired",
     "WaitTimeout",

@@ -29,6 +29,7 @@ from producer.control import (AsyncControlCalls, abort_target, adapter_command, 
                               pause_command, weights_command)
 from producer.done_listener import DoneListener, DoneWake
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
+from producer.presence import LiveModel, UnservedWatch, aread_live, live_models, live_queues
 from producer.stream_hub import StreamHub
 from producer.wire import (
     NO_CONNECTION,
@@ -39,6 +40,7 @@ from producer.wire import (
     StreamCursor,
     cancel_removal,
     cancelled_result_write,
+    check_live,
     check_priority,
     job_ended_without_result,
     job_from_hash,
@@ -46,6 +48,7 @@ from producer.wire import (
     job_state,
     latest_result_detail,
     parse_result,
+    not_durable,
     parse_server_version,
     plan_jobs,
     public_status,
@@ -56,9 +59,10 @@ from producer.wire import (
     results_stream_key,
     rq_status,
 )
-from schemas import GenerationResult, RequestLimits, keys
+from schemas import GenerationResult, RequestLimits, broker, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
+from schemas.durability import Durability, NotReplicated
 
 __all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "JobWatch", "MAX_CONNECTIONS", "ReadStates", "execute_batch",
            "parsed_state"]
@@ -119,6 +123,7 @@ class AsyncClient:
     MAX_CONNECTIONS connections and a command past them waits for one rather than failing. Pass `connection` to share
     an existing redis.asyncio.Redis instead (not decode_responses=True); the client closes only
     a connection it opened. Use `async with AsyncClient(...) as client:` or `await client.close()`.
+    Sentinel URLs and `durability` as for `Client`.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class AsyncClient:
         connection: aioredis.Redis | None = None,
         limits: RequestLimits | None = None,
         priorities: Sequence[str] = keys.DEFAULT_PRIORITIES,
+        durability: Durability | None = None,
     ) -> None:
         if connection is not None and url is not None:
             raise ValueError("pass url or connection, not both")
@@ -136,8 +142,7 @@ class AsyncClient:
             try:
                 # A pool that waits for a free connection rather than failing: redis-py's default pool
                 # raises past 100 connections, and every blocking stream read holds one.
-                connection = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-                    self.url, max_connections=MAX_CONNECTIONS, timeout=None))
+                connection = broker.connect_async(self.url, max_connections=MAX_CONNECTIONS)
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True
@@ -149,6 +154,7 @@ class AsyncClient:
         self.connection: aioredis.Redis = connection
         self.limits = limits
         self.priorities = tuple(priorities)
+        self.durability = durability or Durability()
         self._control = AsyncControlCalls(connection)
         self._server_version: Optional[tuple[int, int, int]] = None
         self._listener = DoneListener(connection)
@@ -170,13 +176,16 @@ class AsyncClient:
         ttl: int | None = None,
         result_ttl: int | None = None,
         retry: Retry | int | None = None,
+        durable: bool = False,
+        require_live_worker: bool = False,
     ) -> str:
         """`Client.submit`: validate `request`, enqueue it, return the job id."""
-        job_id, batch = await self._plan_submit(request, queue=queue, priority=priority, job_id=job_id, timeout=timeout,
-                                               ttl=ttl, result_ttl=result_ttl, retry=retry)
-        with broker_errors():
-            await execute_batch(self.connection, batch)
-        return job_id
+        check_priority(priority, self.priorities)
+        options = job_options(timeout, ttl, result_ttl, retry)
+        planned = plan_jobs([request], self.limits, options, queue=queue, priority=priority, job_ids=[job_id],
+                            indexed=False)
+        await self._enqueue(planned, durable, require_live_worker)
+        return planned[0].job_id
 
     async def _plan_submit(
         self,
@@ -214,13 +223,20 @@ class AsyncClient:
         ttl: int | None = None,
         result_ttl: int | None = None,
         retry: Retry | int | None = None,
+        durable: bool = False,
+        require_live_worker: bool = False,
     ) -> list[str]:
         """`Client.submit_many`: all or nothing, in one round trip; the job ids in order."""
         check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
         planned = plan_jobs(list(requests), self.limits, options, queue=queue, priority=priority, job_ids=job_ids)
-        await self._enqueue(planned)
+        await self._enqueue(planned, durable, require_live_worker)
         return [job.job_id for job in planned]
+
+    async def models(self) -> list[LiveModel]:
+        """`Client.models`: the models live workers serve now."""
+        with broker_errors():
+            return list(live_models(await aread_live(self.connection)).values())
 
     async def _redis_version(self) -> tuple[int, int, int]:
         """The Redis server's version, read once (rq records it in every job)."""
@@ -229,13 +245,26 @@ class AsyncClient:
                 self._server_version = parse_server_version(await self.connection.info("server"))
         return self._server_version
 
-    async def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
+    async def _enqueue(self, planned: Sequence[PlannedJob], durable: bool = False,
+                       require_live_worker: bool = False) -> None:
         if not planned:
             return
+        if require_live_worker:
+            with broker_errors():
+                workers = await aread_live(self.connection)
+            check_live(planned, live_queues(workers), live_models(workers))
         batch = CommandBatch(NO_CONNECTION)  # records only; run below
         record_enqueue(batch, planned, await self._redis_version())
         with broker_errors():
-            await execute_batch(self.connection, batch)
+            if not durable:
+                await execute_batch(self.connection, batch)
+                return
+            async with self.connection.client() as single:  # WAIT counts one connection's own writes
+                await execute_batch(single, batch)
+                try:
+                    self.durability.check(await single.wait(self.durability.replicas, self.durability.timeout_ms))
+                except NotReplicated as exc:
+                    raise not_durable(exc, planned) from exc
 
     # -- reading
 
@@ -274,11 +303,14 @@ class AsyncClient:
         """`Client.result`: the result, or None while there is none yet."""
         return await self._settled((await self._read_states([job_id]))[0])
 
-    async def wait(self, job_id: str, timeout: float | None = None) -> GenerationResult:
-        """`Client.wait`: until the job has a result; WaitTimeout after `timeout` s."""
-        return (await self.wait_many([job_id], timeout))[job_id]
+    async def wait(self, job_id: str, timeout: float | None = None, *, no_worker_timeout: float | None = None
+                   ) -> GenerationResult:
+        """`Client.wait`: until the job has a result; WaitTimeout after `timeout` s, NoLiveWorker after
+        `no_worker_timeout` s without a live worker on its queue."""
+        return (await self.wait_many([job_id], timeout, no_worker_timeout=no_worker_timeout))[job_id]
 
-    async def wait_many(self, job_ids: Iterable[str], timeout: float | None = None) -> dict[str, GenerationResult]:
+    async def wait_many(self, job_ids: Iterable[str], timeout: float | None = None, *,
+                        no_worker_timeout: float | None = None) -> dict[str, GenerationResult]:
         """`Client.wait_many`: {job_id: result}; WaitTimeout carries the ids still pending."""
         ids = list(dict.fromkeys(job_ids))
         if not ids:
@@ -290,7 +322,7 @@ class AsyncClient:
         # Registered before the read in `JobWatch.wait`, so a job that ends between them wakes this
         # wait; once the subscription exists that one read is also the fast path.
         async with self._watch(ids) as watch:
-            return await watch.wait(timeout)
+            return await watch.wait(timeout, no_worker_timeout=no_worker_timeout)
 
     @contextlib.asynccontextmanager
     async def _watch(self, job_ids: Iterable[str]) -> AsyncIterator["JobWatch"]:
@@ -306,6 +338,17 @@ class AsyncClient:
             yield watch
         finally:
             self._listener.remove(watch.job_ids, watch.wake)
+
+    async def _check_served(self, unserved: UnservedWatch, pending: set[str]) -> None:
+        with broker_errors():
+            unknown = unserved.unknown(pending)
+            if unknown:
+                async with self.connection.pipeline(transaction=False) as pipe:
+                    for job_id in unknown:
+                        pipe.hget(Job.key_for(job_id), "origin")
+                    unserved.learn(unknown, await pipe.execute())
+            live = live_queues(await aread_live(self.connection))
+        unserved.check(pending, live, time.monotonic())
 
     async def _settle_all(self, states: Iterable[JobState]) -> dict[str, GenerationResult]:
         """{job_id: result} of the states that have ended."""
@@ -431,7 +474,8 @@ class JobWatch:
         self.wake = DoneWake()
 
     async def wait(self, timeout: float | None = None, *, read: ReadStates | None = None,
-                   submitted_after: bool = False) -> dict[str, GenerationResult]:
+                   submitted_after: bool = False, no_worker_timeout: float | None = None
+                   ) -> dict[str, GenerationResult]:
         """`wait_many` for the watched jobs: {job_id: result}; WaitTimeout carries the ids still pending.
         `read` replaces the client's read of job states; `submitted_after` (every job was submitted
         after the watch began) skips the read of what ended before it."""
@@ -440,13 +484,17 @@ class JobWatch:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         results: dict[str, GenerationResult] = {}
         pending = set(ids)
+        unserved = UnservedWatch(no_worker_timeout) if no_worker_timeout is not None else None
 
         async def settle(candidates: Iterable[str]) -> None:
             wanted = [job_id for job_id in candidates if job_id in pending]
+            polled_all = len(wanted) == len(pending)
             if wanted:
                 found = await client._settle_all(await read_states(wanted))
                 results.update(found)
                 pending.difference_update(found)
+            if unserved is not None and pending and polled_all:  # a poll of all: check the queues too
+                await client._check_served(unserved, pending)
 
         if not submitted_after:
             await settle(ids)  # what ended before the registration

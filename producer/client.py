@@ -21,6 +21,7 @@ from rq.utils import get_version
 from producer.control import (ControlCalls, abort_target, adapter_command, control_command, job_model, pause_command,
                               weights_command)
 from producer.errors import BrokerError, JobNotFound, WaitTimeout, broker_errors
+from producer.presence import LiveModel, UnservedWatch, live_models, live_queues, read_live
 from producer.pubsub import read_burst
 from producer.wire import (
     RQ_ENDED,
@@ -31,6 +32,7 @@ from producer.wire import (
     block_slice,
     cancel_removal,
     cancelled_result_write,
+    check_live,
     check_priority,
     done_channels,
     job_ended_without_result,
@@ -38,6 +40,7 @@ from producer.wire import (
     job_options,
     job_state,
     latest_result_detail,
+    not_durable,
     plan_jobs,
     public_status,
     record_cancelled,
@@ -48,9 +51,10 @@ from producer.wire import (
     rq_status,
     STREAM_BATCH,
 )
-from schemas import GenerationResult, RequestLimits, keys
+from schemas import GenerationResult, RequestLimits, broker, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
 from schemas.command_batch import CommandBatch
+from schemas.durability import Durability, NotReplicated
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
 
@@ -69,7 +73,10 @@ class Client:
     unix:// URLs may carry a password or ACL user. Pass `connection` to share an existing
     redis.Redis instead (it must not use decode_responses=True: RQ stores bytes); the client
     closes only a connection it opened. `limits` are operator caps checked before enqueueing.
-    `priorities` are the names `submit(priority=...)` accepts (docs/producer.md).
+    `priorities` are the names `submit(priority=...)` accepts (docs/producer.md). A
+    `redis+sentinel://host:port[,host:port...]/service_name[/db]` URL follows the primary the sentinels
+    name through a failover (docs/operations.md). `durability` is what `submit(durable=True)` waits for
+    (default: one replica, 2 s).
     """
 
     def __init__(
@@ -79,13 +86,14 @@ class Client:
         connection: redis.Redis | None = None,
         limits: RequestLimits | None = None,
         priorities: Sequence[str] = keys.DEFAULT_PRIORITIES,
+        durability: Durability | None = None,
     ) -> None:
         if connection is not None and url is not None:
             raise ValueError("pass url or connection, not both")
         if connection is None:
             self.url = resolve_url(url)
             try:
-                connection = redis.Redis.from_url(self.url)
+                connection = broker.connect(self.url)
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True
@@ -97,6 +105,7 @@ class Client:
         self.connection: redis.Redis = connection
         self.limits = limits
         self.priorities = tuple(priorities)
+        self.durability = durability or Durability()
         self._control = ControlCalls(connection)
 
     def __repr__(self) -> str:
@@ -115,6 +124,8 @@ class Client:
         ttl: int | None = None,
         result_ttl: int | None = None,
         retry: Retry | int | None = None,
+        durable: bool = False,
+        require_live_worker: bool = False,
     ) -> str:
         """Validate `request` and enqueue it; returns the job id.
 
@@ -123,12 +134,17 @@ class Client:
         to the queue itself. `timeout` is the RQ job timeout, `ttl` how long the job may wait in
         its queue, `result_ttl` how long its result is kept (default 500 s, -1 forever), `retry`
         an rq.Retry or a retry count. Raises InvalidRequest (nothing enqueued) or BrokerError.
+
+        `durable`: return only once a replica has the job too (the client's `durability`), so a failover
+        of the primary cannot lose it; NotDurable (a BrokerError naming the ids) if none confirmed in
+        time. `require_live_worker`: NoLiveWorker, and nothing enqueued, unless a live worker listens
+        on the job's queue (without it a job for a model nobody serves waits in its queue, `ttl` deciding how long).
         """
         check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
         planned = plan_jobs([request], self.limits, options, queue=queue, priority=priority, job_ids=[job_id],
                             indexed=False)
-        self._enqueue(planned)
+        self._enqueue(planned, durable, require_live_worker)
         return planned[0].job_id
 
     def submit_many(
@@ -142,28 +158,43 @@ class Client:
         ttl: int | None = None,
         result_ttl: int | None = None,
         retry: Retry | int | None = None,
+        durable: bool = False,
+        require_live_worker: bool = False,
     ) -> list[str]:
         """Validate every request, then enqueue them all in one Redis transaction.
 
         All or nothing: if any request is invalid, InvalidRequest names it
         (`requests[3].max_tokens: ...`) and nothing is enqueued. Returns the job ids in order.
+        `durable` and `require_live_worker` as for `submit`, for the whole batch.
         """
         check_priority(priority, self.priorities)
         options = job_options(timeout, ttl, result_ttl, retry)
         planned = plan_jobs(list(requests), self.limits, options, queue=queue, priority=priority, job_ids=job_ids)
-        self._enqueue(planned)
+        self._enqueue(planned, durable, require_live_worker)
         return [job.job_id for job in planned]
 
-    def _enqueue(self, planned: Sequence[PlannedJob]) -> None:
+    def _enqueue(self, planned: Sequence[PlannedJob], durable: bool = False, require_live_worker: bool = False) -> None:
         if not planned:
             return
         # One atomic call for every queue: one round trip, and all or nothing. A CommandBatch
         # rather than a MULTI/EXEC pipeline: half the producer's CPU per job (8,000 jobs: 0.53 s
         # against 1.0 s). (RQ reads the server version once per connection before the first enqueue.)
         with broker_errors():
+            if require_live_worker:
+                workers = read_live(self.connection)
+                check_live(planned, live_queues(workers), live_models(workers))
             batch = CommandBatch(self.connection)
             record_enqueue(batch, planned, get_version(self.connection))
-            batch.execute()
+            try:
+                batch.execute(durability=self.durability if durable else None)
+            except NotReplicated as exc:
+                raise not_durable(exc, planned) from exc
+
+    def models(self) -> list[LiveModel]:
+        """The models live workers serve now (from their heartbeats), by name: how many workers
+        serve each, and the queues they listen on."""
+        with broker_errors():
+            return list(live_models(read_live(self.connection)).values())
 
     # -- reading
 
@@ -205,16 +236,20 @@ class Client:
         """
         return self._settled(self._read_states([job_id])[0])
 
-    def wait(self, job_id: str, timeout: float | None = None) -> GenerationResult:
+    def wait(self, job_id: str, timeout: float | None = None, *, no_worker_timeout: float | None = None
+             ) -> GenerationResult:
         """Block until the job has a result (finished, failed or cancelled) and return it.
 
         Subscribes to the job's done channel, so it returns as soon as the worker publishes,
         without polling; re-reads the result key every ~2 s in case a message was missed.
         Raises WaitTimeout after `timeout` seconds (None: no limit), JobNotFound for an unknown job.
+        With `no_worker_timeout`, raises NoLiveWorker once no live worker has listened on the job's
+        queue for that many seconds (checked every ~2 s; the job still waits in its queue).
         """
-        return self.wait_many([job_id], timeout)[job_id]
+        return self.wait_many([job_id], timeout, no_worker_timeout=no_worker_timeout)[job_id]
 
-    def wait_many(self, job_ids: Iterable[str], timeout: float | None = None) -> dict[str, GenerationResult]:
+    def wait_many(self, job_ids: Iterable[str], timeout: float | None = None, *,
+                  no_worker_timeout: float | None = None) -> dict[str, GenerationResult]:
         """Like `wait` for several jobs over one subscription; returns {job_id: result}.
 
         WaitTimeout carries the ids still pending in `.pending`.
@@ -225,14 +260,18 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         results: dict[str, GenerationResult] = {}
         pending = set(ids)
+        unserved = UnservedWatch(no_worker_timeout) if no_worker_timeout is not None else None
 
         def settle(candidates: Iterable[str]) -> None:
             wanted = [job_id for job_id in candidates if job_id in pending]
+            polled_all = len(wanted) == len(pending)
             for state in self._read_states(wanted) if wanted else []:
                 found = self._settled(state)
                 if found is not None:
                     results[state.job_id] = found
                     pending.discard(state.job_id)
+            if unserved is not None and pending and polled_all:  # a poll of all: check the queues too
+                self._check_served(unserved, pending)
 
         settle(ids)  # fast path: already done, no subscription needed
         if not pending:
@@ -270,6 +309,17 @@ class Client:
             finally:
                 pubsub.close()
         return {job_id: results[job_id] for job_id in ids}
+
+    def _check_served(self, unserved: UnservedWatch, pending: set[str]) -> None:
+        with broker_errors():
+            unknown = unserved.unknown(pending)
+            if unknown:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    for job_id in unknown:
+                        pipe.hget(Job.key_for(job_id), "origin")
+                    unserved.learn(unknown, pipe.execute())
+            live = live_queues(read_live(self.connection))
+        unserved.check(pending, live, time.monotonic())
 
     # -- cancelling
 

@@ -14,8 +14,8 @@ import redis
 
 from schemas import InvalidRequestError
 
-__all__ = ["BrokerError", "InvalidRequest", "JobNotFound", "MlxqError", "StreamExpired", "WaitTimeout",
-           "broker_errors"]
+__all__ = ["BrokerError", "InvalidRequest", "JobNotFound", "MlxqError", "NoLiveWorker", "NotDurable", "StreamExpired",
+           "WaitTimeout", "broker_errors"]
 
 
 class MlxqError(Exception):
@@ -80,6 +80,28 @@ class StreamExpired(MlxqError, LookupError):
 
 class BrokerError(MlxqError, ConnectionError):
     """Redis could not be reached, refused the command, or rejected the credentials."""
+
+
+class NotDurable(BrokerError):
+    """A `durable=True` submit: the jobs are enqueued on the primary, but fewer replicas than asked
+    confirmed them in time, so they would be lost if the primary failed now. `job_ids` names them:
+    they may still run (check with `status`), or submit them again under the same ids."""
+
+    def __init__(self, message: str, job_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.job_ids = tuple(job_ids)
+
+
+class NoLiveWorker(MlxqError, LookupError):
+    """No live worker listens on the queue a job is for: raised by `submit(require_live_worker=True)`
+    (nothing enqueued), and by `wait(no_worker_timeout=N)` once no live worker has listened on a
+    pending job's queue for N seconds (the job still waits in its queue; its TTL decides how long).
+    `queue` names the queue, `job_ids` the jobs (empty for a submit)."""
+
+    def __init__(self, message: str, queue: str, job_ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.queue = queue
+        self.job_ids = tuple(job_ids)
 
 
 @contextmanager

@@ -45,7 +45,13 @@ class QueueStats:
     depth: int  # jobs waiting
     oldest_age_s: Optional[float]  # how long the job at the head (the next one taken) has waited
     started: int  # jobs taken and not ended (RQ's started registry)
-    failed: int  # RQ's failed registry
+    failed: int  # RQ's failed registry (cancelled jobs are not there: they are not failures)
+    served: bool = True  # some live worker listens on it
+
+    @property
+    def unserved(self) -> bool:
+        """Jobs wait in it and no live worker listens on it: they wait until one comes (or their TTL)."""
+        return self.depth > 0 and not self.served
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class LiveWorker:
     jobs_finished: int
     tokens: int
     failures: dict[str, int] = field(default_factory=dict)  # error type -> jobs, since it started
+    jobs_cancelled: int = 0  # since it started; not failures
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,16 @@ class FleetSnapshot:
         return dict(sorted(total.items()))
 
     @property
+    def cancelled(self) -> int:
+        """Jobs the live workers ended cancelled (not counted among the failures)."""
+        return sum(w.jobs_cancelled for w in self.workers)
+
+    @property
+    def unserved(self) -> list[str]:
+        """Queues where jobs wait and no live worker listens."""
+        return [q.name for q in self.queues if q.unserved]
+
+    @property
     def in_flight(self) -> int:
         return sum(w.running for w in self.workers)
 
@@ -104,9 +121,10 @@ class FleetSnapshot:
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "queues": [asdict(q) for q in self.queues],
                 "workers": [{**asdict(w), "queues": list(w.queues)} for w in self.workers],
-                "models": self.models, "failures": self.failures, "in_flight": self.in_flight,
-                "tokens_per_s": self.tokens_per_s, "queues_registered": self.queues_registered,
-                "queues_with_jobs": self.queues_with_jobs, "jobs_waiting": self.jobs_waiting}
+                "models": self.models, "failures": self.failures, "cancelled": self.cancelled,
+                "unserved": self.unserved, "in_flight": self.in_flight, "tokens_per_s": self.tokens_per_s,
+                "queues_registered": self.queues_registered, "queues_with_jobs": self.queues_with_jobs,
+                "jobs_waiting": self.jobs_waiting}
 
 
 Fill = Callable[[Any], None]  # queues commands on a pipeline (sync or asyncio: the same calls)
@@ -116,7 +134,8 @@ def snapshot_plan(now: float, queue_names: tuple[str, ...] = (), max_listed: int
                   ) -> Generator[Fill, list[Any], FleetSnapshot]:
     """The reading, as a generator: it yields what to queue on a fresh pipeline and is sent that
     pipeline's replies. Queues: `queue_names`, else every one a live worker listens on and the `max_listed`
-    deepest that RQ knows and that hold jobs (producer/fleet_queues.py)."""
+    deepest that RQ knows and that hold jobs (producer/fleet_queues.py): a model nobody serves any more
+    leaves the views once its queue has drained."""
     names_reply, active = yield lambda pipe: (
         pipe.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf"),
         pipe.execute_command(*active_queues_command(max_listed)))
@@ -152,11 +171,14 @@ def snapshot_plan(now: float, queue_names: tuple[str, ...] = (), max_listed: int
                 ) if waiting else []
     enqueued_at = dict(zip(waiting, enqueued))
     rows = []
+    served = {q for w in workers for q in w.queues}
     for i, queue in enumerate(queues):
         head = heads[i]
         started = _unix(enqueued_at.get(head)) if head else None
-        rows.append(QueueStats(queue, int(counts[4 * i]), max(0.0, now - started) if started else None,
-                               int(counts[4 * i + 2]), int(counts[4 * i + 3])))
+        row = QueueStats(queue, int(counts[4 * i]), max(0.0, now - started) if started else None,
+                         int(counts[4 * i + 2]), int(counts[4 * i + 3]), served=queue in served)
+        if queue_names or row.served or row.depth or row.started:
+            rows.append(row)
     jobs_waiting = max(jobs_waiting, sum(row.depth for row in rows))  # (a listed queue need not be registered)
     return FleetSnapshot(now, tuple(rows), tuple(workers), registered, with_jobs, jobs_waiting)
 
@@ -204,7 +226,7 @@ def _live_worker(raw_presence: Optional[bytes], raw_stats: dict[bytes, bytes], n
         heartbeat_age_s=max(0.0, now - presence.heartbeat_at), tokens_per_s_1m=rate,
         prefix_cache_hit_rate=_number(stats.get("prefix_cache_hit_rate")),
         jobs_finished=int(_number(stats.get("jobs_finished")) or 0), tokens=int(_number(stats.get("tokens")) or 0),
-        failures=dict(sorted(failures.items())))
+        failures=dict(sorted(failures.items())), jobs_cancelled=int(_number(stats.get("jobs_cancelled")) or 0))
 
 
 def _text(value: Any) -> str:

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional, Union
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import ValidationError
@@ -22,7 +21,8 @@ from rq.queue import EnqueueData
 from rq.registry import CanceledJobRegistry, ScheduledJobRegistry
 from rq.results import Result
 
-from producer.errors import InvalidRequest, JobNotFound, MlxqError, StreamExpired
+from producer.errors import InvalidRequest, JobNotFound, MlxqError, NoLiveWorker, NotDurable, StreamExpired
+from schemas import broker
 from schemas.command_batch import CommandBatch
 from schemas.events import EndStreamEvent, TokenStreamEvent, event_data, parse_event
 from schemas.result import request_echo
@@ -43,13 +43,26 @@ def resolve_url(url: str | None) -> str:
     return url or os.environ.get(URL_ENV) or DEFAULT_URL
 
 
+def check_live(planned: Sequence["PlannedJob"], live: frozenset[str], models: Iterable[str]) -> None:
+    """`submit(require_live_worker=True)`: NoLiveWorker unless a live worker listens on every job's queue."""
+    for job in planned:
+        if job.queue not in live:
+            served = ", ".join(sorted(models)) or "none"
+            raise NoLiveWorker(f"no live worker listens on queue {job.queue!r}"
+                               + (f" (model {job.request.model!r})" if job.request.model else "")
+                               + f"; models served now: {served}. Nothing was enqueued.", job.queue)
+
+
+def not_durable(exc: Exception, planned: Sequence["PlannedJob"]) -> NotDurable:
+    ids = [job.job_id for job in planned]
+    shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+    return NotDurable(f"{exc}: {len(ids)} job(s) enqueued but not yet safe from a failover of the primary: {shown}",
+                      ids)
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced, for messages and reprs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return broker.redact_url(url)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ import msgpack
 import redis
 from redis.commands.core import CoreCommands
 
+from schemas.durability import Durability
+
 # Lua that runs the commands in the string `packed` (one MessagePack array, each command its argument
 # count followed by its arguments) and leaves their replies in `replies`; other scripts embed it too.
 RUN_COMMANDS = """
@@ -79,18 +81,21 @@ class CommandBatch(CoreCommands):
         # Raw strings only: the cmsgpack of Redis 7.0 has no bin type (bytes and str both arrive as Lua strings).
         return argv, msgpack.packb(argv, use_bin_type=False)
 
-    def execute(self, unless_exists: Sequence[str] = ()) -> Optional[list[Any]]:
+    def execute(self, unless_exists: Sequence[str] = (), durability: Optional[Durability] = None
+                ) -> Optional[list[Any]]:
         """Run the recorded commands, atomically and in order; return their replies, or None
-        (nothing ran) if any key in `unless_exists` exists. Raises the first command error."""
+        (nothing ran) if any key in `unless_exists` exists. Raises the first command error. With
+        `durability`, then WAIT on the same connection for that many replicas to have the writes;
+        NotReplicated if fewer confirm in time (the writes are on the primary all the same)."""
         if not self._count and not unless_exists:
             return []
         argv, commands = self.take()
         packed = hiredis.pack_command(("EVALSHA", RUN_SCRIPT_SHA, len(unless_exists), *unless_exists, commands))
         try:
-            replies = self._send(packed)
+            replies = self._send(packed, durability)
         except redis.exceptions.NoScriptError:  # a restarted or flushed server: the call carries the script
             replies = self._send(hiredis.pack_command(("EVAL", RUN_SCRIPT, len(unless_exists), *unless_exists,
-                                                       commands)))
+                                                       commands)), durability)
         except redis.exceptions.ResponseError as exc:
             if unless_exists or not str(exc).lower().startswith("unknown command"):
                 raise
@@ -105,12 +110,16 @@ class CommandBatch(CoreCommands):
     def _execute_as_transaction(self, argv: list[Any]) -> list[Any]:
         return run_as_transaction(self._connection, argv)
 
-    def _send(self, packed: bytes) -> Any:
+    def _send(self, packed: bytes, durability: Optional[Durability] = None) -> Any:
         pool = self._connection.connection_pool
         connection = pool.get_connection()
         try:
             connection.send_packed_command([packed])
-            return connection.read_response()
+            replies = connection.read_response()
+            if durability is not None:  # WAIT counts this connection's own writes only
+                connection.send_command("WAIT", durability.replicas, durability.timeout_ms)
+                durability.check(connection.read_response())
+            return replies
         except redis.ResponseError:  # a whole error reply was read: the connection is in step
             raise
         except BaseException:

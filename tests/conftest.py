@@ -1,5 +1,8 @@
 """Shared fixtures: a private redis-server per test session, a flushed connection per test, the tiny
-model and its greedy reference (the same request run alone through mlx-lm)."""
+model and its greedy reference (the same request run alone through mlx-lm).
+
+`MLXQ_REDIS_SERVER=valkey-server` runs every server the tests start on Valkey instead (mlxq/redis_server.py);
+`make test` runs the Redis-level tests that way too."""
 
 from __future__ import annotations
 
@@ -8,7 +11,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from mlxq.redis_server import RedisServer
+from mlxq.redis_server import RedisServer, find_redis_server
+
+
+def pytest_report_header() -> str:
+    return f"test servers: {find_redis_server()}"
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 

@@ -31,6 +31,8 @@ from worker.gate import RESULTS_PER_CALL, RQ_ENDS_PER_CALL, per_call
 from worker.intake import Unreadable
 from worker.metrics import WorkerMetrics
 from worker.output import EndedJob, StreamDelta
+from worker.redis_health import RedisHealth
+from worker.rq_batch import Registries
 from worker.publish import (Publication, WorkerStats, publish_results, publish_stream_deltas, refuse_unreadable,
                             restart_stream)
 from worker.redis_health import REDIS_ERRORS
@@ -65,8 +67,8 @@ class Ending:
 
 class JobTally:
     """Jobs ended and tokens made since the worker started, and tokens in the last minute: published
-    in the worker's stats hash (`jobs_finished`, `jobs_failed_<type>`, `tokens`, `tokens_per_s_1m`,
-    `updated_at`) for `mlxq stats`."""
+    in the worker's stats hash (`jobs_finished`, `jobs_cancelled`, `jobs_failed_<type>`, `tokens`,
+    `tokens_per_s_1m`, `updated_at`) for `mlxq stats`. A cancelled job is not a failure."""
 
     WINDOW_S = 60.0
 
@@ -75,8 +77,12 @@ class JobTally:
         self._recent: deque[tuple[float, int]] = deque()  # (time.time(), completion tokens)
 
     def add(self, result: GenerationResult) -> None:
-        name = "jobs_finished" if result.status != "failed" or result.error is None else (
-            f"jobs_failed_{result.error.type}")
+        if result.status == "cancelled":
+            name = "jobs_cancelled"
+        elif result.status == "failed" and result.error is not None:
+            name = f"jobs_failed_{result.error.type}"
+        else:
+            name = "jobs_finished"
         self._counts[name] = self._counts.get(name, 0) + 1
         self._counts["tokens"] += result.usage.completion_tokens
         self._recent.append((time.time(), result.usage.completion_tokens))
@@ -106,8 +112,11 @@ class RQEnds(Protocol):
 
 class JobEnding:
     def __init__(self, connection: redis.Redis, bookkeeper: Bookkeeper, rq: RQEnds, settings: WorkerSettings,
-                 worker_name: str, metrics: Optional[WorkerMetrics] = None) -> None:
+                 worker_name: str, metrics: Optional[WorkerMetrics] = None, health: Optional[RedisHealth] = None,
+                 registries: Optional[Registries] = None) -> None:
         self._connection = connection
+        self._health = health
+        self._registries = registries
         self._metrics = metrics
         self._worker_name = worker_name
         self._bookkeeper = bookkeeper
@@ -115,8 +124,9 @@ class JobEnding:
         self._settings = settings
         self.done: "queue.SimpleQueue[Ending]" = queue.SimpleQueue()
         self._tally = JobTally()  # the bookkeeping thread's
-        # Jobs whose result key was there before this worker's (bookkeeping thread only): their
-        # first end stands, in Redis and in rq, so this run ends without touching either.
+        # Jobs whose run this worker drops (bookkeeping thread only): their result key was there before
+        # this worker's, or another worker took them while this one was cut off. Their first end stands,
+        # in Redis and in rq, so this run ends without touching either.
         self._superseded: set[str] = set()
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
@@ -162,6 +172,7 @@ class JobEnding:
         """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL a
         round trip while the gate is in force; the stats go with the first."""
         gate = self._bookkeeper.gate
+        pending = self._drop_taken(pending)
         for chunk in per_call(pending, RESULTS_PER_CALL, gate):
             publications = []
             for ending in chunk:
@@ -170,8 +181,35 @@ class JobEnding:
             gate.wait()
             if stats is not None:
                 stats.counters.update(self._tally.counters())
-            self._superseded.update(publish_results(self._connection, publications, stats=stats))
+            written_before = publish_results(self._connection, publications, stats=stats,
+                                             durability=self._settings.result_durability)
             stats = None
+            for job_id in written_before:
+                log.warning("job %s: another run of it wrote its result first (this worker was cut off while the "
+                            "job was taken): this run is dropped, not ended in RQ", job_id)
+            self._superseded |= written_before
+
+    def _drop_taken(self, pending: list[Ending]) -> list[Ending]:
+        """The endings still this worker's to write. A job that ran while Redis was away from this worker
+        may have been taken meanwhile: its heartbeats lapsed, a live worker's sweep sent it back to its
+        queue (or failed it) and its entry left the started registry, where heartbeats never put it back.
+        Such a job is dropped unwritten (the other run's result stands); only those are checked."""
+        if self._health is None or self._registries is None:
+            return pending
+        suspect = [e for e in pending if self._health.lost_since(_started_at(e.job))]
+        if not suspect:
+            return pending
+        with self._connection.pipeline(transaction=False) as pipe:
+            for ending in suspect:
+                pipe.zscore(self._registries.started(ending.job.origin).key, ending.execution.composite_key)
+            scores = pipe.execute()
+        taken = {e.job_id for e, score in zip(suspect, scores) if score is None}
+        for ending in suspect:
+            if ending.job_id in taken:
+                log.warning("job %s (%s) was taken by another worker while this one was cut off from Redis: "
+                            "dropped without writing", ending.job_id, _function(ending.job))
+        self._superseded |= taken
+        return [e for e in pending if e.job_id not in taken]
 
     def _publication(self, ending: Ending) -> Publication:
         job, result = ending.job, ending.outcome.result()
@@ -179,6 +217,7 @@ class JobEnding:
             retry_policy.apply(job, result.error.type if result.error else None, self._settings.max_retries,
                                self._settings.retry_backoff_s)
         retried = result.status == "failed" and job.should_retry  # that attempt ended, the job did not
+        _log_unfinished(job, result, retried)
         if not retried:
             self._tally.add(result)
             if self._metrics is not None:
@@ -236,3 +275,30 @@ class JobEnding:
                           ", ".join(e.job_id for e in endings))
         for ending in endings:
             self.done.put(ending)
+
+
+def _log_unfinished(job: Job, result: GenerationResult, retried: bool) -> None:
+    """Every failure and cancellation in the worker's log, with the job, its function and the reason
+    (successes are rq's own "Successfully completed" lines)."""
+    if result.status == "finished":
+        return
+    reason = f"{result.error.type}: {result.error.message}" if result.error else "cancel requested"
+    if result.status == "cancelled":
+        log.info("job %s (%s) cancelled after %d token(s): %s", job.id, _function(job), result.usage.completion_tokens,
+                 reason)
+    elif retried:
+        log.warning("job %s (%s) failed, retried (%s left): %s", job.id, _function(job), job.retries_left, reason)
+    else:
+        log.warning("job %s (%s) failed: %s", job.id, _function(job), reason)
+
+
+def _function(job: Job) -> str:
+    """The job's function as rq reads it from its data, or `unreadable` (a job that failed for that reason)."""
+    try:
+        return str(job.func_name)
+    except Exception:
+        return "unreadable"
+
+
+def _started_at(job: Job) -> float:
+    return job.started_at.timestamp() if job.started_at is not None else 0.0

@@ -73,6 +73,7 @@ class WorkerMetrics(Collector):
         self._success_family = counter("vllm:request_success", "Requests that finished, by finish reason",
                                        "finished_reason")
         self._failed_family = counter("mlxq:jobs_failed", "Jobs that failed, by error type", "error_type")
+        self._cancelled = counter("mlxq:jobs_cancelled", "Jobs cancelled while running (not failures)").labels(**labels)
         self._success: dict[str, Any] = {}
         self._failed: dict[str, Any] = {}
         self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (from the job's start)"
@@ -99,6 +100,8 @@ class WorkerMetrics(Collector):
             self._generation_tokens.inc(result.usage.completion_tokens)
             if result.status == "failed" and result.error is not None:
                 self._child(self._failed, self._failed_family, "error_type", result.error.type).inc()
+            elif result.status == "cancelled":
+                self._cancelled.inc()
             else:
                 for choice in result.choices:
                     reason = choice.finish_reason or "stop"

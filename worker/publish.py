@@ -14,6 +14,7 @@ from rq.utils import now, utcformat
 from schemas import GenerationResult, keys
 from schemas.result import no_output_result
 from schemas.command_batch import CommandBatch
+from schemas.durability import Durability
 from schemas.events import EndStreamEvent, RestartStreamEvent, TokenStreamEvent, encode_event
 from worker.intake import Unreadable
 
@@ -37,38 +38,39 @@ class WorkerStats(NamedTuple):
 
 
 def publish_results(connection: redis.Redis, publications: list[Publication],
-                    stats: Optional[WorkerStats] = None) -> set[str]:
+                    stats: Optional[WorkerStats] = None, durability: Optional[Durability] = None) -> set[str]:
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
-    are refreshed in the same one. A result key is never replaced: the first result written for a
-    job stays (SET NX), whoever wrote it (a sweep that gave the job up, another run of it). Returns
-    the jobs whose result was not written because one was there already."""
+    are refreshed in the same one. The first result written for a job stays: a late writer (a worker
+    that was cut off while another took its job, a sweep) never replaces it. With `durability`, the
+    nudges go out only once that many replicas have the results (NotReplicated, a connection error
+    that the bookkeeping thread retries, if they do not confirm in time). Returns the jobs whose result
+    key was there already: another run of the job wrote first."""
     if not publications:
         return set()
     batch = CommandBatch(connection)
+    nudges = CommandBatch(connection) if durability is not None else batch
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
-    written_at: dict[str, int] = {}
+    sets: list[tuple[str, int]] = []
     for item in publications:
         if not item.write_key:
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
         batch.set(keys.result_key(job_id), encoded, ex=item.ttl, nx=True)
-        written_at[job_id] = len(batch) - 1
+        sets.append((job_id, len(batch) - 1))
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
             batch.xadd(keys.stream_key(job_id), encode_event(end))
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
-        batch.publish(keys.done_channel(job_id), job_id)
-    replies = batch.execute()
-    superseded = {job_id for job_id, at in written_at.items() if replies is not None and replies[at] is None}
-    for job_id in superseded:
-        log.warning("job %s had a result already: the one from this run was dropped (the first result stays)",
-                    job_id)
-    return superseded
+        nudges.publish(keys.done_channel(job_id), job_id)
+    replies = batch.execute(durability=durability) or []
+    if nudges is not batch:
+        nudges.execute()
+    return {job_id for job_id, at in sets if at < len(replies) and replies[at] is None}
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:

@@ -84,6 +84,9 @@ def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], settings: 
             continue
         results = [result for result in (_prepare(connection, registry, job_id, settings) for job_id in expired)
                    if result is not None]
+        for result, _ in results:
+            assert result.error is not None
+            log.warning("job %s failed: %s: %s", result.id, result.error.type, result.error.message)
         publish_results(connection, [Publication(r, keys.result_key_ttl(ttl)) for r, ttl in results])
         registry.cleanup(now)
         handled += expired
@@ -96,6 +99,15 @@ def _prepare(connection: redis.Redis, registry: StartedJobRegistry, job_id: str,
     fields = fetch_job_fields(connection, job_id, settings.max_job_bytes)
     if fields is None:
         return None  # rq's cleanup drops the id
+    if connection.exists(keys.result_key(job_id)):
+        # Ended already (its worker wrote the result, then went away before ending it in RQ): running it
+        # again would only make a result that is not kept. Out of the registry, ended as its result says.
+        members = [m for m in connection.zrangebyscore(registry.key, 0, time.time())
+                   if m.decode(errors="replace").partition(":")[0] == job_id]
+        if members:
+            connection.zrem(registry.key, *members)
+        log.info("job %s of a dead worker has its result already: not run again", job_id)
+        return None
     job = read_job(job_id.encode(), fields, connection, settings.max_job_bytes)
     if isinstance(job, Unreadable):
         connection.zrem(registry.key, job_id)

@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 import redis
 
+from schemas import broker
+
 log = logging.getLogger("mlxq.worker")
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -36,20 +38,30 @@ class RedisHealth:
                  probe_timeout_s: float = 2.0) -> None:
         # Probes use their own short-timeout client: on a silent network a probe must not block
         # decoding for the worker connection's long (blocking-dequeue-sized) socket timeout.
-        kwargs = dict(connection.connection_pool.connection_kwargs)
-        kwargs.update(socket_timeout=probe_timeout_s, socket_connect_timeout=probe_timeout_s)
-        self._probe = redis.Redis(connection_pool=connection.connection_pool.__class__(
-            connection_class=connection.connection_pool.connection_class, **kwargs))
+        self._probe = broker.sibling(connection, socket_timeout=probe_timeout_s,
+                                     socket_connect_timeout=probe_timeout_s)
         self._first, self._max = first_backoff_s, max_backoff_s
         self._backoff = first_backoff_s
         self._next_try = 0.0
         self._lock = threading.Lock()
         self.down_since: Optional[float] = None
         self.losses = 0  # times Redis went away (a metric)
+        self.back_at = 0.0  # Unix seconds Redis last came back after being lost (0: never lost)
 
     @property
     def up(self) -> bool:
         return self.down_since is None
+
+    def lapsed(self) -> None:
+        """Heartbeats could not get through for longer than their TTL (a silent network holds calls
+        without failing them): count it as Redis having been away until now."""
+        with self._lock:
+            self.back_at = time.time()
+
+    def lost_since(self, started_at: float) -> bool:
+        """Whether Redis was away at some time after `started_at` (Unix seconds): then the heartbeats
+        of a job started then may have lapsed, and another worker's sweep may have taken it."""
+        return self.down_since is not None or self.back_at >= started_at
 
     def lost(self, exc: BaseException) -> None:
         with self._lock:
@@ -67,6 +79,7 @@ class RedisHealth:
             if self.down_since is None:
                 return
             since, self.down_since = self.down_since, None
+            self.back_at = time.time()
         log.warning("Redis is back after %.1f s", time.monotonic() - since)
 
     def try_reconnect(self, wait: bool = False, stop_waiting: Optional[Callable[[], bool]] = None) -> bool:

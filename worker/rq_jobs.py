@@ -19,7 +19,7 @@ from rq import Queue, Retry
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.timeouts import JobTimeoutException, TimerDeathPenalty
-from rq.utils import now
+from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 
 from schemas import GenerationResult, keys
@@ -164,12 +164,10 @@ class RQJobs:
         job.failure_ttl = keys.failure_ttl(job.failure_ttl, job.result_ttl)  # not RQ's year
         with self._as_current(ending.execution):
             if result.status == "cancelled":
-                self._worker._stopped_job_id = job.id  # RQ's own marker: status STOPPED, no retry
                 if ending.callbacks_allowed:
                     with contextlib.suppress(Exception):
                         job.execute_stopped_callback(TimerDeathPenalty)
-                self._worker.handle_job_failure(job=job, queue=queue, exc_string="cancelled",
-                                        started_job_registry=queue.started_job_registry)
+                self._end_cancelled(job, queue)
                 return
             job._status = JobStatus.FAILED
             error = result.error
@@ -183,6 +181,30 @@ class RQJobs:
             self._worker.handle_job_failure(job=job, queue=queue, exc_string=f"{type(exc).__name__}: {exc}",
                                     started_job_registry=queue.started_job_registry)
 
+    def forget(self, ending: Ending) -> None:
+        """This worker's run of a job another run has ended (or is running): only its own execution
+        leaves the registries; the job's state is the other run's."""
+        batch = CommandBatch(self._worker.connection)
+        delete_execution(ending.job, ending.execution, batch, self._registries)
+        batch.srem(self._poller.running_key, ending.job_id)
+        batch.execute()
+
+    def _end_cancelled(self, job: Job, queue: Queue) -> None:
+        """What rq's failure path writes for a stopped job (status STOPPED, its execution gone), but
+        recorded in the queue's canceled registry for as long as its result lives, not among the failed,
+        and not counted in the worker's failed jobs: a cancellation is not a failure."""
+        worker = self._worker
+        with worker.connection.pipeline() as pipe:
+            job.set_status(JobStatus.STOPPED, pipeline=pipe)
+            pipe.hset(job.key, "ended_at", utcformat(job.ended_at))
+            worker.cleanup_execution(job, pipeline=pipe)
+            ttl = keys.result_key_ttl(job.result_ttl)
+            queue.canceled_job_registry.add(job, ttl=ttl if ttl is not None else -1, pipeline=pipe)
+            job.cleanup(ttl=ttl if ttl is not None else -1, pipeline=pipe, remove_from_queue=False)
+            if job.started_at and job.ended_at:
+                worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            pipe.execute()
+
     def requeue(self, ending: Ending, alone: bool) -> None:
         """Back to its queue without counting against its retries; `alone`: it runs alone next time."""
         job = ending.job
@@ -193,13 +215,6 @@ class RQJobs:
         with self._as_current(ending.execution):
             self._worker.handle_job_retry(job=job, queue=ending.queue, retry=Retry(max=(job.number_of_retries or 0) + 1),
                                   started_job_registry=ending.queue.started_job_registry, execution=ending.execution)
-
-    def forget(self, ending: Ending) -> None:
-        """This run's execution and started-registry entry go; the job's hash, its status and rq's
-        other registries stay as the job's first end left them."""
-        batch = CommandBatch(self._worker.connection)
-        delete_execution(ending.job, ending.execution, batch, self._registries)
-        batch.execute()
 
     @contextlib.contextmanager
     def _as_current(self, execution: Execution) -> Iterator[None]:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import faulthandler
 import gc
 import signal
+import socket
 import threading
+import time
+import uuid
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -48,6 +51,12 @@ from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
 
+def default_worker_name() -> str:
+    """`<host>.<6 hex digits>`: which machine it runs on, at a glance (rq's default is 32 hex digits)."""
+    host = socket.gethostname().split(".")[0] or "worker"
+    return f"{host}.{uuid.uuid4().hex[:6]}"
+
+
 class BatchWorker(SimpleWorker):
     allowed_functions = ALLOWED_FUNCTIONS
 
@@ -60,6 +69,8 @@ class BatchWorker(SimpleWorker):
         **kwargs: Any,
     ) -> None:
         kwargs["serializer"] = JSON_SERIALIZER  # never pickle, whatever the command line said
+        if not kwargs.get("name"):
+            kwargs["name"] = default_worker_name()
         self.settings = settings or WorkerSettings.from_env()
         if queues is None:
             queues = self.settings.default_queues()
@@ -74,7 +85,7 @@ class BatchWorker(SimpleWorker):
                               self.settings.max_job_bytes)
         self._jobs = RQJobs(self, self._poller, self._registries, self.settings)
         self._ending = JobEnding(self.connection, self._bookkeeper, self._jobs, self.settings, self.name,
-                                 self._metrics)
+                                 self._metrics, health=self._health, registries=self._registries)
         self._housekeeping = Housekeeping(self.connection, self.queues, self.settings, self._ending.refuse_now)
         self._liveness = Liveness(self.settings.heartbeat_interval_s, self.settings.step_timeout_s, self._beat)
         self._loop: Optional[BatchLoop] = None
@@ -85,6 +96,7 @@ class BatchWorker(SimpleWorker):
         self._stop_job_ids: set[str] = set()  # written by rq's pubsub thread, taken by the loop
         self._stop_job_lock = threading.Lock()
         self._stop_recorded = False
+        self._beat_ok_at = 0.0  # time.time() the last heartbeat went through (the liveness thread's)
 
     # --- RQ's hooks -----------------------------------------------------------------------
     @property
@@ -288,13 +300,21 @@ class BatchWorker(SimpleWorker):
         running = loop.running
         if self._presence is not None:
             self._presence.refresh(running=len(running), sequences=loop.scheduler.num_sequences)
-        if not running:
-            return
-        ttl = self.settings.heartbeat_ttl_s
-        batch = CommandBatch(self.connection)
-        self.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._poller.running_key, ttl)
-        for inflight in running:
-            inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
-            inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)
-        batch.execute()
+        if running:
+            ttl = self.settings.heartbeat_ttl_s
+            batch = CommandBatch(self.connection)
+            self.heartbeat(ttl, pipeline=batch)
+            batch.expire(self._poller.running_key, ttl)
+            for inflight in running:
+                inflight.execution.heartbeat(self._registries.started(inflight.job.origin), ttl, pipeline=batch)
+                inflight.job.heartbeat(now(), ttl, pipeline=batch, xx=True)
+            batch.execute()
+        self._beat_went_through()
+
+    def _beat_went_through(self) -> None:
+        """A heartbeat that got through long after the one before: the jobs' entries may have expired
+        meanwhile, and another worker's sweep taken them (their endings are checked: worker/job_ending.py)."""
+        at, before = time.time(), self._beat_ok_at
+        self._beat_ok_at = at
+        if before and at - before > self.settings.heartbeat_ttl_s - self.settings.heartbeat_interval_s:
+            self._health.lapsed()

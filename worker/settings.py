@@ -15,6 +15,7 @@ from pydantic import SecretStr, ValidationError, field_validator, model_validato
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from schemas import RequestLimits, keys
+from schemas.durability import Durability
 from worker.image_fetch import AddressPolicy
 from worker.images import ImagePolicy
 
@@ -111,6 +112,10 @@ class WorkerSettings(BaseSettings):
     # Priorities, highest first (e.g. high,default,low): without explicit queues, the worker listens on each
     # priority's queues in turn (docs/producer.md). Empty: the contract's queues only.
     priorities: Annotated[tuple[str, ...], NoDecode] = ()
+    # Replicas that must have a job's result (Redis WAIT) before it is announced; 0: none. Without it a
+    # failover of the primary can lose results it had acknowledged (docs/operations.md, "Durability").
+    durable_results: int = 0
+    durable_timeout_ms: int = 2000  # how long each WAIT waits; fewer replicas by then: written again, later
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -209,6 +214,8 @@ class WorkerSettings(BaseSettings):
             AddressPolicy.parse(self.image_fetch_allow_nets)
         except ValueError as exc:
             raise ValueError(f"MLXQ_IMAGE_FETCH_ALLOW_NETS: {exc} (expected CIDRs such as 10.1.2.0/24)") from None
+        if self.durable_results < 0 or self.durable_timeout_ms < 1:
+            raise ValueError("MLXQ_DURABLE_RESULTS must be >= 0 and MLXQ_DURABLE_TIMEOUT_MS >= 1")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("MLXQ_DEFAULT_MAX_TOKENS must not exceed MLXQ_MAX_TOKENS_LIMIT")
 
@@ -229,6 +236,10 @@ class WorkerSettings(BaseSettings):
         alias = self.served_alias
         queues = [keys.queue_for_model(alias), keys.DEFAULT_QUEUE] if alias else [keys.DEFAULT_QUEUE]
         return keys.prioritized_queues(queues, self.priorities) if self.priorities else queues
+
+    @property
+    def result_durability(self) -> Optional[Durability]:
+        return Durability(self.durable_results, self.durable_timeout_ms) if self.durable_results else None
 
     @property
     def heartbeat_ttl_s(self) -> int:

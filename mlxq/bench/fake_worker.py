@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import redis
 
+from schemas import broker
 from worker import BatchWorker, WorkerSettings
 from worker.engines.base import TokenEvent
 from worker.engines.fake import FakeEngine
@@ -46,15 +46,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--step-log")
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--durable-results", type=int, default=0, help="replicas each result batch waits for")
     args = parser.parse_args(argv)
 
     engine = TimedFakeEngine(args.step_ms / 1000.0)
-    settings = WorkerSettings(max_num_seqs=args.max_num_seqs, metrics_port=args.metrics_port)
+    settings = WorkerSettings(max_num_seqs=args.max_num_seqs, metrics_port=args.metrics_port,
+                              durable_results=args.durable_results)
 
     def scheduler_factory(settings: WorkerSettings, name: str) -> Any:
         return BatchScheduler(engine, max_num_seqs=args.max_num_seqs, limits=settings.limits, worker_name=name)
 
-    worker = BatchWorker(args.queues, connection=redis.Redis.from_url(args.url), settings=settings,
+    worker = BatchWorker(args.queues, connection=broker.connect(args.url), settings=settings,
                          scheduler_factory=scheduler_factory, name=args.name)
     engine.bookkeeping_busy = lambda: not worker.bookkeeping_idle
     try:

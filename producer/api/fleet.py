@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import Optional
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from producer.api import keys as api_keys
 from producer.api.auth import ApiError
-from schemas import keys
-from schemas.presence import WorkerPresence
+from producer.presence import LiveModel, aread_live, live_models
 
 __all__ = ["Fleet", "LiveModel", "model_not_found"]
 
-PRESENCE_WINDOW_S = 3600  # names scored this recently are read; their entries' expiry decides who is live
 SEEN_FOR_S = 7 * 24 * 3600  # a model served this recently, without a live worker now, is answered 503
-
-
-@dataclass(frozen=True)
-class LiveModel:
-    name: str
-    created: int  # when its longest-running live worker started
-    workers: int
-    queues: frozenset[str]
 
 
 class Fleet:
@@ -51,31 +39,23 @@ class Fleet:
         return self._models
 
     async def _read(self) -> dict[str, LiveModel]:
-        now = time.time()
-        names = await self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
-        entries = await self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
-        served: dict[str, list[WorkerPresence]] = {}
-        for raw in entries:
-            if raw is None:
-                continue
-            try:
-                worker = WorkerPresence.model_validate_json(raw)
-            except ValidationError:
-                continue  # a newer or broken writer: not a worker this gateway can route to
-            for name in worker.served_names:
-                served.setdefault(name, []).append(worker)
-        models = {
-            name: LiveModel(name, int(min(w.started_at for w in workers)), len(workers),
-                            frozenset(q for w in workers for q in w.queues))
-            for name, workers in served.items()
-        }
+        models = live_models(await aread_live(self._connection))  # the producer's own reading (producer/presence.py)
         if models:
-            await self._connection.hset(api_keys.MODELS_SEEN, mapping={name: int(now) for name in models})
+            await self._connection.hset(api_keys.MODELS_SEEN, mapping={name: int(time.time()) for name in models})
         return models
 
-    async def require(self, model: Optional[str], queue: str) -> None:
+    def may_wait(self, model: Optional[str]) -> bool:
+        """Whether a job for `model` may wait in its queue for a worker that is not live yet: the
+        asynchronous paths (`/v1/jobs`, batches) take a declared model (MLXQ_API_MODELS) whether or not
+        a worker serves it now; its job runs when one comes (its TTL, or the batch's window, decides how long)."""
+        return model is not None and model in self._configured
+
+    async def require(self, model: Optional[str], queue: str, asynchronous: bool = False) -> None:
         """ApiError 404 for a model no worker is known to serve, 503 when none that serves it is live or
-        listens on `queue`. Without a model: 503 unless some live worker listens on `queue`."""
+        listens on `queue` (unless `asynchronous` and the model is declared: `may_wait`). Without a model:
+        503 unless some live worker listens on `queue`."""
+        if asynchronous and self.may_wait(model):
+            return
         if model is None:
             if any(queue in live.queues for live in (await self.models()).values()):
                 return

@@ -63,13 +63,14 @@ class Gateway:
         return f"{tenant.tag}-{uuid.uuid4().hex}"
 
     async def submit(self, tenant: Tenant, request: GenerationRequest, priority: Optional[str],
-                     job_id: Optional[str] = None, validated: bool = False) -> str:
+                     job_id: Optional[str] = None, validated: bool = False, asynchronous: bool = False) -> str:
         """Route, admit and enqueue one of the tenant's requests (admission and enqueue in one atomic
         Redis call); its job id (which names the tenant). `validated`: the request was validated
-        against the gateway's limits already (`to_generation_request`)."""
+        against the gateway's limits already (`to_generation_request`). `asynchronous`: nobody waits on
+        the answer, so a declared model with no live worker is taken (Fleet.may_wait)."""
         self.check_priority(priority)
         queue = target_queue(request, None, priority)
-        await self.fleet.require(request.model, queue)
+        await self.fleet.require(request.model, queue, asynchronous=asynchronous)
         job_id, enqueue = await self.client._plan_submit(
             request, job_id=job_id or self.new_job_id(tenant), priority=priority, result_ttl=self.settings.result_ttl,
             timeout=self.settings.job_timeout_s, validated=validated)

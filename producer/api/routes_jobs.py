@@ -47,7 +47,7 @@ async def create_job(body: GenerationRequest, request: Request, priority: Option
                      tenant: Tenant = Depends(current_tenant)) -> JobObject:
     """Enqueue a GenerationRequest (the contract's fields; `stream: true` to read its events)."""
     gw = gateway(request)
-    job_id = await gw.submit(tenant, body, priority)
+    job_id = await gw.submit(tenant, body, priority, asynchronous=True)
     return JobObject(id=job_id, status="queued")
 
 

@@ -42,7 +42,9 @@ class FleetCollector(Collector):
                        lambda q: q.oldest_age_s or 0.0),
                       ("mlxq:queue_jobs_started", "Jobs of the queue taken by a worker and not ended",
                        lambda q: q.started),
-                      ("mlxq:queue_jobs_failed", "Jobs in the queue's failed registry", lambda q: q.failed))
+                      ("mlxq:queue_jobs_failed", "Jobs in the queue's failed registry", lambda q: q.failed),
+                      ("mlxq:queue_unserved", "1 while jobs wait in the queue and no live worker listens on it",
+                       lambda q: 1 if q.unserved else 0))
         for name, doc, read in queue_rows:
             family = GaugeMetricFamily(name, doc, labels=["queue"])
             for queue in snapshot.queues:
@@ -75,13 +77,16 @@ class FleetCollector(Collector):
                                        "it started", labels=labels)
         failed = CounterMetricFamily("mlxq:fleet_jobs_failed", "Jobs a live worker failed, by error type, since it "
                                      "started", labels=[*labels, "error_type"])
+        cancelled = CounterMetricFamily("mlxq:fleet_jobs_cancelled", "Jobs a live worker ended cancelled (not "
+                                        "failures), since it started", labels=labels)
         for worker in snapshot.workers:
             if worker.prefix_cache_hit_rate is not None:
                 hit_rate.add_metric([worker.name, worker.model], worker.prefix_cache_hit_rate)
             finished.add_metric([worker.name, worker.model], worker.jobs_finished)
+            cancelled.add_metric([worker.name, worker.model], worker.jobs_cancelled)
             for error_type, count in worker.failures.items():
                 failed.add_metric([worker.name, worker.model, error_type], count)
-        yield from (hit_rate, finished, failed)
+        yield from (hit_rate, finished, failed, cancelled)
 
 
 @router.get("/metrics", include_in_schema=False, dependencies=[Depends(ops_access)])
