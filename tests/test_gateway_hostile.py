@@ -60,9 +60,7 @@ def stack() -> Iterator[Stack]:
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
         worker = start_fake_worker(server.url, "--model", "fake", step_delay_s=0.02)
-        lines: list[str] = []
-        assert worker.stdout is not None
-        threading.Thread(target=lambda: lines.extend(iter(worker.stdout.readline, "")), daemon=True).start()
+        lines = worker.lines
         try:
             wait_live(conn, "fake")
             entries = ",".join(key_entry(tenant, key) for tenant, key in KEYS.items())

@@ -26,7 +26,7 @@ from rq.registry import StartedJobRegistry, clean_registries
 from producer import Client
 from schemas import keys
 from schemas.serializer import JSON_SERIALIZER
-from tests.workers import start_fake_worker, stop, wait_for
+from tests.workers import LoggedProcess, start_fake_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -82,13 +82,9 @@ def result_of(conn: redis.Redis, job_id: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-def drain(proc: subprocess.Popen[str]) -> list[str]:
-    """Read a process's output as it comes, on a thread, into the list returned."""
-    lines: list[str] = []
-    assert proc.stdout is not None
-    stream = proc.stdout
-    threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
-    return lines
+def drain(proc: LoggedProcess) -> list[str]:
+    """The process's output so far, growing as it comes (LoggedProcess reads it on a thread)."""
+    return proc.lines
 
 
 def rss_kb(pid: int) -> int:

@@ -19,18 +19,32 @@ from rq.serializers import JSONSerializer
 BIN = Path(sys.executable).parent
 
 
+class LoggedProcess(subprocess.Popen):  # type: ignore[type-arg]
+    """A process whose output (stdout and stderr) a thread reads as it comes, into `lines`: unread, a
+    long log fills the pipe, and a worker blocked writing a log line stalls its bookkeeping (a fake
+    worker given 2,000 one-token jobs stopped after ~570). `communicate` waits and returns it all."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        super().__init__(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        stream = self.stdout
+        assert stream is not None
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
+        self._reader.start()
+
+    def communicate(self, input: Optional[str] = None, timeout: Optional[float] = None) -> tuple[str, None]:
+        self.wait(timeout)  # subprocess.TimeoutExpired, as Popen.communicate raises it
+        self._reader.join(timeout=10)
+        return "".join(self.lines), None
+
+
 def start_worker(url: str, model: str, *args: str, name: str = "w", env: Optional[dict[str, str]] = None
-                 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "mlxq", "worker", "--url", url, "--model", model, "--name", name, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+                 ) -> LoggedProcess:
+    return LoggedProcess([sys.executable, "-m", "mlxq", "worker", "--url", url, "--model", model, "--name", name, *args],
+                         env={**os.environ, **(env or {})})
 
 
-def stop(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+def stop(proc: subprocess.Popen, timeout: float = 30) -> str:  # type: ignore[type-arg]
     """SIGTERM (warm shutdown), then wait; returns the worker's output."""
     if proc.poll() is None:
         proc.terminate()
@@ -58,13 +72,10 @@ def run_rq_worker(url: str, worker_class: str, queues: list[str], env: dict[str,
 
 
 def start_fake_worker(url: str, *args: str, name: str = "fake", env: Optional[dict[str, str]] = None,
-                      step_delay_s: float = 0.02) -> subprocess.Popen[str]:
+                      step_delay_s: float = 0.02) -> LoggedProcess:
     """A real worker process on the deterministic model-free engine (fault injection by prompt)."""
-    return subprocess.Popen(
+    return LoggedProcess(
         [sys.executable, "-m", "mlxq", "worker", "--url", url, "--name", name, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
         env={**os.environ, "MLXQ_ENGINE": "fake", "MLXQ_FAKE_STEP_DELAY_S": str(step_delay_s),
              "MLXQ_HEARTBEAT_INTERVAL_S": "1", "MLXQ_SWEEP_INTERVAL_S": "2", **(env or {})},
     )
