@@ -140,6 +140,8 @@ LIST_SETTINGS = {
     "MLXQ_API_MODELS": ("qwen, llama", lambda s: s.models, ("qwen", "llama")),
     "MLXQ_PRIORITIES": ("high,default", lambda s: s.priorities, ("high", "default")),
     "MLXQ_CALLBACK_ALLOWLIST": ("myapp.hooks.,other.", lambda s: s.callback_allowlist, ("myapp.hooks.", "other.")),
+    "MLXQ_IMAGE_FETCH_ALLOW_NETS": ("10.1.2.0/24, 192.168.0.0/16", lambda s: s.image_fetch_allow_nets,
+                                    ("10.1.2.0/24", "192.168.0.0/16")),
 }
 
 
