@@ -311,7 +311,7 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
 
 
 def test_greedy_texts_agree_up_to_the_first_eos_where_an_arm_masks_it() -> None:
-    from mlxq.bench.text_check import Output, TextCheck, agree, from_token_ids
+    from mlxq.bench.text_check import Output, TextCheck, agree, from_token_ids, identity_lines
 
     tokenizer = WordTokenizer()
     ids = tokenizer.encode("the sea is blue EOS and then more")
@@ -342,6 +342,8 @@ def test_greedy_texts_agree_up_to_the_first_eos_where_an_arm_masks_it() -> None:
     assert arms["B"]["same_as_reference"] == [True] and arms["B"]["requests_same_as_B"] == [2]
     assert arms["C1"]["same_as_reference"] == [True] and arms["C1"]["requests_same_as_B"] == [1]
     assert arms["D"]["same_as_reference"] == [False] and arms["D"]["requests_same_as_B"] == [0]
+    assert arms["D"]["requests_compared"] == [1] and arms["C1"]["requests_compared"] == [2]  # D lost one
+    assert "| w | D | NO | 0/1 (1 not compared: failed) |" in "\n".join(identity_lines(report))
     assert arms["D"]["first_text_differing"] == {"text": "the sea is grey", "ended_at_eos": None}
     assert report["all_same_as_reference"] is False
 

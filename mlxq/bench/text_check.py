@@ -110,16 +110,19 @@ class TextCheck:
                 repeats = sorted(r for a, w, r in self.outputs if a == arm and w == label)
                 if not repeats:
                     continue
-                same, with_agreement = [], []
+                same, with_agreement, compared = [], [], []
                 for repeat in repeats:
                     outputs = self.outputs[(arm, label, repeat)]
                     first = outputs.get(min(outputs)) if outputs else None
                     same.append(None if reference is None or first is None else agree(first, reference))
                     theirs = self.outputs.get((agreement_arm, label, repeat), {}) if agreement_arm else {}
-                    pairs = [(o, theirs.get(i)) for i, o in outputs.items()]
-                    with_agreement.append(sum(o is not None and t is not None and agree(o, t) for o, t in pairs))
+                    pairs = [(o, t) for i, o in outputs.items() if o is not None and (t := theirs.get(i)) is not None]
+                    with_agreement.append(sum(agree(o, t) for o, t in pairs))
+                    compared.append(len(pairs))
+                # A request either arm lost (failed, no output) is not compared.
                 arm_entry: dict[str, Any] = {"same_as_reference": same, f"requests_same_as_{agreement_arm}":
-                                             with_agreement, "requests": len(self.outputs[(arm, label, repeats[0])])}
+                                             with_agreement, "requests_compared": compared,
+                                             "requests": len(self.outputs[(arm, label, repeats[0])])}
                 differs = [o for r in repeats if (o := self._first(arm, label, r)) is not None and reference
                            and not agree(o, reference)]
                 if differs:
@@ -140,12 +143,13 @@ def identity_lines(section: dict[str, Any]) -> list[str]:
     requests that agree with the agreement arm."""
     agreement = section.get("agreement_arm")
     lines = ["### Greedy text", "", f"Reference: {section['reference']}.", "",
-             f"| workload | arm | first request = mlx-lm alone | requests = {agreement}'s text |",
+             f"| workload | arm | first request = mlx-lm alone | requests = {agreement}'s text (of those both wrote) |",
              "| --- | --- | --- | --- |"]
     for label, entry in section["workloads"].items():
         for arm, a in entry["arms"].items():
             same = ", ".join({True: "yes", False: "NO", None: "—"}[v] for v in a["same_as_reference"])
-            count = ", ".join(f"{n}/{a['requests']}" for n in a[f"requests_same_as_{agreement}"])
+            count = ", ".join(f"{n}/{m}" + (f" ({a['requests'] - m} not compared: failed)" if m < a["requests"] else "")
+                              for n, m in zip(a[f"requests_same_as_{agreement}"], a["requests_compared"]))
             lines.append(f"| {label} | {arm} | {same} | {count} |")
     lines.append("")
     return lines
