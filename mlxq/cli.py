@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build a small random-weight model directory (offline)")
     p.add_argument("path")
-    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b (with --vision: tiny | small)")
+    p.add_argument("--shape", default="tiny", help="tiny | smollm-135m | qwen2.5-0.5b | qwen2.5-7b (with --vision: tiny | small)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")

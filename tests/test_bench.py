@@ -204,6 +204,13 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert (out / "plot.png").stat().st_size > 0
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 4 and all(len(json.loads(line)["records"]) == 4 for line in lines)
+    # every arm wrote mlx-lm's greedy text, alone, for the first request, and B's for all four
+    identity = report["text_identity"]
+    assert identity["agreement_arm"] == "B" and identity["all_same_as_reference"], identity
+    arms = identity["workloads"]["closed-4"]["arms"]
+    assert set(arms) == {"A", "B", "C1", "S"}
+    assert all(a["same_as_reference"] == [True] and a["requests_same_as_B"] == [4] for a in arms.values()), arms
+    assert "| closed-4 | C1 | yes | 4/4 |" in table
 
 
 def test_rl_scenario_shares_each_prompts_prefill_among_its_n_samples(tiny_model_dir: str, tmp_path: Path) -> None:
@@ -279,6 +286,7 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
     monkeypatch.setattr(run, "_arms", lambda procs, url: arms)
     run.tokenizer = WordTokenizer()
     run.local = type("Unloaded", (), {"unload": lambda self: None})()
+    monkeypatch.setattr(run, "_reference_outputs", lambda workloads: {})
     run.report = {"settings": {"repeats": 3}, "arms": {}, "results": []}
     run._throughput(None, "")  # type: ignore[arg-type]
 
@@ -300,6 +308,44 @@ def test_repeats_interleave_the_arms_and_report_median_paired_ratios(tmp_path: P
     table = markdown(run.report)
     assert "| B #2 | 4 |" in table and "| C1 #3 | 4 |" in table
     assert "| C/B | 0.80 | 0.80, 0.90, 0.50 |" in table
+
+
+def test_greedy_texts_agree_up_to_the_first_eos_where_an_arm_masks_it() -> None:
+    from mlxq.bench.text_check import Output, TextCheck, agree, from_token_ids, identity_lines
+
+    tokenizer = WordTokenizer()
+    ids = tokenizer.encode("the sea is blue EOS and then more")
+    eos = {tokenizer.vocab["EOS"]}
+    emitted = from_token_ids(ids, tokenizer, eos)  # an arm that emits EOS and decodes past it
+    assert emitted == Output("the sea is blue", True)
+    assert agree(emitted, Output("the sea is blue but masked", None))  # D, E: the next best token instead
+    assert not agree(emitted, Output("the sea is red", None))
+    assert not agree(emitted, Output("the sea is blue", False))  # no EOS where the other had one
+    assert agree(Output("all of it", False), Output("all of it", None))
+    assert agree(Output(" all of it", False), Output("all of it", None))  # mlx_lm.server's first token
+    assert not agree(Output(" all of it", False), Output(" all of it", True))
+    assert not agree(Output("all of it", False), Output("all of it and more", None))
+
+    check = TextCheck(tokenizer, {"w": emitted}, eos)
+    workload = closed_loop(prompts(2), 2, 1, 8, label="w")
+
+    def records(*texts: str) -> list[RequestRecord]:
+        return [RequestRecord(i, 0.0, finished=1.0, extra={"token_ids": tokenizer.encode(t)})
+                for i, t in enumerate(texts)]
+
+    check.add("B", workload, 0, records("the sea is blue EOS x", "second one"))
+    check.add("C1", workload, 0, records("the sea is blue EOS y", "second other"))
+    check.add("D", workload, 0, [RequestRecord(0, 0.0, finished=1.0, extra={"text": "the sea is grey"}),
+                                 RequestRecord(1, 0.0, error="HTTP 500")])
+    report = check.report()
+    arms = report["workloads"]["w"]["arms"]
+    assert arms["B"]["same_as_reference"] == [True] and arms["B"]["requests_same_as_B"] == [2]
+    assert arms["C1"]["same_as_reference"] == [True] and arms["C1"]["requests_same_as_B"] == [1]
+    assert arms["D"]["same_as_reference"] == [False] and arms["D"]["requests_same_as_B"] == [0]
+    assert arms["D"]["requests_compared"] == [1] and arms["C1"]["requests_compared"] == [2]  # D lost one
+    assert "| w | D | NO | 0/1 (1 not compared: failed) |" in "\n".join(identity_lines(report))
+    assert arms["D"]["first_text_differing"] == {"text": "the sea is grey", "ended_at_eos": None}
+    assert report["all_same_as_reference"] is False
 
 
 def test_repeats_must_be_positive() -> None:

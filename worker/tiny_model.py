@@ -50,6 +50,9 @@ SHAPES: dict[str, ModelShape] = {
     "smollm-135m": ModelShape(576, 30, 1536, 9, 3, 49152),
     # Qwen2.5-0.5B's dimensions (as a llama): the GPU benchmark model.
     "qwen2.5-0.5b": ModelShape(896, 24, 4864, 14, 2, 151936),
+    # Qwen2.5-7B's dimensions (as a llama, embeddings tied): the GPU weight-format comparison. Building
+    # it takes ~45 GB of memory (float32 initialisation, then the dtype asked) and 15 GB of disk in bf16.
+    "qwen2.5-7b": ModelShape(3584, 28, 18944, 28, 4, 152064),
 }
 
 

@@ -68,7 +68,7 @@ class CompiledEngineArm(_BatchingArm):
             due = arrivals.due(time.perf_counter() - t0)
             specs = []
             for request, arrival in due:
-                record = RequestRecord(request.index, arrival, started=arrival)
+                record = RequestRecord(request.index, arrival, started=arrival, extra={"token_ids": []})
                 sampling = SamplingParams(temperature=request.temperature, seed=request.seed)
                 for choice in range(request.n):
                     uid = f"k{request.index}.{choice}"
@@ -90,6 +90,8 @@ class CompiledEngineArm(_BatchingArm):
                 if record.first_token is None:
                     record.first_token = now
                 record.tokens += 1
+                if event.index == 0 and event.error is None and not event.empty:
+                    record.extra["token_ids"].append(int(event.token))
                 if event.finish_reason is not None or event.error is not None:
                     record.error = record.error or event.error
                     del live[event.uid]

@@ -106,12 +106,14 @@ class SequentialArm(_LocalArm):
                 continue
             request, arrival = waiting.pop(0)
             record = RequestRecord(request.index, arrival, started=time.perf_counter() - t0)
+            token_ids = record.extra["token_ids"] = []
             # generate_step applies no EOS check (stream_generate would): fixed lengths.
-            for _token, _logprobs in generate_step(mx.array(list(request.prompt.ids)), model,
-                                                   max_tokens=request.max_tokens):
+            for token, _logprobs in generate_step(mx.array(list(request.prompt.ids)), model,
+                                                  max_tokens=request.max_tokens):
                 if record.tokens == 0:
                     record.first_token = time.perf_counter() - t0
                 record.tokens += 1
+                token_ids.append(int(token))
             record.finished = time.perf_counter() - t0
             records.append(record)
             arrivals.completed(request, record.finished)
@@ -150,7 +152,7 @@ class EngineBoundArm(_BatchingArm):
                     uids = generator.insert([list(r.prompt.ids) for r, _ in due],
                                             max_tokens=[r.max_tokens for r, _ in due])
                     for uid, (request, arrival) in zip(uids, due):
-                        live[uid] = (request, RequestRecord(request.index, arrival))
+                        live[uid] = (request, RequestRecord(request.index, arrival, extra={"token_ids": []}))
                 if not live:
                     if arrivals.exhausted:
                         break
@@ -169,6 +171,7 @@ class EngineBoundArm(_BatchingArm):
                     if record.first_token is None:
                         record.first_token = now
                     record.tokens += 1
+                    record.extra["token_ids"].append(int(response.token))
                     if response.finish_reason is not None:
                         record.finished = now
                         records.append(record)

@@ -248,6 +248,8 @@ def fill_from_result(record: RequestRecord, result: GenerationResult, t0_wall: f
         if timings.ttft_s is not None:
             record.first_token = timings.started_at + timings.ttft_s - t0_wall
     record.tokens = result.usage.completion_tokens
+    if result.choices:
+        record.extra["token_ids"] = result.choices[0].token_ids
     if result.status != "finished":
         error = result.error
         record.error = f"{result.status}: {error.type}: {error.message}" if error else result.status

@@ -126,7 +126,7 @@ class ServerArm(Arm):
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {response.read(200)!r}"
                 return record
-            usage_tokens, chunks = None, 0
+            usage_tokens, chunks, text = None, 0, []
             while True:
                 line = response.readline()
                 if not line:
@@ -141,10 +141,12 @@ class ServerArm(Arm):
                     usage_tokens = event["usage"].get("completion_tokens")
                 if event.get("choices"):
                     chunks += 1
+                    text.append(event["choices"][0].get("text") or "")
                     if record.first_token is None:
                         record.first_token = time.perf_counter() - t0
             record.finished = time.perf_counter() - t0
             record.tokens = int(usage_tokens) if usage_tokens is not None else 0
+            record.extra["text"] = "".join(text)
             if usage_tokens is None:
                 record.error = f"stream ended without usage ({chunks} chunks)"
         except (OSError, http.client.HTTPException, ValueError) as exc:

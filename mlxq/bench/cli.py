@@ -28,6 +28,8 @@ Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates)
 alone, through mlx-vlm's batched generation and through mlxq), weights (the model's weight formats on this
 device: decode step and prefill), startup (a fresh worker's first answer and early throughput, per decode
 path), or all. --model takes a model directory, a .gguf file or a hub id.
+The throughput arms' greedy texts are checked: each workload's first request alone through mlx-lm is
+the reference, and the table says per arm whether its text equals it, and how many requests equal B's.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
 """
 

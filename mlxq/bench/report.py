@@ -10,6 +10,7 @@ from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
 from mlxq.bench import scenario_gateway, scenario_rl_swap, scenario_startup, scenario_weights
 from mlxq.bench.stats import median, ratio
+from mlxq.bench.text_check import identity_lines
 
 ARM_ORDER = ("A", "B", "K", "S", "C1", "C2", "C3", "C4", "D", "E")
 
@@ -175,6 +176,8 @@ def markdown(report: dict[str, Any]) -> str:
             runs_cell = f" {', '.join(_f(v, 2) for v in each.get(key, [])) or '—'} |" if repeats > 1 else ""
             lines.append(f"| {key} | {_f(value, 2)} |{runs_cell}")
         lines.append("")
+    if report.get("text_identity", {}).get("workloads"):
+        lines += identity_lines(report["text_identity"])
     found = scenario_lines(report.get("scenarios", {}))
     if found:
         lines += ["### Scenarios", "", *found, ""]

@@ -19,6 +19,7 @@ from mlxq.bench.procs import (ProcessSet, machine_facts, model_facts, prepared_c
                               resolve_model, interrupt_on_signals, versions)
 from mlxq.bench.report import headline, scenario_lines, time_split_line, write_all
 from mlxq.bench.stats import summarize
+from mlxq.bench.text_check import Output, TextCheck, reference_outputs
 from mlxq.bench.workloads import Tokenizer, Workload, closed_loop, make_prompts, open_loop, spread_lengths
 from mlxq.redis_server import existing_or_private
 
@@ -54,6 +55,7 @@ class Runner:
         self.records_path = cfg.out / "records.jsonl"
         self.progress = tqdm(disable=True)  # run() sets the real one
         self._peer: Optional[str] = None  # the model directory D and E load (_peer_model)
+        self.text_check: Optional[TextCheck] = None  # each arm's greedy text (_throughput)
 
     def run(self) -> int:
         import worker  # noqa: F401  (the BLAS preload must come before anything imports mlx)
@@ -112,6 +114,8 @@ class Runner:
             self.report["interrupted"] = True
             code = 130
         finally:
+            if self.text_check is not None:
+                self.report["text_identity"] = self.text_check.report()
             if self.report.get("results"):
                 hc = min(cfg.concurrency, key=lambda n: abs(n - cfg.headline_concurrency))
                 self.report["headline"] = headline(self.report, hc)
@@ -177,6 +181,9 @@ class Runner:
         drift between one repeat and the next then hits every arm of that repeat alike."""
         plan = build_workloads(self.cfg, self.tokenizer)
         arms = self._arms(procs, url)
+        self.text_check = TextCheck(self.tokenizer, self._reference_outputs([w for w, _ in plan]))
+        if not any(arm.key in IN_PROCESS for arm in arms):
+            self.local.unload()
         repeats = self.cfg.repeats
         for repeat in range(repeats):
             for position, arm in enumerate(arms):
@@ -193,6 +200,11 @@ class Runner:
             key: entry.get("info", {}).get("blas_loaded") for key, entry in self.report["arms"].items()
             if key not in IN_PROCESS  # they run in this process, whose BLAS is the report's `blas`
         }
+
+    def _reference_outputs(self, workloads: list[Workload]) -> dict[str, Output]:
+        """Each workload's first request alone through mlx-lm, greedy: the text every arm must write."""
+        print(f"\n== the reference texts: {len(workloads)} request(s) alone through mlx-lm", flush=True)
+        return reference_outputs(self.local.load(), self.local.tokenizer, workloads)
 
     def _run_arm(self, arm: Arm, plan: list[tuple[Workload, Workload]], repeat: int) -> None:
         label = ARM_LABELS[arm.key[0]] + (f", {arm.key[1:]} worker(s)" if arm.key.startswith("C") else "")
@@ -244,6 +256,8 @@ class Runner:
             if arm.time_split:
                 result["time_split"] = arm.time_split
                 print(f"   {'':<14} {time_split_line(arm.time_split, metrics['wall_s'])}", flush=True)
+            if self.text_check is not None:
+                self.text_check.add(arm.key, workload, repeat, outcome)
             with open(self.records_path, "a") as f:
                 f.write(json.dumps({"arm": arm.key, "workload": workload.label, "repeat": repeat,
                                     "records": [r.to_json() for r in outcome]}) + "\n")

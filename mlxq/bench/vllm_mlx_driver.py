@@ -50,14 +50,16 @@ async def _one(engine: Any, request: dict[str, Any], arrival: float, t0: float, 
     record: dict[str, Any] = {"index": request["index"], "arrival": arrival, "started": None,
                               "first_token": None, "finished": None, "tokens": 0, "error": None}
     try:
-        last = None
+        last, text = None, []
         async for output in engine.stream_generate(prompt=request["ids"], max_tokens=request["max_tokens"],
                                                    temperature=0.0, top_p=1.0, logits_processors=[mask]):
             if record["first_token"] is None and output.completion_tokens > 0:
                 record["first_token"] = time.perf_counter() - t0
             last = output
+            text.append(output.new_text or "")  # `text` is stripped of whitespace and special tokens
         record["finished"] = time.perf_counter() - t0
         record["tokens"] = last.completion_tokens if last is not None else 0
+        record["text"] = "".join(text)
     except Exception as exc:  # recorded as a failed request
         record["error"] = f"{type(exc).__name__}: {exc}"[:200]
     records.append(record)
