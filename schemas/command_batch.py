@@ -79,9 +79,10 @@ class CommandBatch(CoreCommands):
         # Raw strings only: the cmsgpack of Redis 7.0 has no bin type (bytes and str both arrive as Lua strings).
         return argv, msgpack.packb(argv, use_bin_type=False)
 
-    def execute(self, unless_exists: Sequence[str] = ()) -> Optional[list[Any]]:
+    def execute(self, unless_exists: Sequence[str] = (), raise_errors: bool = True) -> Optional[list[Any]]:
         """Run the recorded commands, atomically and in order; return their replies, or None
-        (nothing ran) if any key in `unless_exists` exists. Raises the first command error."""
+        (nothing ran) if any key in `unless_exists` exists. Raises the first command error, or with
+        `raise_errors=False` leaves each in its place among the replies (a lost connection raises)."""
         if not self._count and not unless_exists:
             return []
         argv, commands = self.take()
@@ -97,7 +98,7 @@ class CommandBatch(CoreCommands):
             replies = self._execute_as_transaction(argv)
         if replies is None:
             return None
-        for reply in replies:
+        for reply in replies if raise_errors else ():
             if isinstance(reply, Exception):
                 raise reply
         return replies

@@ -41,13 +41,16 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
     are refreshed in the same one. A result key is never replaced: the first result written for a
     job stays (SET NX), whoever wrote it (a sweep that gave the job up, another run of it). Returns
-    the jobs whose result was not written because one was there already."""
+    the jobs whose result was not written because one was there already. A key someone changed to
+    another type (a stream turned into a string) costs only its own job's write, logged."""
     if not publications:
         return set()
     batch = CommandBatch(connection)
+    owners: list[str] = []
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
+        owners += [stats.key, stats.key]
     written_at: dict[str, int] = {}
     for item in publications:
         if not item.write_key:
@@ -63,7 +66,10 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
         batch.publish(keys.done_channel(job_id), job_id)
-    replies = batch.execute()
+        owners += [job_id] * (len(batch) - len(owners))
+    replies = batch.execute(raise_errors=False)
+    for owner, error in failed_writes(replies, owners).items():
+        log.warning("%s: %s: not written (a key changed by someone else); the other jobs' writes were", owner, error)
     superseded = {job_id for job_id, at in written_at.items() if replies is not None and replies[at] is None}
     for job_id in superseded:
         log.warning("job %s had a result already: the one from this run was dropped (the first result stays)",
@@ -71,20 +77,34 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
     return superseded
 
 
-def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:
-    """One XADD per choice that produced something this step, all in one round trip."""
+def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> dict[str, str]:
+    """One XADD per choice that produced something this step, all in one round trip. Returns the
+    jobs whose stream could not be written (its key changed to another type by someone else), with
+    the error; every other job's deltas were written all the same."""
     if not deltas:
-        return
+        return {}
     batch = CommandBatch(connection)
+    owners: list[str] = []
     for delta in deltas:
         event = TokenStreamEvent(index=delta.index, token_ids=delta.token_ids, text=delta.text,
                                  logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
                                  reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None)
         batch.xadd(keys.stream_key(delta.job_id), encode_event(event))
+        owners.append(delta.job_id)
     for job_id in {d.job_id for d in deltas}:
         if ttls.get(job_id):
             batch.expire(keys.stream_key(job_id), ttls[job_id])
-    batch.execute()
+            owners.append(job_id)
+    return failed_writes(batch.execute(raise_errors=False), owners)
+
+
+def failed_writes(replies: Optional[list[Any]], owners: list[str]) -> dict[str, str]:
+    """The first error reply of each owner (a job id) of a batch's commands, by owner."""
+    failed: dict[str, str] = {}
+    for owner, reply in zip(owners, replies or []):
+        if isinstance(reply, Exception):
+            failed.setdefault(owner, f"{type(reply).__name__}: {reply}")
+    return failed
 
 
 def restart_stream(connection: redis.Redis, job_id: str, reason: str) -> None:
