@@ -57,6 +57,7 @@ from producer.wire import (
 )
 from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
+from schemas.redis_busy import async_parser
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 
 __all__ = ["AsyncClient", "AsyncJobStream", "DoneListener", "JobWatch", "MAX_CONNECTIONS", "ReadStates", "execute_batch"]
@@ -122,7 +123,7 @@ class AsyncClient:
                 # A pool that waits for a free connection rather than failing: redis-py's default pool
                 # raises past 100 connections, and every blocking stream read holds one.
                 connection = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-                    self.url, max_connections=MAX_CONNECTIONS, timeout=None))
+                    self.url, max_connections=MAX_CONNECTIONS, timeout=None, parser_class=async_parser()))
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True

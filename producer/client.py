@@ -50,6 +50,7 @@ from producer.wire import (
 )
 from schemas import GenerationResult, RequestLimits, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
+from schemas.redis_busy import sync_parser
 from schemas.command_batch import CommandBatch
 
 __all__ = ["CANCEL_TTL", "SAFETY_POLL_S", "Client", "JobStream"]
@@ -85,7 +86,7 @@ class Client:
         if connection is None:
             self.url = resolve_url(url)
             try:
-                connection = redis.Redis.from_url(self.url)
+                connection = redis.Redis.from_url(self.url, parser_class=sync_parser())
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -95,7 +96,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _answer(request.url.path, exc.status_code, error_body(str(exc.detail), code=code), headers)
 
     @app.exception_handler(BrokerError)
-    async def broker_error(request: Request, exc: BrokerError) -> JSONResponse:
+    @app.exception_handler(redis.RedisError)  # one no producer call wrapped: Redis away (or busy) all the same
+    async def broker_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("redis: %s", exc)
         return _answer(request.url.path, 503,
                        error_body("the queue's Redis cannot be reached", "server_error", code="broker_error"))
