@@ -271,6 +271,9 @@ class BatchWorker(SimpleWorker):
                    ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
         return self._jobs.start_jobs(taken, weight_version)
 
+    def drop_taken(self, taken: list[TakenJob]) -> None:
+        self._jobs.drop_taken(taken)
+
     # The rest runs on the bookkeeping thread.
     def run_maintenance(self) -> None:
         self.run_maintenance_tasks()
