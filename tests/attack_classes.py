@@ -357,6 +357,9 @@ class WeightAttack(Actor):
 # ---------------------------------------------------------------- 5: replay
 
 
+REPLAYABLE_MS = 120_000  # a result this close to its expiry is replayed and watched no more
+
+
 class ReplayAttack(Actor):
     """The hostile producer rewrites ended jobs' hashes (its own and, as if it had learnt their ids,
     the good producer's) and pushes them back on a queue, every way it can. Own: the id pushed onto
@@ -381,7 +384,9 @@ class ReplayAttack(Actor):
         self.ledger.pushed_while_running.add(running)
         self.hostile.rpush("rq:queue:mlxq:fake", running)  # pushed again while it runs: its first result stays
         self.client.wait(own, timeout=120)
-        targets = [own] + [j for j in self.ledger.some_good_jobs(40)[:20] if self.stack.admin.exists(keys.result_key(j))]
+        # Ended jobs whose result will outlive the check: once a result expired, its id names no job.
+        targets = [j for j in [own, *self.ledger.some_good_jobs(40)[:20]]
+                   if self.stack.admin.pttl(keys.result_key(j)) > REPLAYABLE_MS]
         for job_id in self.rng.sample(targets, min(4, len(targets))):
             self.watched.setdefault(job_id, self.stack.admin.get(keys.result_key(job_id)) or b"")
             key = f"rq:job:{job_id}"
@@ -400,6 +405,8 @@ class ReplayAttack(Actor):
             now = self.stack.admin.get(keys.result_key(job_id))
             if now is not None:
                 self.check(now == first, f"{job_id}: result changed after a replay:\n{first[:300]!r}\n{now[:300]!r}")
+            if self.stack.admin.pttl(keys.result_key(job_id)) < REPLAYABLE_MS:
+                del self.watched[job_id]
 
 
 # ---------------------------------------------------------------- 6: scripts

@@ -6,6 +6,7 @@ key's writes, each process's RSS and log)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -96,16 +97,28 @@ def connect(port: int, user: str, password: str) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, username=user, password=password)
 
 
+def summary(raw: bytes) -> dict[str, Any]:
+    """What the suite checks of a result, kept small: its status, error, choices' ends, and a digest."""
+    result = json.loads(raw)
+    return {"status": result["status"], "error": result.get("error"),
+            "choices": [{"finish_reason": c.get("finish_reason"), "constraint_complete": c.get("constraint_complete")}
+                        for c in result.get("choices") or []],
+            "digest": hashlib.sha256(raw).hexdigest()}
+
+
 class ResultWrites(threading.Thread):
-    """Every write of a `mlxq:result:*` key, from the server's keyspace notifications: a key written
-    twice is a job whose result was replaced (run again, or forged)."""
+    """Every write of a `mlxq:result:*` key, from the server's keyspace notifications, and each key's
+    first value as it was written (a long run outlives the keys' TTL): a key written twice is a job
+    whose result was replaced (run again, or forged)."""
 
     def __init__(self, admin: redis.Redis) -> None:
         super().__init__(name="result-writes", daemon=True)
         admin.config_set("notify-keyspace-events", "K$gx")  # string writes, DEL, expiry
+        self._reader = redis.Redis(connection_pool=admin.connection_pool)
         self._pubsub = admin.pubsub(ignore_subscribe_messages=True)
         self._pubsub.psubscribe(f"__keyspace@0__:{keys.PREFIX}result:*")
         self.writes: dict[str, list[str]] = {}
+        self.first: dict[str, dict[str, Any]] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()
 
@@ -116,8 +129,20 @@ class ResultWrites(threading.Thread):
             if message is None:
                 continue
             job_id, event = message["channel"].decode(errors="replace")[prefix:], message["data"].decode()
+            raw = self._reader.get(keys.result_key(job_id)) if event == "set" and job_id not in self.first else None
             with self._lock:
                 self.writes.setdefault(job_id, []).append(event)
+                if raw is not None:
+                    self.first[job_id] = summary(raw)
+
+    def first_result(self, job_id: str) -> Optional[dict[str, Any]]:
+        with self._lock:
+            return self.first.get(job_id)
+
+    def expired_between(self, job_id: str) -> bool:
+        """Whether the key expired or was deleted after it was first written (its id then named no job)."""
+        events = self.events(job_id)
+        return "set" in events and any(e in ("expired", "del", "evicted") for e in events[events.index("set"):])
 
     def events(self, job_id: str) -> list[str]:
         with self._lock:

@@ -24,7 +24,7 @@ import pytest
 from producer import Client
 from schemas import keys
 from tests.attack_classes import LogprobAttack, classes
-from tests.attack_stack import ResultWrites, Stack, running_stack
+from tests.attack_stack import ResultWrites, Stack, running_stack, summary
 from tests.attack_traffic import CHANNELS, Expectation, GoodClient, Ledger, alone, wait_all
 from tests.test_weight_refusals import adapters, versions  # noqa: F401  (fixtures: broken weights, adapters)
 
@@ -137,7 +137,7 @@ def test_tenants_producers_and_a_trainer_attacking_cost_no_one_else_anything(
         stuck = [thread.name for thread in [*good, *attackers] if thread.is_alive()]
 
         expected = dict(ledger.expected)
-        wait_all(lambda: all(stack.admin.exists(keys.result_key(j)) for j in expected), timeout=180)
+        wait_all(lambda: all(writes.first_result(j) for j in expected), timeout=180)
         logprobs = next(a for a in attackers if isinstance(a, LogprobAttack))
         wait_all(lambda: not logprobs.batches_completed(), timeout=180)
         time.sleep(2)  # a job run by mistake would have written again by now
@@ -148,12 +148,16 @@ def test_tenants_producers_and_a_trainer_attacking_cost_no_one_else_anything(
         problems = [f"threads still running: {stuck}"] if stuck else []
         problems += ledger.violations
         for job_id, expectation in expected.items():
-            wrong = ended_as_expected(stack.result(job_id), expectation)
+            wrong = ended_as_expected(writes.first_result(job_id), expectation)
             if wrong:
                 problems.append(f"[{expectation.attack}] hostile job {job_id}: {wrong}")
         problems += [f"[logprobs] batch {p}" for p in logprobs.batches_completed()]
         rewritten = writes.rewritten()
         problems += [f"result written twice: {job_id} {events}" for job_id, events in rewritten.items()]
+        for job_id, first in list(writes.first.items()):  # every result still there is the one first written
+            raw = stack.admin.get(keys.result_key(job_id))
+            if raw is not None and summary(raw)["digest"] != first["digest"] and not writes.expired_between(job_id):
+                problems.append(f"result of {job_id} changed: {first} -> {summary(raw)}")
         missing_good = [j for j in ledger.good_jobs if not writes.events(j)]
         problems += [f"good job {j} never wrote a result" for j in missing_good[:10]]
         for name, process in stack.processes().items():
@@ -169,7 +173,7 @@ def test_tenants_producers_and_a_trainer_attacking_cost_no_one_else_anything(
         for name, process in stack.workers.items():
             problems += [f"{name}: {job_id} {what}" for job_id, what in runs_again(process.log)
                          if job_id not in ledger.pushed_while_running]
-        ended = Counter(f"{e.attack}: {(stack.result(j) or {}).get('status')}" for j, e in expected.items())
+        ended = Counter(f"{e.attack}: {(writes.first_result(j) or {}).get('status')}" for j, e in expected.items())
         report = {
             "attack_s": round(attack_s, 1), "good requests": sum(ledger.summary().get(g.attack, {}).get("rounds", 0)
                                                                  for g in good),
