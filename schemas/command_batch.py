@@ -123,6 +123,16 @@ class CommandBatch(CoreCommands):
             pool.release(connection)
 
 
+def failed_writes(replies: Optional[list[Any]], owners: Sequence[Optional[str]]) -> dict[str, str]:
+    """The first error reply of each owner (a job id; None for commands no job owns) among a batch's
+    replies (`execute(raise_errors=False)`), by owner."""
+    failed: dict[str, str] = {}
+    for owner, reply in zip(owners, replies or []):
+        if isinstance(reply, Exception) and owner is not None:
+            failed.setdefault(owner, f"{type(reply).__name__}: {reply}")
+    return failed
+
+
 def commands_of(argv: list[Any]) -> list[tuple[Any, ...]]:
     """The commands of a flat argv from `CommandBatch.take`, one tuple each."""
     commands, i = [], 0

@@ -13,7 +13,7 @@ from rq.utils import now, utcformat
 
 from schemas import GenerationResult, keys
 from schemas.result import no_output_result
-from schemas.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch, failed_writes
 from schemas.events import EndStreamEvent, RestartStreamEvent, TokenStreamEvent, encode_event
 from worker.intake import Unreadable
 
@@ -97,14 +97,6 @@ def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict
             owners.append(job_id)
     return failed_writes(batch.execute(raise_errors=False), owners)
 
-
-def failed_writes(replies: Optional[list[Any]], owners: list[str]) -> dict[str, str]:
-    """The first error reply of each owner (a job id) of a batch's commands, by owner."""
-    failed: dict[str, str] = {}
-    for owner, reply in zip(owners, replies or []):
-        if isinstance(reply, Exception):
-            failed.setdefault(owner, f"{type(reply).__name__}: {reply}")
-    return failed
 
 
 def restart_stream(connection: redis.Redis, job_id: str, reason: str) -> None:
