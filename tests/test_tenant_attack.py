@@ -30,14 +30,12 @@ from tests.test_weight_refusals import adapters, versions  # noqa: F401  (fixtur
 
 ATTACK_SECONDS = float(os.environ.get("MLXQ_ATTACK_SECONDS", "20"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(ATTACK_SECONDS) + 600)]
-# Growth from after the alone runs (every code path warm) to the end: what a leak of the attack's
-# size would pass. Measured runs are in docs/operations.md.
-RSS_GROWTH_MIB = {"gateway": 150, "tiny-1": 250, "tiny-2": 250, "fake-1": 150}
+# RSS growth from after the runs alone to the end. A tiny-model worker's first minute under attack
+# adds about 120 MiB (constraints and logprobs met for the first time) and stays flat after it; a
+# leak at the attack's rate passes these within a long run (measured: docs/operations.md).
+RSS_GROWTH_MIB = {"gateway": 50, "tiny-1": 200, "tiny-2": 200, "fake-1": 64}
 # Tracebacks a worker logs on purpose: the message line logged with each, and why it is expected.
 ALLOWED_TRACEBACKS = {
-    r"ending .* in RQ's terms failed; what could be written was":
-        "hijack: a producer turned a running job's hash into a list (WRONGTYPE): the job still ends with its "
-        "result key; RQ's records of it could not be written",
     r"rq's registry cleanup failed; the next pass tries again":
         "garbage: a hash written by hand (created_at 'yesterday') entered a queue's intermediate list, moved "
         "there by the other tiny worker's poll, between this worker's clearing of those lists and rq's own "
