@@ -61,6 +61,7 @@ from producer.wire import (
 )
 from schemas import GenerationResult, RequestLimits, broker, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
+from schemas.redis_busy import async_parser
 from schemas.command_batch import RUN_SCRIPT, RUN_SCRIPT_SHA, CommandBatch, commands_of
 from schemas.durability import Durability, NotReplicated
 
@@ -142,7 +143,7 @@ class AsyncClient:
             try:
                 # A pool that waits for a free connection rather than failing: redis-py's default pool
                 # raises past 100 connections, and every blocking stream read holds one.
-                connection = broker.connect_async(self.url, max_connections=MAX_CONNECTIONS)
+                connection = broker.connect_async(self.url, max_connections=MAX_CONNECTIONS, parser_class=async_parser())
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True

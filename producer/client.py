@@ -53,6 +53,7 @@ from producer.wire import (
 )
 from schemas import GenerationResult, RequestLimits, broker, keys
 from schemas.control import ControlCommand, ControlOutcome, PauseMode, WeightPolicy
+from schemas.redis_busy import sync_parser
 from schemas.command_batch import CommandBatch
 from schemas.durability import Durability, NotReplicated
 
@@ -93,7 +94,7 @@ class Client:
         if connection is None:
             self.url = resolve_url(url)
             try:
-                connection = broker.connect(self.url)
+                connection = broker.connect(self.url, parser_class=sync_parser())
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {redact_url(self.url)}: {exc}") from exc
             self._owns_connection = True

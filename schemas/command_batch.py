@@ -81,11 +81,12 @@ class CommandBatch(CoreCommands):
         # Raw strings only: the cmsgpack of Redis 7.0 has no bin type (bytes and str both arrive as Lua strings).
         return argv, msgpack.packb(argv, use_bin_type=False)
 
-    def execute(self, unless_exists: Sequence[str] = (), durability: Optional[Durability] = None
-                ) -> Optional[list[Any]]:
+    def execute(self, unless_exists: Sequence[str] = (), durability: Optional[Durability] = None,
+                raise_errors: bool = True) -> Optional[list[Any]]:
         """Run the recorded commands, atomically and in order; return their replies, or None
-        (nothing ran) if any key in `unless_exists` exists. Raises the first command error. With
-        `durability`, then WAIT on the same connection for that many replicas to have the writes;
+        (nothing ran) if any key in `unless_exists` exists. Raises the first command error, or with
+        `raise_errors=False` leaves each in its place among the replies (a lost connection raises).
+        With `durability`, then WAIT on the same connection for that many replicas to have the writes;
         NotReplicated if fewer confirm in time (the writes are on the primary all the same)."""
         if not self._count and not unless_exists:
             return []
@@ -102,7 +103,7 @@ class CommandBatch(CoreCommands):
             replies = self._execute_as_transaction(argv)
         if replies is None:
             return None
-        for reply in replies:
+        for reply in replies if raise_errors else ():
             if isinstance(reply, Exception):
                 raise reply
         return replies
@@ -129,6 +130,16 @@ class CommandBatch(CoreCommands):
             raise
         finally:
             pool.release(connection)
+
+
+def failed_writes(replies: Optional[list[Any]], owners: Sequence[Optional[str]]) -> dict[str, str]:
+    """The first error reply of each owner (a job id; None for commands no job owns) among a batch's
+    replies (`execute(raise_errors=False)`), by owner."""
+    failed: dict[str, str] = {}
+    for owner, reply in zip(owners, replies or []):
+        if isinstance(reply, Exception) and owner is not None:
+            failed.setdefault(owner, f"{type(reply).__name__}: {reply}")
+    return failed
 
 
 def commands_of(argv: list[Any]) -> list[tuple[Any, ...]]:

@@ -278,6 +278,13 @@ def _check_image_limits(request: GenerationRequest, limits: RequestLimits) -> No
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-union\[.*\]|function-.*)$")
 
 
+def field_named_in(message: str) -> Optional[str]:
+    """The field a model-level check names at the start of its message (`guided_regex: at most one
+    constraint ...`), pydantic's "Value error, " prefix or not; None if it names none."""
+    named = re.match(r"([\w.\[\]]+): ", message.removeprefix("Value error, "))
+    return named.group(1) if named else None
+
+
 def as_invalid_request(exc: ValidationError) -> InvalidRequestError:
     """A pydantic ValidationError as an InvalidRequestError that names the first bad field."""
     errors = exc.errors(include_url=False)
@@ -286,9 +293,8 @@ def as_invalid_request(exc: ValidationError) -> InvalidRequestError:
     for err in errors[:5]:
         loc = ".".join(str(p) for p in err["loc"] if not _UNION_MEMBER.match(str(p)))
         message = err["msg"].removeprefix("Value error, ")
-        if not loc:  # model-level checks name their field at the start of the message
-            named = re.match(r"([\w.\[\]]+): ", message)
-            first_field = first_field or (named.group(1) if named else "prompt")
+        if not loc:
+            first_field = first_field or field_named_in(message) or "prompt"
         first_field = first_field or loc
         if err["type"] == "extra_forbidden":
             message = "unknown field"

@@ -63,6 +63,7 @@ class FakeRQ:
     solo: set[str] = field(default_factory=set)
     refused: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
 
     def start_jobs(self, taken: list[TakenJob], weight_version: int = 0) -> tuple[list[StartedJob], list]:
         started = []
@@ -74,6 +75,9 @@ class FakeRQ:
             refusal = Refusal("FunctionNotAllowed", "not on the allowlist") if job_id in self.refused else None
             started.append(StartedJob(inflight, 0.0, self.timeouts.get(job_id), refusal, False))
         return started, []
+
+    def drop_taken(self, taken: list[TakenJob]) -> None:
+        self.dropped += [item.job_id for item in taken]
 
     def take_stop_job_ids(self) -> set[str]:
         ids, self.stop_job_ids = self.stop_job_ids, set()
@@ -209,6 +213,17 @@ def test_an_idle_worker_takes_all_it_has_room_for_at_once():
     source.waiting = [(f"j{i}", request(20)) for i in range(300)]
     loop.turn()
     assert source.polls[0][0] == 512 and len(loop.scheduler) == 300
+
+
+def test_an_id_taken_again_while_its_job_runs_or_twice_in_a_poll_starts_once_and_keeps_no_slot():
+    loop, source, rq, ending, clock = make_loop(max_num_seqs=2)
+    source.waiting = [("twice", request(30)), ("twice", request(30))]
+    loop.turn()
+    source.waiting = [("twice", request(30))]
+    turns(loop, clock, 2)
+    assert rq.dropped == ["twice", "twice"] and loop.scheduler.job_ids == ["twice"]
+    turns(loop, clock, 40)
+    assert ending.results["twice"].status == "finished" and loop.scheduler.free_slots == 2
 
 
 def test_a_job_past_its_deadline_ends_timed_out_and_its_neighbour_goes_on():

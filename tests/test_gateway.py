@@ -185,6 +185,10 @@ def test_jobs_endpoints(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.post("/jobs", cast_to=object, body={"prompt": "abc", "model": "fake", "max_tokens": -1})
     assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:  # a check of the whole request names its field too
+        client.post("/jobs", cast_to=object, body={"prompt": "abc", "model": "fake", "guided_regex": "a",
+                                                   "guided_grammar": 'start: "a"'})
+    assert info.value.body["param"] == "guided_regex" and "at most one constraint" in info.value.body["message"]
 
 
 def test_a_tenant_sees_only_its_own_jobs(stack: Stack) -> None:

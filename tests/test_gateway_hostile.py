@@ -26,6 +26,7 @@ import redis
 from mlxq.redis_server import RedisServer, free_port
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
+from tests.test_security import PRODUCER_ACL
 from tests.workers import ScriptFlusher, rq_status, start_fake_worker, wait_for
 
 pytestmark = pytest.mark.slow
@@ -109,11 +110,11 @@ class ChatStream(threading.Thread):
                     self.finish = choice["finish_reason"] or self.finish
 
 
-def _alone(stack: Stack, tenant: str, prompt: str) -> str:
+def _alone(stack: Stack, tenant: str, prompt: str, max_tokens: int = TOKENS) -> str:
     """The same request's text, blocking, with nothing else going on."""
     response = httpx.post(f"{stack.base}/chat/completions", headers=stack.headers(tenant), timeout=60,
                           json={"model": "fake", "messages": [{"role": "user", "content": prompt}],
-                                "max_tokens": TOKENS})
+                                "max_tokens": max_tokens})
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["message"]["content"])
 
@@ -235,6 +236,89 @@ def test_scripts_flushed_in_a_loop_cost_no_request(stack: Stack) -> None:
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == expected[prompt]
     assert stack.worker.poll() is None, stack.worker_log
+
+
+class BusyScript(threading.Thread):
+    """A producer holding the documented ACL runs a Lua loop (EVAL is in its rights) that keeps the
+    server busy for about `seconds`: past `busy-reply-threshold` every other command is answered BUSY."""
+
+    LOOP = "local i = 0 while i < tonumber(ARGV[1]) do i = i + 1 end return i"
+
+    def __init__(self, url: str, seconds: float) -> None:
+        super().__init__(name="busy-script", daemon=True)
+        admin = redis.Redis.from_url(url)
+        name, *rules = PRODUCER_ACL.split()
+        admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
+        port = admin.connection_pool.connection_kwargs["port"]
+        self.producer = redis.Redis(host="127.0.0.1", port=port, username=name, password="producer-secret",
+                                    socket_timeout=60)
+        started = time.monotonic()
+        self.producer.eval(self.LOOP, 0, 2_000_000)  # the loop's speed, to size it
+        self.iterations = int(2_000_000 * seconds / max(time.monotonic() - started, 1e-3))
+        self.busy_replies = 0
+
+    def run(self) -> None:
+        try:
+            self.producer.eval(self.LOOP, 0, self.iterations)
+        except redis.ResponseError as exc:  # past the threshold even its own reply may read BUSY
+            assert "BUSY" in str(exc), exc
+
+
+def test_a_producers_script_holding_the_server_costs_no_worker_stream_or_request(stack: Stack) -> None:
+    """With the server held by a producer's script for about 3 s, and answering BUSY after 0.3 s of it,
+    Redis is away for everyone, and is treated so: the worker waits for it as for a lost connection (it
+    died of the error, failing its jobs); a request answers 503 in OpenAI's shape (a plain-text 500
+    before), or 200 with its text alone; a stream across the window ends whole with its text alone or,
+    where its own reads met the server away, with an error naming where its result will be; no job is
+    cancelled: each ends finished."""
+    prompts = [("acme", "busy-a"), ("globex", "busy-g"), ("acme", "busy-b")]
+    expected = {prompt: _alone(stack, tenant, prompt, max_tokens=150) for tenant, prompt in prompts}
+    admin = redis.Redis.from_url(stack.url)
+    threshold = admin.config_get("busy-reply-threshold")["busy-reply-threshold"]
+    admin.config_set("busy-reply-threshold", 300)
+    try:
+        streams = [ChatStream(stack, tenant, prompt, max_tokens=150) for tenant, prompt in prompts[:2]]
+        answers: list[httpx.Response] = []
+        blocking = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{stack.base}/chat/completions", headers=stack.headers("acme"), timeout=60,
+            json={"model": "fake", "messages": [{"role": "user", "content": "busy-b"}], "max_tokens": 150})))
+        for stream in streams:
+            stream.start()
+        blocking.start()
+        for stream in streams:
+            assert stream.opened.wait(30)
+        busy = BusyScript(stack.url, seconds=3)
+        busy.start()
+        time.sleep(0.5)
+        during = httpx.post(f"{stack.base}/jobs", headers=stack.headers("globex"), timeout=60,
+                            json={"model": "fake", "prompt": "during", "max_tokens": 5})
+        busy.join(timeout=60)
+        blocking.join(timeout=60)
+        for stream in streams:
+            stream.join(timeout=60)
+    finally:
+        admin.config_set("busy-reply-threshold", threshold)
+    assert stack.worker.poll() is None, stack.worker_log
+    assert "ServerBusy" in stack.worker_log, stack.worker_log
+    wait_for(lambda: "Redis is back" in stack.worker_log, timeout=30, what="the worker to see Redis back")
+    for stream in streams:
+        assert stream.status == 200 and stream.done, (stream.errors, stack.worker_log)
+        if stream.errors:
+            assert len(stream.errors) == 1 and f"/v1/jobs/{stream.job_id}" in stream.errors[0]["message"], stream.errors
+        else:
+            assert stream.text == expected[stream.body["messages"][0]["content"]]
+        wait_for(lambda: stack.result(stream.job_id) is not None, timeout=30, what="the stream's job to end")
+        assert stack.result(stream.job_id).status == "finished"  # type: ignore[union-attr]
+    for answer in (during, *answers):
+        assert answer.status_code in (200, 503), (answer.status_code, answer.text)
+        if answer.status_code == 503:
+            assert answer.json()["error"]["code"] == "broker_error", answer.text
+    if answers[0].status_code == 200:
+        assert answers[0].json()["choices"][0]["message"]["content"] == expected["busy-b"]
+    job_id = answers[0].headers.get("x-mlxq-job-id")
+    if job_id:
+        wait_for(lambda: stack.result(job_id) is not None, timeout=30, what="the blocking request's job to end")
+        assert stack.result(job_id).status == "finished"  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- small lies and slow clients

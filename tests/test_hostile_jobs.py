@@ -243,7 +243,11 @@ def test_keys_changed_under_running_jobs_cost_only_those_jobs_and_a_warm_stop_st
     assert worker.returncode == 0, out[-3000:]  # a warm stop ends: the loop holds no job it cannot end
     assert all(r.status == "finished" and len(r.choices[0].token_ids) == 40 for r in results.values()), results
     assert after.status == "finished"
-    assert "WRONGTYPE" in out, out[-3000:]
+    assert all(Job.fetch(j, connection=conn, serializer=JSON_SERIALIZER).get_status() == "finished" for j in good)
+    # Each broken key is named with its own job, once, and no traceback lists the jobs beside it.
+    assert f"Job {hijacked}: its RQ records were not all written (ResponseError: WRONGTYPE" in out, out[-3000:]
+    assert f"job {silenced}: its stream cannot be written" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
 
 
 # --- the same, generated: every field rq reads, with values a producer might write ------------------
@@ -359,3 +363,56 @@ def test_a_started_registry_entry_never_runs_a_callback_off_the_allowlist(redis_
     assert info.returncode == 0, info.stdout + info.stderr  # os.abort would have killed it
     assert result_of(conn, "abandoned")["error"]["type"] == "AbandonedJobError"
     assert StartedJobRegistry("mlxq", connection=conn).get_job_ids() == []
+
+
+def test_a_stream_key_changed_under_a_running_job_costs_no_other_job_ending_in_the_same_step(redis_url):
+    """A producer turns one running job's stream into a string while 150 jobs run in one batch and end
+    in the same step: that job's stream writes fail, and only its own. Every other job's result key is
+    written and each ends `finished` in RQ; the log says it once, without a traceback (there was one at
+    every step)."""
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    request = {"prompt_token_ids": [5, 6, 7], "max_tokens": 40, "stream": True}
+    silenced = client.submit(request)
+    others = client.submit_many([request] * 149)
+    worker = start_fake_worker(redis_url, "--max-num-seqs", "256", name="one-step", env=WORKER_ENV, step_delay_s=0.05)
+    log = drain(worker)
+    try:
+        wait_for(lambda: all(client.status(j) == "started" for j in [silenced, *others]), timeout=60,
+                 what="every job running in one batch")
+        conn.delete(keys.stream_key(silenced))
+        conn.set(keys.stream_key(silenced), "junk")
+        wait_for(lambda: all(result_of(conn, j) for j in [silenced, *others]), timeout=60,
+                 what="a result key for every job")
+        wait_for(lambda: all(client.status(j) == "finished" for j in others), timeout=30,
+                 what="every other job finished in RQ")
+        assert worker.poll() is None, "the worker died"
+    finally:
+        stop(worker)
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]
+    assert all(result_of(conn, j)["status"] == "finished" for j in [silenced, *others])
+    assert Job.fetch(others[-1], connection=conn, serializer=JSON_SERIALIZER).get_status() == "finished"
+    assert "Traceback" not in out, out[-3000:]
+    assert out.count(f"job {silenced}: its stream cannot be written") == 1, out[-3000:]
+
+
+def test_a_result_call_with_one_broken_key_writes_the_rest_and_still_reports_what_was_superseded(redis_url):
+    """publish_results raised at the broken key's error reply: the caller then lost which jobs had a
+    result already (their first end must stand in RQ too) and, where the ends went out in several calls
+    (the bookkeeping gate in force), every call after it."""
+    from schemas import GenerationResult
+    from worker.publish import Publication, publish_results
+
+    conn = redis.Redis.from_url(redis_url)
+    conn.set(keys.stream_key("broken"), "junk")
+    conn.set(keys.result_key("had-one"), "first")
+
+    def ended(job_id: str) -> Publication:
+        return Publication(GenerationResult(id=job_id, status="finished", choices=[], worker="w"), 60, ends_stream=True)
+
+    superseded = publish_results(conn, [ended("broken"), ended("had-one"), ended("fine")])
+    assert superseded == {"had-one"}
+    assert conn.get(keys.result_key("had-one")) == b"first"
+    assert result_of(conn, "broken")["status"] == "finished" and result_of(conn, "fine")["status"] == "finished"
+    assert conn.xlen(keys.stream_key("fine")) == 1

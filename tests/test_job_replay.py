@@ -164,3 +164,38 @@ def test_a_worker_given_up_for_dead_does_not_replace_the_result_written_after_it
         sweeper_out = stop(sweeper) if sweeper is not None else ""
     assert frozen.returncode == 0, "".join(frozen_log)[-3000:] + out
     assert sweeper is None or sweeper.returncode == 0, sweeper_out[-3000:]
+
+
+def test_an_id_pushed_again_while_its_job_runs_here_is_not_started_twice_and_costs_no_slot(redis_url, hostile):
+    """A producer pushes a running job's id onto its queue again, ten times over, and once an id twice
+    in a row. The worker started such an id a second time beside the first: both runs shared one entry
+    of its bookkeeping, and each left a slot taken for good, until the worker (4 slots here) took no
+    job at all. Now the copy leaves the queue without running, the job's first result stays, and the
+    worker still runs 4 jobs at once."""
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    worker = start_fake_worker(redis_url, "--max-num-seqs", "4", name="once-each", step_delay_s=0.02)
+    log = drain(worker)
+    long = {**GOOD, "max_tokens": 40, "ignore_eos": True}
+    try:
+        for round_ in range(10):
+            job_id = client.submit(long)
+            wait_for(lambda: client.status(job_id) == "started", timeout=30, what="the job to start")
+            hostile.rpush("rq:queue:mlxq", job_id)
+            if round_ == 0:
+                hostile.rpush("rq:queue:mlxq", job_id)
+            result = client.wait(job_id, timeout=30)
+            assert result.status == "finished" and len(result.choices[0].token_ids) == 40, result
+            wait_for(lambda: leftovers(conn, ["mlxq"]) == {}, timeout=30, what="the copies off the queue")
+        time.sleep(0.5)
+        at_once = client.wait_many(client.submit_many([long] * 4), timeout=60).values()
+        assert all(r.status == "finished" for r in at_once)
+        assert max(r.timings.started_at for r in at_once) < min(r.timings.finished_at for r in at_once), [
+            (r.timings.started_at, r.timings.finished_at) for r in at_once]  # all four ran together
+        assert worker.poll() is None, "the worker died"
+    finally:
+        stop(worker)
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]
+    assert "had a result already" not in out and "of dead workers" not in out, out[-3000:]  # no second run
+    assert out.count("came off a queue again while it runs here") == 11, out[-3000:]

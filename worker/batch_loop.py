@@ -250,6 +250,7 @@ class BatchLoop:
     def _start(self, taken: list[TakenJob]) -> None:
         """Record the jobs' start in RQ (one round trip), then admit each to the scheduler; a job that
         cannot run, or was cancelled meanwhile, ends at once."""
+        taken = self._once_each(taken)
         if not taken:
             return
         started, unreadable = self._rq.start_jobs(taken, self.weight_version)
@@ -276,6 +277,20 @@ class BatchLoop:
                 ended.append(result)
         self._hand_off(ended)
         self._update_snapshot()
+
+    def _once_each(self, taken: list[TakenJob]) -> list[TakenJob]:
+        """A job runs once in this worker: an id taken again while its job is here (a producer pushed
+        it onto a queue again), or twice in one poll, leaves its intermediate list unstarted. Two runs
+        under one id shared one entry of the loop's and the scheduler's books, and each such run kept a
+        slot taken for good."""
+        here = set(self._table)
+        once, again = [], []
+        for item in taken:
+            (again if item.job_id in here else once).append(item)
+            here.add(item.job_id)
+        if again:
+            self._rq.drop_taken(again)
+        return once
 
     def _admit(self, item: StartedJob) -> Optional[GenerationResult]:
         """Hand the job to the scheduler; a result if it ended at once (refused, invalid, cancelled)."""

@@ -128,13 +128,16 @@ class JobEnding:
         # this worker's, or another worker took them while this one was cut off. Their first end stands,
         # in Redis and in rq, so this run ends without touching either.
         self._superseded: set[str] = set()
+        # Running jobs whose stream key someone turned into another type (bookkeeping thread only):
+        # said once in the log, not at every step.
+        self._unwritable_streams: set[str] = set()
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
     def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
                  stats: Optional[WorkerStats]) -> None:
         """This step's stream deltas and ended jobs: published, then ended in RQ."""
         if deltas:
-            self._bookkeeper.submit(lambda: publish_stream_deltas(self._connection, list(deltas), stream_ttls))
+            self._bookkeeper.submit(lambda: self._publish_deltas(list(deltas), stream_ttls))
         if not endings:
             return
         unpublished = list(endings)
@@ -168,6 +171,13 @@ class JobEnding:
         refuse_unreadable(self._connection, refused, self._settings.served_alias, self._worker_name)
 
     # --- the bookkeeping thread's side ------------------------------------------------------
+    def _publish_deltas(self, deltas: list[StreamDelta], stream_ttls: dict[str, Optional[int]]) -> None:
+        for job_id, error in publish_stream_deltas(self._connection, deltas, stream_ttls).items():
+            if job_id not in self._unwritable_streams:
+                self._unwritable_streams.add(job_id)
+                log.warning("job %s: its stream cannot be written (%s): its key was changed by someone else; "
+                            "the job runs on to its result", job_id, error)
+
     def _publish(self, pending: list[Ending], stats: Optional[WorkerStats]) -> None:
         """Build the results (each once: EndedJob.result) and write their keys, RESULTS_PER_CALL a
         round trip while the gate is in force; the stats go with the first."""
@@ -183,6 +193,7 @@ class JobEnding:
                 stats.counters.update(self._tally.counters())
             written_before = publish_results(self._connection, publications, stats=stats,
                                              durability=self._settings.result_durability)
+            self._unwritable_streams.difference_update(ending.job_id for ending in chunk)
             stats = None
             for job_id in written_before:
                 log.warning("job %s: another run of it wrote its result first (this worker was cut off while the "

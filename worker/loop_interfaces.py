@@ -86,6 +86,11 @@ class WorkerSide(Protocol):
         newer weight version than `weight_version` go back to their queues."""
         ...
 
+    def drop_taken(self, taken: list[TakenJob]) -> None:
+        """Entries taken off a queue that are not to run (their job runs here already): out of their
+        intermediate lists, logged."""
+        ...
+
     def notice_stop(self) -> None:
         """Record a warm stop request in RQ's worker hash, once (not from the signal handler)."""
         ...

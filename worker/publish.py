@@ -13,7 +13,7 @@ from rq.utils import now, utcformat
 
 from schemas import GenerationResult, keys
 from schemas.result import no_output_result
-from schemas.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch, failed_writes
 from schemas.durability import Durability
 from schemas.events import EndStreamEvent, RestartStreamEvent, TokenStreamEvent, encode_event
 from worker.intake import Unreadable
@@ -40,18 +40,21 @@ class WorkerStats(NamedTuple):
 def publish_results(connection: redis.Redis, publications: list[Publication],
                     stats: Optional[WorkerStats] = None, durability: Optional[Durability] = None) -> set[str]:
     """Result keys (and stream ends, and done nudges) in one round trip; the worker's counters
-    are refreshed in the same one. The first result written for a job stays: a late writer (a worker
-    that was cut off while another took its job, a sweep) never replaces it. With `durability`, the
-    nudges go out only once that many replicas have the results (NotReplicated, a connection error
-    that the bookkeeping thread retries, if they do not confirm in time). Returns the jobs whose result
-    key was there already: another run of the job wrote first."""
+    are refreshed in the same one. The first result written for a job stays (SET NX): a late writer (a
+    worker that was cut off while another took its job, a sweep) never replaces it. With `durability`,
+    the nudges go out only once that many replicas have the results (NotReplicated, a connection error
+    that the bookkeeping thread retries, if they do not confirm in time). A key someone changed to
+    another type (a stream turned into a string) costs only its own job's write, logged. Returns the
+    jobs whose result key was there already: another run of the job wrote first."""
     if not publications:
         return set()
     batch = CommandBatch(connection)
     nudges = CommandBatch(connection) if durability is not None else batch
+    owners: list[str] = []  # the job (or the stats key) each of the batch's commands writes for
     if stats is not None and stats.counters:
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
+        owners += [stats.key, stats.key]
     sets: list[tuple[str, int]] = []
     for item in publications:
         if not item.write_key:
@@ -67,26 +70,35 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             if item.ttl:
                 batch.expire(keys.stream_key(job_id), item.ttl)
         nudges.publish(keys.done_channel(job_id), job_id)
-    replies = batch.execute(durability=durability) or []
+        owners += [job_id] * (len(batch) - len(owners))
+    replies = batch.execute(durability=durability, raise_errors=False) or []
     if nudges is not batch:
         nudges.execute()
+    for owner, error in failed_writes(replies, owners).items():
+        log.warning("%s: %s: not written (a key changed by someone else); the other jobs' writes were", owner, error)
     return {job_id for job_id, at in sets if at < len(replies) and replies[at] is None}
 
 
-def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> None:
-    """One XADD per choice that produced something this step, all in one round trip."""
+def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> dict[str, str]:
+    """One XADD per choice that produced something this step, all in one round trip. Returns the
+    jobs whose stream could not be written (its key changed to another type by someone else), with
+    the error; every other job's deltas were written all the same."""
     if not deltas:
-        return
+        return {}
     batch = CommandBatch(connection)
+    owners: list[str] = []
     for delta in deltas:
         event = TokenStreamEvent(index=delta.index, token_ids=delta.token_ids, text=delta.text,
                                  logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
                                  reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None)
         batch.xadd(keys.stream_key(delta.job_id), encode_event(event))
+        owners.append(delta.job_id)
     for job_id in {d.job_id for d in deltas}:
         if ttls.get(job_id):
             batch.expire(keys.stream_key(job_id), ttls[job_id])
-    batch.execute()
+            owners.append(job_id)
+    return failed_writes(batch.execute(raise_errors=False), owners)
+
 
 
 def restart_stream(connection: redis.Redis, job_id: str, reason: str) -> None:

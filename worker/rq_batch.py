@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
@@ -19,7 +19,7 @@ from rq.results import Result
 from rq.utils import utcformat
 from rq.worker import BaseWorker
 
-from schemas.command_batch import CommandBatch
+from schemas.command_batch import CommandBatch, failed_writes
 
 
 class Registries:
@@ -83,17 +83,26 @@ def end_successes(worker: BaseWorker, successes: list[Success], registries: Regi
     if not successes:
         return []
     batch = CommandBatch(worker.connection)
+    owners: list[Optional[str]] = []
     for success in successes:
         pause()
         _write_success(worker, success, batch, registries)
+        owners += [success.job.id] * (len(batch) - len(owners))
     worker.set_current_job_id(None, pipeline=batch)
     pause()
-    if batch.execute(unless_exists=[s.job.dependents_key for s in successes]) is None:
+    replies = batch.execute(unless_exists=[s.job.dependents_key for s in successes], raise_errors=False)
+    if replies is None:
         return successes
+    # A job whose hash a producer changed (WRONGTYPE) costs only its own records, named alone.
+    failed = failed_writes(replies, owners)
     for success in successes:
         job = success.job
-        worker.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
-                        worker.name)
+        if job.id in failed:
+            worker.log.warning("Job %s: its RQ records were not all written (%s): a key of it was changed by "
+                               "someone else; its result stands", job.id, failed[job.id])
+        else:
+            worker.log.info("Successfully completed job %s in %ss on worker %s", job.id,
+                            job.ended_at - job.started_at, worker.name)
     return []
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
@@ -34,6 +35,8 @@ from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from rq import SimpleWorker
+
+log = logging.getLogger("mlxq.worker")
 
 SOLO_META = "mlxq_solo"  # set on a job re-queued after an engine failure: it then runs alone
 
@@ -106,6 +109,15 @@ class RQJobs:
         assert replies is not None
         return [self._started(job, queue, callbacks, execution, bool(replies[at]))
                 for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
+
+    def drop_taken(self, taken: list[TakenJob]) -> None:
+        """Entries of jobs running here already, taken again: out of their intermediate lists."""
+        batch = CommandBatch(self._worker.connection)
+        for item in taken:
+            batch.lrem(self._worker.queues[item.queue_index].intermediate_queue.key, 1, item.raw_id)
+            log.warning("job %s came off a queue again while it runs here: that copy was dropped (a job runs once)",
+                        item.job_id)
+        batch.execute()
 
     def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
         """Jobs for newer weights back to the head of their queues, in their order."""

@@ -30,6 +30,7 @@ from rq.worker.base import DequeueStrategy
 
 from schemas import keys
 from schemas.command_batch import CommandBatch
+from schemas.redis_busy import busy_as_outage
 from schemas.serializer import JSON_SERIALIZER
 from worker.allowlist import ALLOWED_FUNCTIONS
 from worker.batch_loop import BatchLoop
@@ -75,6 +76,8 @@ class BatchWorker(SimpleWorker):
         if queues is None:
             queues = self.settings.default_queues()
         kwargs.setdefault("maintenance_interval", int(self.settings.sweep_interval_s))
+        if kwargs.get("connection") is not None:  # a server busy with a script is away, not an error
+            kwargs["connection"] = busy_as_outage(kwargs["connection"])
         super().__init__(queues, *args, **kwargs)
         self._scheduler_factory = scheduler_factory
         self._registries = Registries(self)
@@ -279,6 +282,9 @@ class BatchWorker(SimpleWorker):
     def start_jobs(self, taken: list[TakenJob], weight_version: int
                    ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
         return self._jobs.start_jobs(taken, weight_version)
+
+    def drop_taken(self, taken: list[TakenJob]) -> None:
+        self._jobs.drop_taken(taken)
 
     # The rest runs on the bookkeeping thread.
     def run_maintenance(self) -> None:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -28,6 +29,7 @@ from producer.api.http_deadlines import STATE_KEY, HttpDeadlines
 from producer.api.settings import GatewaySettings
 from producer.errors import BrokerError, InvalidRequest
 from producer.openai_responses import error_body
+from schemas.request import field_named_in
 
 __all__ = ["create_app"]
 
@@ -77,7 +79,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-        param = ".".join(loc) or None
+        param = ".".join(loc) or field_named_in(str(first.get("msg", "")))  # a model-level check names it first
         detail = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return _answer(request.url.path, 400, error_body(f"invalid request: {param or 'body'}: {detail}{more}",
@@ -94,7 +96,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _answer(request.url.path, exc.status_code, error_body(str(exc.detail), code=code), headers)
 
     @app.exception_handler(BrokerError)
-    async def broker_error(request: Request, exc: BrokerError) -> JSONResponse:
+    @app.exception_handler(redis.RedisError)  # one no producer call wrapped: Redis away (or busy) all the same
+    async def broker_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("redis: %s", exc)
         return _answer(request.url.path, 503,
                        error_body("the queue's Redis cannot be reached", "server_error", code="broker_error"))
