@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.constraints import MAX_JSON_SCHEMA_CHARS, MAX_JSON_SCHEMA_DEPTH, _depth, compact_json
+from schemas.constraints import check_schema_size, compact_json
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64  # calls in one assistant message of the history
@@ -50,15 +50,8 @@ class FunctionDefinition(_Strict):
     @field_validator("parameters")
     @classmethod
     def _check_size(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        if value is None:
-            return value
-        depth = _depth(value)
-        if depth > MAX_JSON_SCHEMA_DEPTH:
-            raise ValueError(f"nested {depth} deep, over the limit of {MAX_JSON_SCHEMA_DEPTH} (MAX_JSON_SCHEMA_DEPTH)")
-        size = len(compact_json(value))
-        if size > MAX_JSON_SCHEMA_CHARS:
-            raise ValueError(
-                f"{size} characters as JSON, over the limit of {MAX_JSON_SCHEMA_CHARS} (MAX_JSON_SCHEMA_CHARS)")
+        if value is not None:
+            check_schema_size(value)
         return value
 
     @property

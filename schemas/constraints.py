@@ -56,13 +56,7 @@ class JSONSchemaFormat(_Strict):
     @field_validator("schema_")
     @classmethod
     def _check_size(cls, value: dict[str, Any]) -> dict[str, Any]:
-        depth = _depth(value)
-        if depth > MAX_JSON_SCHEMA_DEPTH:
-            raise ValueError(f"nested {depth} deep, over the limit of {MAX_JSON_SCHEMA_DEPTH} (MAX_JSON_SCHEMA_DEPTH)")
-        size = len(compact_json(value))
-        if size > MAX_JSON_SCHEMA_CHARS:
-            raise ValueError(
-                f"{size} characters as JSON, over the limit of {MAX_JSON_SCHEMA_CHARS} (MAX_JSON_SCHEMA_CHARS)")
+        check_schema_size(value)
         problem = _schema_problems.get(compact_json(value), value)
         if problem is not None:
             raise ValueError(problem)
@@ -180,6 +174,17 @@ def constraint_fields_given(response_format: Optional[ResponseFormat], guided_re
     given = [] if response_format is None or response_format.type == "text" else ["response_format"]
     return given + [name for name, value in (("guided_regex", guided_regex), ("guided_grammar", guided_grammar))
                     if value is not None]
+
+
+def check_schema_size(schema: dict[str, Any]) -> None:
+    """ValueError for a JSON schema nested deeper than MAX_JSON_SCHEMA_DEPTH or longer than
+    MAX_JSON_SCHEMA_CHARS as JSON (a response format's, a tool's parameters)."""
+    depth = _depth(schema)
+    if depth > MAX_JSON_SCHEMA_DEPTH:
+        raise ValueError(f"nested {depth} deep, over the limit of {MAX_JSON_SCHEMA_DEPTH} (MAX_JSON_SCHEMA_DEPTH)")
+    size = len(compact_json(schema))
+    if size > MAX_JSON_SCHEMA_CHARS:
+        raise ValueError(f"{size} characters as JSON, over the limit of {MAX_JSON_SCHEMA_CHARS} (MAX_JSON_SCHEMA_CHARS)")
 
 
 def _depth(value: Any) -> int:
