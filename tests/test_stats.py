@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import sys
 import time
 

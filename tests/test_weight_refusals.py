@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from producer import Client
-from producer.control import BLOB_TTL_S, ControlCalls, weights_command
+from producer.control import BLOB_TTL_S, weights_command
 from schemas import keys
 from tests.workers import start_worker, stop, wait_for
 
