@@ -1,0 +1,33 @@
+"""The compiled engine's probe (worker/engines/decode_path.py): what difference between batched and
+alone next-token log-probabilities it accepts, in float32 and in half precision."""
+
+import mlx.core as mx
+
+from worker.engines.decode_path import probe_difference
+
+
+def _logprobs(logits: list[float], dtype=mx.float32) -> mx.array:
+    x = mx.array(logits, dtype=mx.float32)
+    return (x - mx.logsumexp(x)).astype(dtype)
+
+
+def test_float32_takes_every_tokens_log_probability_within_1e_3():
+    alone = [_logprobs([3.0, 1.0, -20.0])]
+    close = [_logprobs([3.0, 1.0, -20.0005])]
+    tail_moved = [_logprobs([3.0, 1.0, -20.01])]
+    assert probe_difference(close, alone)[0] <= probe_difference(close, alone)[2]
+    worst, measure, tolerance = probe_difference(tail_moved, alone)
+    assert measure == "log-probabilities" and worst > tolerance
+
+
+def test_half_precision_takes_a_moved_far_tail_but_not_a_moved_head():
+    """bf16 kernels for another batch shape move log-probabilities near -30 by a few 0.25 steps (seen
+    on the H200 with the real model); a wrong mask or position moves the probable tokens."""
+    head = [4.0, 3.5, 1.0] + [-30.0] * 200
+    alone = [_logprobs(head, mx.bfloat16)]
+    tail_moved = [_logprobs(head[:3] + [-29.25] * 100 + [-30.75] * 100, mx.bfloat16)]
+    worst, measure, tolerance = probe_difference(tail_moved, alone)
+    assert measure.startswith("distribution") and worst <= tolerance
+    assert float(mx.abs(tail_moved[0].astype(mx.float32) - alone[0].astype(mx.float32)).max()) >= 0.5
+    head_moved = [_logprobs([3.5, 4.0, 1.0] + [-30.0] * 200, mx.bfloat16)]
+    assert probe_difference(head_moved, alone)[0] > tolerance
