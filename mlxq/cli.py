@@ -35,6 +35,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     url = args.url or settings.redis_url_value or resolve_url(None)
     if settings.processes > 1:
         return _run_worker_group(args, settings, url)
+    from worker.engines.device_loss import DEVICE_LOST_EXIT_CODE, DeviceLost
     from worker.loading import ModelLoadError, check_model_setting
 
     try:
@@ -46,6 +47,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"mlxq worker: {exc}", file=sys.stderr)
         return 1
+    except DeviceLost as exc:
+        print(f"mlxq worker: the device failed; its jobs went back to their queues: {exc}", file=sys.stderr)
+        return DEVICE_LOST_EXIT_CODE
     return 0
 
 

@@ -11,9 +11,12 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import pytest
+
 from worker.allowlist import Refusal
 from worker.batch_loop import ADMIT_PER_TURN_WHILE_DECODING, CANCEL_CHECK_INTERVAL_S, BatchLoop
-from worker.engines.fake import RAISE_IN_STEP, FakeEngine
+from worker.engines.device_loss import DeviceLost
+from worker.engines.fake import LOSE_DEVICE_IN_STEP, RAISE_IN_STEP, FakeEngine
 from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poll, TakenJob
 from worker.scheduler import BatchScheduler
@@ -128,6 +131,7 @@ class FakeEnding:
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.results: dict[str, Any] = {}
         self.requeued: list[str] = []
+        self.requeued_alone: list[str] = []
 
     def hand_off(self, endings, deltas, stream_ttls, stats) -> None:
         for ending in endings:
@@ -136,6 +140,8 @@ class FakeEnding:
 
     def requeue(self, ending, alone: bool = False) -> None:
         self.requeued.append(ending.job_id)
+        if alone:
+            self.requeued_alone.append(ending.job_id)
         self.done.put(ending)
 
     def refuse(self, refused) -> None:
@@ -266,6 +272,31 @@ def test_a_failed_step_requeues_its_jobs_to_run_alone_and_fails_the_one_that_fai
     source.waiting = [("bystander", request(10))]
     turns(loop, clock, 15)
     assert ending.results["bystander"].status == "finished"
+
+
+def test_a_lost_device_sends_every_job_back_and_ends_the_loop_without_touching_the_engine_again():
+    """CUDA's sticky errors leave nothing runnable in the process: re-running the batch alone (the answer
+    to other failed steps) would fail every job, so they all go back to their queues, those of the failed
+    step to run alone, and the loop ends."""
+    loop, source, rq, ending, clock = make_loop(max_num_seqs=2)
+    source.waiting = [("lost", request(10, first=LOSE_DEVICE_IN_STEP)), ("bystander", request(10)),
+                      ("not-taken", request(10))]
+    loop.scheduler.engine.reset = lambda: pytest.fail("the engine was reset on a lost device")
+    with pytest.raises(DeviceLost, match="illegal memory access"):
+        turns(loop, clock, 3)
+    assert sorted(ending.requeued) == ["bystander", "lost"] and not ending.results
+    assert sorted(ending.requeued_alone) == ["bystander", "lost"]
+    assert len(loop.scheduler) == 0 and [job_id for job_id, _ in source.waiting] == ["not-taken"]
+
+
+def test_a_job_that_loses_the_device_while_alone_fails_and_the_loop_still_ends():
+    loop, source, rq, ending, clock = make_loop()
+    rq.solo = {"lost"}
+    source.waiting = [("lost", request(10, first=LOSE_DEVICE_IN_STEP))]
+    with pytest.raises(DeviceLost):
+        turns(loop, clock, 3)
+    assert ending.results["lost"].error.type == "EngineError"
+    assert "device fail even when run alone" in ending.results["lost"].error.message and not ending.requeued
 
 
 def test_a_refused_job_ends_at_once_and_never_reaches_the_engine():

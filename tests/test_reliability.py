@@ -20,7 +20,8 @@ from rq.serializers import JSONSerializer
 from mlxq.redis_server import RedisServer
 from producer import Client
 from tests.workers import rq_ends_as, rq_status, start_fake_worker, started_registry_empty, stop, wait_for
-from worker.engines.fake import HANG_IN_STEP, RAISE_IN_STEP, fake_token
+from worker.engines.device_loss import DEVICE_LOST_EXIT_CODE
+from worker.engines.fake import HANG_IN_STEP, LOSE_DEVICE_IN_STEP, RAISE_IN_STEP, fake_token
 
 pytestmark = pytest.mark.slow
 
@@ -223,6 +224,30 @@ def test_a_poisoned_request_fails_alone_and_its_batch_finishes(redis_url):
     for job_id in good:
         assert results[job_id].status == "finished", out
         assert len(results[job_id].choices[0].token_ids) == 30
+    assert started_registry_empty(redis_url)
+
+
+def test_a_worker_whose_device_is_lost_hands_its_jobs_back_and_exits_for_a_fresh_process(redis_url):
+    """After CUDA's sticky errors nothing runs in the process again: the worker sends its jobs back and
+    exits with its own code; the next process runs them, and the one that loses the device alone fails."""
+    client = Client(redis_url)
+    good = [client.submit(long_request(130 + i, 20)) for i in range(3)]
+    lost = client.submit({"prompt_token_ids": [LOSE_DEVICE_IN_STEP, 1], "max_tokens": 20})
+    first = start_fake_worker(redis_url, name="loses-device", step_delay_s=0.01)
+    out = first.communicate(timeout=60)[0]
+    assert first.returncode == DEVICE_LOST_EXIT_CODE and "4 job(s) went back to their queues" in out, out
+    second = start_fake_worker(redis_url, name="loses-it-alone", step_delay_s=0.01)
+    out = second.communicate(timeout=60)[0]
+    assert second.returncode == DEVICE_LOST_EXIT_CODE, out
+    third = start_fake_worker(redis_url, name="after-device-loss", step_delay_s=0.01)
+    try:
+        results = client.wait_many(good + [lost], timeout=60)
+    finally:
+        out = stop(third)
+    assert results[lost].status == "failed" and "device fail even when run alone" in results[lost].error.message
+    for job_id in good:
+        assert results[job_id].status == "finished", out
+        assert len(results[job_id].choices[0].token_ids) == 20
     assert started_registry_empty(redis_url)
 
 

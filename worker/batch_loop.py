@@ -17,7 +17,7 @@ import math
 import queue
 import sys
 import time
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, NoReturn, Optional
 
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from schemas import GenerationResult, keys
 from schemas.control import ControlCommand
 from worker.bookkeeping import Bookkeeper
 from worker.control import Controller
+from worker.engines.device_loss import DeviceLost, device_lost_reason
 from worker.gate import StepRhythm
 from worker.job_ending import JobEnding
 from worker.loop_clock import LoopClock
@@ -116,6 +117,9 @@ class BatchLoop:
                 taken += self.turn(None if max_jobs is None else max_jobs - taken)
         except SystemExit:
             self.abandon("worker received a cold shutdown")
+            raise
+        except DeviceLost:
+            self.abandon("the worker's device failed")
             raise
         except Exception:
             log.exception("unhandled error in the batch loop")
@@ -236,6 +240,9 @@ class BatchLoop:
                 ended = self.scheduler.step()
         except Exception as exc:
             log.exception("engine step failed")
+            lost = device_lost_reason(exc)
+            if lost is not None:
+                self._hand_back_after_device_loss(exc, lost)
             self._recover_from_engine_failure(exc)
             return
         if self._rhythm.step_ended():
@@ -421,6 +428,31 @@ class BatchLoop:
             inflight.ending = True
             self._ending.requeue(inflight.ending_record(None), alone=True)
         self._hand_off(poisoned)
+
+    def _hand_back_after_device_loss(self, exc: BaseException, reason: str) -> NoReturn:
+        """The device is gone for this process (worker/engines/device_loss.py): fail a job that lost it
+        while running alone, as `_recover_from_engine_failure` would; send every other job back to its
+        queue (those that were in the failed step to run alone), then end the loop."""
+        poisoned = []
+        sent_back = [(job_id, True) for job_id in self.scheduler.reset(restart_engine=False)]
+        sent_back += [(job_id, False) for job_id in self.scheduler.withdraw()]
+        sent_back += [(job_id, False) for job_id in self._preparing]
+        self._preparing.clear()
+        if self._preparer is not None:
+            self._preparer.clear()
+        for job_id, alone in sent_back:
+            inflight = self._table[job_id]
+            if inflight.solo and alone:
+                poisoned.append(self.scheduler.failed_result(
+                    job_id, inflight.payload, "EngineError",
+                    f"this request made the device fail even when run alone: {exc!r}", started_at=time.time()))
+                continue
+            inflight.ending = True
+            self._ending.requeue(inflight.ending_record(None), alone=alone)
+        self._hand_off(poisoned)
+        log.critical("the device failed and cannot be used again in this process (%s): %d job(s) went back to "
+                     "their queues, %d failed; the worker stops", reason, len(sent_back) - len(poisoned), len(poisoned))
+        raise DeviceLost(reason) from exc
 
     def abandon(self, reason: str) -> None:
         """A cold shutdown or a crash: fail (or, with Retry, re-queue) every running job now."""

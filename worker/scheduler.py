@@ -400,16 +400,17 @@ class BatchScheduler:
         self._streams = [d for d in self._streams if d.job_id in self._jobs]
         return chosen
 
-    def reset(self) -> list[str]:
+    def reset(self, restart_engine: bool = True) -> list[str]:
         """After a failed engine step: forget the jobs that were in the engine (their state may
-        be corrupt), give the engine a fresh batch, and return their ids so the caller can retry
-        or fail them. Jobs still waiting to enter were not involved and keep waiting."""
+        be corrupt), give the engine a fresh batch (unless its device is gone), and return their ids so
+        the caller can retry or fail them. Jobs still waiting to enter were not involved and keep waiting."""
         suspects = [job_id for job_id, job in self._jobs.items() if job.in_engine]
         for job_id in suspects:
             self._live_sequences -= self._jobs.pop(job_id).live
         self._uid_to_job.clear()
         self._streams = [d for d in self._streams if d.job_id in self._jobs]
-        self.engine.reset()
+        if restart_engine:
+            self.engine.reset()
         return suspects
 
     def _end_now(self, job_id: str, finish_reason: str, status: str, error: Optional[ErrorInfo] = None

@@ -57,14 +57,15 @@ class _Seq:
 
 
 # Fault injection, by a prompt's first token (tests drive real worker processes with these).
-EOS_SOON, RAISE_IN_STEP, HANG_IN_STEP = 255, 254, 253
+EOS_SOON, RAISE_IN_STEP, HANG_IN_STEP, LOSE_DEVICE_IN_STEP = 255, 254, 253, 252
 
 
 class FakeEngine:
     """Prefill takes one step; each later step emits one token per sequence.
     A prompt whose first token is EOS_SOON samples EOS as its third token; RAISE_IN_STEP makes
     every step that holds it raise (an engine failure no row can be blamed for); HANG_IN_STEP
-    makes the step sleep for an hour (a hung engine)."""
+    makes the step sleep for an hour (a hung engine); LOSE_DEVICE_IN_STEP raises CUDA's sticky
+    illegal-address error, after which nothing runs on a real device."""
 
     adapter_batching = None
     adapter_refusal = "this worker's engine serves no LoRA adapters"
@@ -135,6 +136,9 @@ class FakeEngine:
         firsts = {seq.spec.prompt_token_ids[0] for seq in self._seqs.values()}
         if RAISE_IN_STEP in firsts:
             raise RuntimeError("fake engine: injected step failure")
+        if LOSE_DEVICE_IN_STEP in firsts:
+            raise RuntimeError("fake engine: cudaMemcpy(data, buf.data, buf.size, kind) failed: "
+                               "an illegal memory access was encountered")
         if HANG_IN_STEP in firsts:
             time.sleep(3600)
         if self._step_delay_s:
