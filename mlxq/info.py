@@ -42,10 +42,14 @@ def collect(connection: redis.Redis, queue_names: list[str], cleanup: bool) -> d
         Queue.all(connection=connection, serializer=JSON_SERIALIZER)
     swept: list[str] = []
     if cleanup:
-        from worker.recovery import sweep_abandoned
+        from worker.recovery import SWEEP_LOCK_TTL_S, sweep_abandoned, sweep_lock
         from worker.settings import WorkerSettings
 
-        swept = sweep_abandoned(connection, queues, WorkerSettings.from_env())
+        with sweep_lock(connection, wait_s=SWEEP_LOCK_TTL_S) as held:
+            if not held:
+                raise SystemExit(f"a worker has held the sweep lock ({keys.SWEEP_LOCK_KEY}) for {SWEEP_LOCK_TTL_S} s; "
+                                 "try again")
+            swept = sweep_abandoned(connection, queues, WorkerSettings.from_env())
     report: dict[str, Any] = {"queues": {}, "workers": [], "recovered_jobs": swept}
     for queue in queues:
         counts = {"queued": queue.count}

@@ -31,14 +31,13 @@ from schemas.control import (
     WeightFile,
     WeightPolicy,
 )
-from schemas.presence import WorkerPresence
+from schemas.presence import PRESENCE_WINDOW_S, WorkerPresence
 
 __all__ = ["AsyncControlCalls", "ControlCalls", "adapter_command", "control_command", "weights_command"]
 
 STREAM_LENGTH = 1000  # commands kept on a model's control stream (approximately)
 BLOB_TTL_S = 24 * 3600  # weights streamed through Redis stay this long for workers to catch up
 ACK_POLL_S = 0.05
-PRESENCE_WINDOW_S = 3600
 
 
 def control_command(op: str, model: str, **fields: Any) -> ControlCommand:

@@ -30,11 +30,10 @@ from rq.utils import utcparse
 
 from producer.fleet_queues import MAX_LISTED, active_queues_command
 from schemas import keys
-from schemas.presence import WorkerPresence
+from schemas.presence import PRESENCE_WINDOW_S, WorkerPresence
 
 __all__ = ["FleetSnapshot", "LiveWorker", "QueueStats", "aread_snapshot", "read_snapshot", "snapshot_plan"]
 
-PRESENCE_WINDOW_S = 3600  # names scored this recently are read; their entries' expiry decides who is live
 RATE_WINDOW_S = 60.0  # tokens_per_s_1m covers this long before the stats hash was written
 FAILED_PREFIX = "jobs_failed_"
 

@@ -15,11 +15,9 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from schemas import keys
-from schemas.presence import WorkerPresence
+from schemas.presence import PRESENCE_WINDOW_S, WorkerPresence
 
 __all__ = ["LiveModel", "PRESENCE_WINDOW_S", "alive", "live_models", "live_queues", "read_live", "aread_live"]
-
-PRESENCE_WINDOW_S = 3600  # names scored this recently are read; their entries' expiry decides who is live
 
 
 @dataclass(frozen=True)

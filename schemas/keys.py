@@ -82,6 +82,10 @@ def worker_key(worker_name: str) -> str:
     return f"{PREFIX}worker:{worker_name}"
 
 
+# Held (with a short TTL) by the one worker that sweeps dead workers' jobs and runs rq's registry
+# maintenance at a time: two sweeps of the same expired job would each send it back (worker/recovery.py).
+SWEEP_LOCK_KEY = f"{PREFIX}sweeping"
+
 # A sorted set of worker names, scored with the Unix time of each one's last presence refresh.
 WORKERS_KEY = f"{PREFIX}workers"
 

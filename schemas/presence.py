@@ -3,7 +3,7 @@
 
 A worker refreshes its entry every heartbeat interval, busy or idle, with a TTL of its heartbeat
 TTL, and scores its name in the sorted set `mlxq:workers` with the time of that refresh. A reader
-takes the names scored within the TTL and reads their entries; a name whose entry expired is gone.
+takes the names scored within `PRESENCE_WINDOW_S` and reads their entries; a name whose entry expired is gone.
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
+
+# Readers take the names scored this recently in `mlxq:workers` and the entries' expiry decides who is
+# live; a worker prunes only names older than this, since other workers' TTLs may be longer than its own.
+PRESENCE_WINDOW_S = 3600
 
 
 class WorkerPresence(BaseModel):

@@ -299,6 +299,28 @@ def test_a_job_that_loses_the_device_while_alone_fails_and_the_loop_still_ends()
     assert "device fail even when run alone" in ending.results["lost"].error.message and not ending.requeued
 
 
+def test_a_job_sent_back_to_its_queue_is_taken_again_before_its_old_entry_leaves():
+    """An abort sends the running jobs back to their queue from the bookkeeping thread, and the loop
+    may take one again before that thread has given its old record back: that is the job's next run,
+    not a copy of a running job (dropped as one, the job was lost: never run, never ended)."""
+    loop, source, rq, ending, clock = make_loop()
+    source.waiting = [("a", request(50)), ("b", request(50))]
+    turns(loop, clock, 2)
+    loop.requeue_running()
+    held = []  # the old records, given back by the bookkeeping thread only later
+    while not ending.done.empty():
+        held.append(ending.done.get())
+    assert sorted(ending.requeued) == ["a", "b"] and len(loop.scheduler) == 0
+    source.waiting = [("a", request(50)), ("b", request(50))]  # back on the queue, taken at once
+    turns(loop, clock, 1)
+    assert rq.dropped == [] and sorted(loop.scheduler.job_ids) == ["a", "b"]
+    for record in held:  # the old records come back: the new runs stay
+        ending.done.put(record)
+    turns(loop, clock, 60)
+    assert ending.results["a"].status == "finished" and ending.results["b"].status == "finished"
+    assert len(ending.results["a"].choices[0].token_ids) == 50
+
+
 def test_a_refused_job_ends_at_once_and_never_reaches_the_engine():
     loop, source, rq, ending, clock = make_loop()
     rq.refused = {"evil"}

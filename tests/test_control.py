@@ -90,6 +90,9 @@ def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
             assert types.count(1) == 1 and set(types) <= {1, 4}, (job_id, types)
     finally:
         outs = [stop(w) for w in workers]
+        for worker, out in zip(workers, outs):  # shown when the test fails
+            lines = [line for line in out.splitlines() if "Successfully completed" not in line]
+            print(f"--- {worker.args[-1]}\n" + "\n".join(lines[-80:]))
     assert all(w.returncode == 0 for w in workers), outs
 
 

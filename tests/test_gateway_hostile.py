@@ -119,6 +119,16 @@ def _alone(stack: Stack, tenant: str, prompt: str, max_tokens: int = TOKENS) -> 
     return str(response.json()["choices"][0]["message"]["content"])
 
 
+def _announce_idle_model(stack: Stack) -> None:
+    """A live entry for `idle-model`, which no worker serves, and until the gateway lists it: the gateway
+    reads the fleet at most once a second, so a request sent right after the entry is written may be
+    answered 404."""
+    announce(stack.conn, "nobody-serves-it", "idle-model")
+    wait_for(lambda: "idle-model" in [m["id"] for m in httpx.get(f"{stack.base}/models", headers=stack.headers("acme"),
+                                                                 timeout=30).json()["data"]],
+             timeout=30, what="the gateway to list idle-model")
+
+
 def _events(stack: Stack, tenant: str, job_id: str, last_event_id: bytes) -> httpx.Response:
     with httpx.stream("GET", f"{stack.base}/jobs/{job_id}/events", timeout=30,
                       headers=stack.headers(tenant, **{"Last-Event-ID": last_event_id})) as response:
@@ -188,7 +198,7 @@ def test_a_stream_whose_own_read_fails_ends_alone_and_its_job_is_not_cancelled(s
     an error naming where the result will be, its job stays queued (not cancelled), and a stream of
     another tenant beside it ends whole."""
     expected = _alone(stack, "acme", "beside")
-    announce(stack.conn, "nobody-serves-it", "idle-model")  # accepted by the gateway, never run
+    _announce_idle_model(stack)  # accepted by the gateway, never run
     broken = ChatStream(stack, "globex", "never runs", model="idle-model")
     broken.start()
     assert broken.opened.wait(30) and broken.job_id, broken.status
@@ -328,7 +338,7 @@ def test_a_job_read_while_it_ends_is_never_finished_without_its_result(stack: St
     """`GET /v1/jobs/{id}` polled by eight clients at once while the job ends (its result key written as a
     worker writes it, first, then RQ's status): status and result come from one read, so no answer is
     `finished` with `result: null`."""
-    announce(stack.conn, "nobody-serves-it", "idle-model")
+    _announce_idle_model(stack)
     job_ids = [httpx.post(f"{stack.base}/jobs", headers=stack.headers("acme"), timeout=30,
                           json={"model": "idle-model", "prompt": f"p{i}"}).json()["id"] for i in range(30)]
     current = [job_ids[0]]

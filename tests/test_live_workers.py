@@ -13,6 +13,8 @@ from producer import AsyncClient, Client, NoLiveWorker
 from schemas import keys
 from tests.gateway import announce
 from tests.workers import start_fake_worker, stop, wait_for
+from worker.presence import PresencePublisher
+from worker.settings import WorkerSettings
 from worker.engines.fake import fake_token
 
 REQUEST = {"model": "m", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}
@@ -33,6 +35,18 @@ def test_models_lists_what_live_workers_serve_and_forgets_expired_ones(redis_url
         async with AsyncClient(redis_url) as aclient:
             return [m.name for m in await aclient.models()]
     assert asyncio.run(aio()) == ["m"]
+    client.close()
+
+
+def test_a_worker_with_a_short_ttl_does_not_drop_a_longer_lived_worker_from_the_list(redis_url, redis_conn):
+    """Each worker refreshes its own entry at its own pace: one whose heartbeat TTL is 8 s leaves in the
+    list a worker with a 600 s TTL that last refreshed 30 s ago (its entry has not expired)."""
+    announce(redis_conn, "slow-beat", "m", ttl=600)
+    redis_conn.zadd(keys.WORKERS_KEY, {"slow-beat": time.time() - 30})
+    settings = WorkerSettings(engine="fake", heartbeat_interval_s=1)
+    PresencePublisher(redis_conn, "fast-beat", settings, ["mlxq:other"], kind="fake").refresh(running=0, sequences=0)
+    client = Client(redis_url)
+    assert {m.name: m.workers for m in client.models()} == {"m": 1}
     client.close()
 
 

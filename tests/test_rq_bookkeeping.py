@@ -9,7 +9,7 @@ import re
 
 import pytest
 import redis
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -113,3 +113,46 @@ def test_a_job_deleted_while_it_waits_is_dropped_and_the_rest_run(redis_url):
     queue = Queue("bk-gone", connection=conn)
     assert conn.lrange(queue.key, 0, -1) == [] and conn.lrange(queue.intermediate_queue.key, 0, -1) == []
     assert not conn.exists(gone.key) and conn.get(keys.result_key(gone.id)) is None
+
+
+def test_live_workers_sweeping_at_once_send_a_dead_workers_job_back_once(redis_url):
+    """Three live workers whose sweeps run at the same moment (as they do when started together) find
+    the same expired jobs of a dead worker: each job goes back on its queue once, its hash is written
+    by one of them, and none of the sweeps can rewrite the hash of a job another worker took meanwhile."""
+    import threading
+    import time
+
+    from worker.recovery import Housekeeping
+    from worker.settings import WorkerSettings
+
+    conn = redis.Redis.from_url(redis_url)
+    jobs = enqueue(conn, "bk-sweep", [request(i) for i in range(40)], retry=Retry(max=2))
+    queue = Queue("bk-sweep", connection=conn, serializer=JSONSerializer)
+    conn.delete(queue.key)
+    registry = StartedJobRegistry(queue=queue)
+    with conn.pipeline() as pipe:
+        for job in jobs:  # started by a worker named "dead", whose heartbeats lapsed 10 s ago
+            pipe.hset(job.key, mapping={"status": "started", "worker_name": "dead"})
+            pipe.zadd(registry.key, {f"{job.id}:exec-{job.id[:8]}": time.time() - 10})
+        pipe.execute()
+    settings = WorkerSettings(engine="fake")
+    start = threading.Barrier(3)
+
+    def sweep() -> None:
+        own = redis.Redis.from_url(redis_url)
+        housekeeping = Housekeeping(own, [Queue("bk-sweep", connection=own, serializer=JSONSerializer)], settings,
+                                    refuse=lambda refused: None)
+        start.wait()
+        housekeeping.sweep(frozenset())
+
+    sweepers = [threading.Thread(target=sweep) for _ in range(3)]
+    for thread in sweepers:
+        thread.start()
+    for thread in sweepers:
+        thread.join(timeout=60)
+    queued = [raw.decode() for raw in conn.lrange(queue.key, 0, -1)]
+    assert sorted(queued) == sorted(job.id for job in jobs), f"{len(queued)} ids queued for {len(jobs)} jobs"
+    assert registry.get_job_ids() == []
+    for job in jobs:
+        fetched = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+        assert fetched.get_status() == JobStatus.QUEUED and fetched.retries_left == 1

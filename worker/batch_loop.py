@@ -289,8 +289,9 @@ class BatchLoop:
         """A job runs once in this worker: an id taken again while its job is here (a producer pushed
         it onto a queue again), or twice in one poll, leaves its intermediate list unstarted. Two runs
         under one id shared one entry of the loop's and the scheduler's books, and each such run kept a
-        slot taken for good."""
-        here = set(self._table)
+        slot taken for good. A job this worker sent back to its queue (an abort, a failed step) is taken
+        as its next run, even before its old entry leaves the table: dropped, that run was lost."""
+        here = {job_id for job_id, inflight in self._table.items() if not inflight.sent_back}
         once, again = [], []
         for item in taken:
             (again if item.job_id in here else once).append(item)
@@ -425,7 +426,7 @@ class BatchLoop:
                     job_id, inflight.payload, "EngineError",
                     f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
                 continue
-            inflight.ending = True
+            inflight.ending = inflight.sent_back = True
             self._ending.requeue(inflight.ending_record(None), alone=True)
         self._hand_off(poisoned)
 
@@ -504,7 +505,7 @@ class BatchLoop:
     def requeue_running(self) -> None:
         for job_id in self.scheduler.withdraw():
             inflight = self._table[job_id]
-            inflight.ending = True
+            inflight.ending = inflight.sent_back = True
             self._ending.requeue(inflight.ending_record(None), alone=False)
 
     def cancel_running(self, job_id: Optional[str]) -> None:

@@ -35,6 +35,8 @@ class InFlight:
     solo: bool = False  # re-queued after an engine failure: it runs alone
     callbacks_allowed: bool = False  # its function and callbacks passed the allowlist
     ending: bool = False  # handed to the bookkeeping thread
+    # Sent back to its queue to run again: its id taken off a queue now is that run, not a copy.
+    sent_back: bool = False
 
     @property
     def streams(self) -> bool:

@@ -13,7 +13,7 @@ import redis
 
 from schemas import keys
 from schemas.command_batch import CommandBatch
-from schemas.presence import WorkerPresence
+from schemas.presence import PRESENCE_WINDOW_S, WorkerPresence
 from worker.settings import WorkerSettings
 
 
@@ -41,7 +41,7 @@ class PresencePublisher:
         batch = CommandBatch(self._connection)
         batch.set(keys.worker_key(entry.name), entry.model_dump_json(), ex=self._ttl_s)
         batch.zadd(keys.WORKERS_KEY, {entry.name: now})
-        batch.zremrangebyscore(keys.WORKERS_KEY, "-inf", now - self._ttl_s)
+        batch.zremrangebyscore(keys.WORKERS_KEY, "-inf", now - PRESENCE_WINDOW_S)
         batch.execute()
 
     def withdraw(self) -> None:

@@ -5,7 +5,8 @@ allowlist refuses (rq's cleanup would import and call them), caps its retries (w
 writes a failed result key for each one that will not be retried (the contract: a result key before
 RQ marks the job ended), then lets RQ's own cleanup retry or fail them. A job hash that cannot be read
 leaves the registry here with a failed result: rq's cleanup would trip on it. Busy workers run it
-every MLXQ_SWEEP_INTERVAL_S; `mlxq info --cleanup` runs it too.
+every MLXQ_SWEEP_INTERVAL_S; `mlxq info --cleanup` runs it too. One worker of the fleet sweeps at a
+time (`sweep_lock`), and rq's registry maintenance runs under the same lock.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Optional
 
 import redis
@@ -31,6 +34,9 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
 
+# A sweeper that dies holding the sweep lock holds up the others' sweeps at most this long.
+SWEEP_LOCK_TTL_S = 60
+
 # The first sweep looks this far back for jobs cancelled while queued, each later one from the one
 # before less this, so a cancel made while no worker ran still gets its result key.
 CANCELLED_SCAN_MARGIN_S = 3600
@@ -46,12 +52,20 @@ class Housekeeping:
         self._connection, self._queues, self._settings, self._refuse = connection, queues, settings, refuse
         self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S
 
-    def sweep(self, running: frozenset[str]) -> None:
-        swept = sweep_abandoned(self._connection, self._queues, self._settings, skip=running)
-        if swept:
-            log.warning("recovered %d job(s) of dead workers: %s", len(swept), swept)
-        since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
-        finish_cancelled(self._connection, self._queues, since, self._settings.max_job_bytes)
+    def sweep(self, running: frozenset[str], then: Optional[Callable[[], None]] = None) -> bool:
+        """Sweep, then run `then` (rq's registry maintenance), under the fleet's sweep lock; False
+        (nothing done) while another worker holds it: that one sweeps now, and this one next time."""
+        with sweep_lock(self._connection) as held:
+            if not held:
+                return False
+            swept = sweep_abandoned(self._connection, self._queues, self._settings, skip=running)
+            if swept:
+                log.warning("recovered %d job(s) of dead workers: %s", len(swept), swept)
+            since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
+            finish_cancelled(self._connection, self._queues, since, self._settings.max_job_bytes)
+            if then is not None:
+                then()
+            return True
 
     def enqueue_due_retries(self) -> None:
         retry_policy.enqueue_due_retries(self._connection, self._queues, self._settings.max_job_bytes)
@@ -72,9 +86,29 @@ class Housekeeping:
                 self._refuse(refused)
 
 
+@contextmanager
+def sweep_lock(connection: redis.Redis, wait_s: float = 0) -> Iterator[bool]:
+    """Whether this caller holds the fleet's sweep lock for the block (waiting for it up to `wait_s`
+    seconds). The sweep reads a job, then
+    rq's cleanup writes the job's whole hash from that read and pushes it back on its queue: two
+    workers sweeping at once each sent it back (it ran twice) and each decremented its retries, and
+    one's stale hash overwrote the run another worker had started meanwhile."""
+    lock = connection.lock(keys.SWEEP_LOCK_KEY, timeout=SWEEP_LOCK_TTL_S)
+    held = lock.acquire(blocking=wait_s > 0, blocking_timeout=wait_s or None)
+    try:
+        yield bool(held)
+    finally:
+        if held:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:  # it expired meanwhile (and may be another's now)
+                pass
+
+
 def sweep_abandoned(connection: redis.Redis, queues: Iterable[Queue], settings: WorkerSettings,
                     skip: frozenset[str] = frozenset()) -> list[str]:
-    """Retry or fail every job whose worker stopped heart-beating. Returns the ids handled."""
+    """Retry or fail every job whose worker stopped heart-beating. Returns the ids handled. Run it
+    holding `sweep_lock`."""
     handled: list[str] = []
     now = time.time()
     for queue in queues:

@@ -152,12 +152,15 @@ class BatchWorker(SimpleWorker):
         wrote by hand, so the sweep and `_clear_intermediate_lists` take those out first, and nothing
         rq raises stops the worker."""
         running = frozenset(self._loop.running_ids() if self._loop else ())
-        self._housekeeping.sweep(running)
-        self._housekeeping.clear_intermediate_lists(running)
-        try:
-            super().clean_registries()
-        except Exception:
-            self.log.exception("Worker %s: rq's registry cleanup failed; the next pass tries again", self.name)
+
+        def rq_maintenance() -> None:  # under the sweep lock: rq's started-registry cleanup retries jobs too
+            self._housekeeping.clear_intermediate_lists(running)
+            try:
+                super(BatchWorker, self).clean_registries()
+            except Exception:
+                self.log.exception("Worker %s: rq's registry cleanup failed; the next pass tries again", self.name)
+
+        self._housekeeping.sweep(running, then=rq_maintenance)
 
     # --- the run --------------------------------------------------------------------------
     def work(  # type: ignore[override]
