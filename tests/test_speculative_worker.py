@@ -126,3 +126,19 @@ def test_the_real_model_as_its_own_draft_is_exact(real_model, served, without):
         stats = results[job_id].speculation
         assert stats.drafter == "draft" and stats.accepted == stats.proposed > 0
     assert counters["decode_steps"] < without[1]["decode_steps"] // 2
+
+
+def test_an_unrelated_random_draft_of_the_same_tokenizer_is_exact_and_soon_stops(real_model, served, without,
+                                                                                 tmp_path):
+    """The floor: a random two-layer model made with the real model's tokenizer (`mlxq make-tiny-model
+    --tokenizer-from`) proposes nonsense; the answers are unchanged and the rows soon stop proposing."""
+    from worker.loading import load_model
+    from worker.settings import WorkerSettings
+    from worker.tiny_model import make_tiny_model
+
+    draft_dir = make_tiny_model(tmp_path / "draft", tokenizer_from=real_model, seed=3)
+    draft, _ = load_model(WorkerSettings(model=str(draft_dir)))
+    results, counters = run_real(real_model, served, "draft", draft)
+    assert_same_as_without(results, without[0])
+    assert sum(r.speculation.accepted for r in results.values() if r.speculation) <= 2
+    assert counters["speculative_steps"] <= 2 * len(GROUNDED) + 2  # two misses a row, then off
