@@ -401,3 +401,32 @@ def test_settings_and_mlx_lms_path(tiny_model_dir, target, caplog):
         engine = engine_for_model(settings, *target)
     assert isinstance(engine, TextEngine)
     assert any("needs the compiled decode path" in r.getMessage() for r in caplog.records)
+
+
+def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
+    """Rows of two LoRA adapters and base rows, and a row that scores its prompt, speculate in one
+    batch (the adapted model verifies) with the tokens, logprobs and prompt scores they get without."""
+    from worker.adapters import AdapterCatalog
+    from worker.tiny_model import make_tiny_adapter
+
+    model, tokenizer = target
+    make_tiny_adapter(tmp_path / "alpha", model, keys=("self_attn.q_proj", "self_attn.v_proj"), rank=4, scale=10.0,
+                      seed=1, strength=0.3)
+    make_tiny_adapter(tmp_path / "beta", model, keys=("mlp.gate_proj", "mlp.up_proj"), rank=2, scale=20.0, seed=2,
+                      strength=0.2)
+    requests = {f"a{i}": {"prompt_token_ids": looping_prompt(i, 18 + 4 * i), "max_tokens": 20, "temperature": 0,
+                          "logprobs": True, "ignore_eos": True, **({"adapter": name} if name else {})}
+                for i, name in enumerate([None, "alpha", "beta", "alpha", None])}
+    requests["scored"] = {"prompt_token_ids": looping_prompt(6, 20), "max_tokens": 12, "temperature": 0,
+                          "prompt_logprobs": 2, "ignore_eos": True}
+
+    def run_with(speculator):
+        engine = CompiledEngine(model, tokenizer, max_num_seqs=8, adapters=AdapterCatalog(tmp_path),
+                                speculator=speculator)
+        return run_all(BatchScheduler(engine, max_num_seqs=8), dict(requests))
+
+    without = run_with(None)
+    got = run_with(Speculator(NgramDrafter()))
+    assert_same(got, without)
+    assert got["scored"].prompt_logprobs == without["scored"].prompt_logprobs is not None
+    assert all(got[job].speculation is not None for job in requests) and accepted(got) > 0
