@@ -430,3 +430,20 @@ def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
     assert_same(got, without)
     assert got["scored"].prompt_logprobs == without["scored"].prompt_logprobs is not None
     assert all(got[job].speculation is not None for job in requests) and accepted(got) > 0
+
+
+def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
+    """One row that may propose beside seven that may not is not worth the batch's wider pass; beside
+    three it is; and a batch too large for `max_positions` never speculates."""
+    from worker.engines.base import SequenceSpec
+
+    class Row:
+        def __init__(self, uid: str, speculative: bool) -> None:
+            self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
+            self.prompt, self.generated, self.constraint = [1, 2], [], None
+
+    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)
+    lone = [Row("on", True)]
+    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(3)], slot_count=4)
+    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
