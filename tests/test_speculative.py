@@ -63,8 +63,10 @@ def drafter_for(name: str, model: Any, itself: Any, unrelated: Any) -> Any:
     return DraftModelDrafter(itself if name == "itself" else unrelated, vocab)
 
 
-def run(model, tokenizer, requests: dict[str, dict], speculator=None, max_num_seqs: int = 8) -> tuple[dict, Any]:
-    engine = CompiledEngine(model, tokenizer, max_num_seqs=max_num_seqs, speculator=speculator)
+def run(model, tokenizer, requests: dict[str, dict], speculator=None, max_num_seqs: int = 8,
+        first_token_from_prefill: bool = False) -> tuple[dict, Any]:
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=max_num_seqs, speculator=speculator,
+                            first_token_from_prefill=first_token_from_prefill)
     results = run_all(BatchScheduler(engine, max_num_seqs=max_num_seqs), dict(requests))
     return results, engine
 
@@ -99,15 +101,19 @@ GREEDY_BATCH = {
 }
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "itself", "unrelated"])
-def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, itself, unrelated, drafter):
+@pytest.mark.parametrize("drafter,from_prefill", [("ngram", False), ("itself", False), ("unrelated", False),
+                                                  ("itself", True)])
+def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, itself, unrelated, drafter,
+                                                                        from_prefill):
     """In one batch, greedy rows (raw and processed logprobs with top entries, a logit bias, a row
     that may end at EOS) give what the engine gives without speculation and what mlx-lm gives each
     alone, logprobs within 1e-4; the proposals were used (the model as its own draft: each accepted
-    whole, but where a logit bias changes the served model's choice)."""
+    whole, but where a logit bias changes the served model's choice). With `from_prefill` each row's
+    first token comes from its prefill's logits (a GPU's way) rather than a decode step (the CPU's)."""
     model, tokenizer = target
     without, _ = run(model, tokenizer, GREEDY_BATCH)
-    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)))
+    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)),
+                            first_token_from_prefill=from_prefill)
     assert_same(with_spec, without)
     eos = set(tokenizer.eos_token_ids)
     for job_id in ("g0", "g3", "eos"):
@@ -141,7 +147,8 @@ def test_seeded_rows_are_the_same_alone_in_a_batch_and_without_speculation(targe
     model, tokenizer = target
     requests = seeded_requests()
     without, _ = run(model, tokenizer, requests)
-    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)),
+                     first_token_from_prefill=True)
     assert_same(batched, without)
     for job_id, request in requests.items():
         alone, _ = run(model, tokenizer, {job_id: request},
