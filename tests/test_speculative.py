@@ -454,3 +454,16 @@ def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(ta
     assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(3)], slot_count=4)
     assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
     assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
+
+
+def test_requests_opt_out_through_the_client_schema_and_the_gateway():
+    from producer.openai_requests import CHAT_PATH, parse_openai_request, to_generation_requests
+    from schemas import GenerationRequest, InvalidRequestError
+
+    assert GenerationRequest(prompt="hi").speculative is True
+    assert GenerationRequest(prompt="hi", speculative=False).speculative is False
+    with pytest.raises(InvalidRequestError, match="speculative"):
+        GenerationRequest.validate_payload({"prompt": "hi", "speculative": "no"})
+    body = parse_openai_request(CHAT_PATH, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "speculative": False})
+    assert [r.speculative for r in to_generation_requests(body)] == [False]
