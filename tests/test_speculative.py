@@ -440,8 +440,8 @@ def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
 
 
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
-    """One row that may propose beside seven that may not is not worth the batch's wider pass; beside
-    three it is; and a batch too large for `max_positions` never speculates."""
+    """A row that may propose is worth the batch's wider pass when its expected tokens cover the pass's
+    extra cost for every row of the batch; a batch too large for `max_positions` never speculates."""
     from worker.engines.base import SequenceSpec
 
     class Row:
@@ -449,11 +449,16 @@ def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(ta
             self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
             self.prompt, self.generated, self.constraint = [1, 2], [], None
 
-    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)
-    lone = [Row("on", True)]
-    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(3)], slot_count=4)
-    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)  # a pass costs 1.25 steps
+    lone = [Row("on", True)]  # new: expected to add its k (2) tokens
+    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(15)], slot_count=16)
     assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
+    on_cpu = Speculator(NgramDrafter(), max_k=4, max_positions=64, pass_cost=2.0)  # a token per row to pay
+    assert on_cpu.wants(lone + [Row("off0", False)], slot_count=2)
+    assert not on_cpu.wants(lone + [Row(f"off{i}", False) for i in range(2)], slot_count=3)
+    on_cpu.outcome(lone[0], 2, 0)  # no longer new: its running acceptance (0.35) counts
+    assert not on_cpu.wants(lone, slot_count=1)
 
 
 def test_requests_opt_out_through_the_client_schema_and_the_gateway():

@@ -6,6 +6,9 @@ proposing. Each row keeps its own k and an average of its acceptance:
 
 - k starts at `START_K` and grows by one after a proposal accepted whole (up to the worker's
   maximum); after a partial acceptance it becomes the accepted count plus one.
+- A row is new (fresh) when it starts and when it comes back on: until its first proposal it is
+  expected to have all its k tokens accepted, so that its batch tries it once; a row whose batch
+  finds no pass worth running (speculator.py) is new again after `backoff` steps.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
   `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again. The backoff
@@ -36,6 +39,8 @@ class RowAdaptivity:
     misses: int = 0  # proposals in a row with nothing accepted
     off_for: int = 0  # decode steps left with speculation off
     backoff: int = FIRST_BACKOFF
+    fresh: bool = True  # no proposal since it started or came back on: its acceptance is a guess
+    idle: int = 0  # decode steps on, without a proposal (the batch did not find a pass worth it)
 
     def __post_init__(self) -> None:
         self.k = max(1, min(self.k, self.max_k))
@@ -45,12 +50,24 @@ class RowAdaptivity:
         return self.off_for == 0
 
     def decoded(self) -> None:
-        """The row took a decode step without speculating: an off row is one step nearer its probe."""
+        """A decode step began: an off row is one step nearer its probe; a row left waiting while on
+        (its batch found no pass worth running) is given the benefit of the doubt again after `backoff`
+        steps, as its text may have turned repetitive since."""
         if self.off_for:
             self.off_for -= 1
+        elif not self.fresh:
+            self.idle += 1
+            if self.idle >= self.backoff:
+                self.fresh, self.idle = True, 0
+
+    def expected(self, k: int) -> float:
+        """Tokens a proposal of `k` is expected to add: a fresh row is given the benefit of the doubt
+        (all of them), so that a batch tries it once and learns."""
+        return float(k) if self.fresh else self.acceptance * k
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
+        self.fresh, self.idle = False, 0
         if proposed:
             self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
         self.misses = 0 if accepted else self.misses + 1
@@ -63,3 +80,4 @@ class RowAdaptivity:
             self.off_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
             self.misses, self.acceptance, self.k = 0, 0.5, max(1, min(self.max_k, START_K))
+            self.fresh = True
