@@ -472,3 +472,14 @@ def test_requests_opt_out_through_the_client_schema_and_the_gateway():
     body = parse_openai_request(CHAT_PATH, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                             "speculative": False})
     assert [r.speculative for r in to_generation_requests(body)] == [False]
+
+
+def test_rows_that_ended_leave_nothing_behind(target, itself):
+    """The policy and the draft model keep nothing of rows that ended (rows end inside verification
+    passes here: max_tokens, stop tokens)."""
+    model, tokenizer = target
+    drafter = DraftModelDrafter(itself, model.args.vocab_size)
+    speculator = Speculator(drafter)
+    run(model, tokenizer, GREEDY_BATCH, speculator)
+    assert speculator.stats()["speculative_accepted"] > 0
+    assert not drafter.rows and speculator.tracked_rows == 0

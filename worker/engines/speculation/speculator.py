@@ -179,6 +179,11 @@ class Speculator:
         self._rows.clear()
         self.drafter.reset()
 
+    @property
+    def tracked_rows(self) -> int:
+        """Rows whose state it keeps (those decoding)."""
+        return len(self._rows)
+
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,
                 "speculative_accepted": self.accepted}
