@@ -113,7 +113,7 @@ def test_prompt_lookup_on_the_real_model_is_exact_and_takes_fewer_forward_passes
     assert_same_as_without(results, without[0])
     assert "Tuesday" in results["repeat"].choices[0].text
     repeat = results["repeat"].speculation
-    assert repeat.drafter == "ngram" and repeat.accepted >= len(results["repeat"].choices[0].token_ids) // 2
+    assert repeat.drafter == "ngram" and repeat.accepted >= len(results["repeat"].choices[0].token_ids) // 4
     assert counters["decode_steps"] < without[1]["decode_steps"]  # (the batch ends with its slowest row)
 
 
