@@ -5,7 +5,9 @@ overlap of the host's work with the device's), so a row whose proposals are reje
 proposing. Each row keeps its own k and an average of its acceptance:
 
 - k starts at `START_K` and grows by one after a proposal accepted whole (up to the worker's
-  maximum); after a partial acceptance it becomes the accepted count plus one.
+  maximum); after a partial acceptance it becomes the accepted count plus one, but not below
+  `START_K`: a proposal of one token can add at most one, which does not pay for a pass that costs
+  a step or more (speculator.py).
 - A row is new (fresh) when it starts and when it comes back on: until its first proposal it is
   expected to have all its k tokens accepted, so that its batch tries it once; a row whose batch
   finds no pass worth running (speculator.py) is new again after `backoff` steps.
@@ -75,7 +77,7 @@ class RowAdaptivity:
             self.k = min(self.max_k, self.k + 1)
             self.backoff = FIRST_BACKOFF
         elif proposed:
-            self.k = max(1, min(self.max_k, accepted + 1))
+            self.k = max(min(START_K, self.max_k), min(self.max_k, accepted + 1))
         if self.misses >= MISSES_OFF or self.acceptance < LOW_ACCEPTANCE:
             self.off_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
