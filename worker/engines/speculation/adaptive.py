@@ -8,8 +8,8 @@ proposing. Each row keeps its own k and an average of its acceptance:
   maximum); after a partial acceptance it becomes the accepted count plus one, but not below
   `START_K`: a proposal of one token can add at most one, which does not pay for a pass that costs
   a step or more (speculator.py).
-- A row is new (fresh) when it starts and when it comes back on: until its first proposal it is
-  expected to have all its k tokens accepted, so that its batch tries it once; a row whose batch
+- A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
+  proposals it is expected to have all its k tokens accepted, so that its batch tries it; a row whose batch
   finds no pass worth running (speculator.py) is new again after `backoff` steps.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
@@ -41,7 +41,7 @@ class RowAdaptivity:
     misses: int = 0  # proposals in a row with nothing accepted
     off_for: int = 0  # decode steps left with speculation off
     backoff: int = FIRST_BACKOFF
-    fresh: bool = True  # no proposal since it started or came back on: its acceptance is a guess
+    tries: int = 0  # proposals since it started or came back on
     idle: int = 0  # decode steps on, without a proposal (the batch did not find a pass worth it)
 
     def __post_init__(self) -> None:
@@ -60,16 +60,22 @@ class RowAdaptivity:
         elif not self.fresh:
             self.idle += 1
             if self.idle >= self.backoff:
-                self.fresh, self.idle = True, 0
+                self.tries, self.idle = 0, 0
+
+    @property
+    def fresh(self) -> bool:
+        """Too few proposals since it started or came back on for its acceptance to say much (the
+        first token of an answer, say, is rarely in the prompt, what follows often is)."""
+        return self.tries < MISSES_OFF
 
     def expected(self, k: int) -> float:
         """Tokens a proposal of `k` is expected to add: a fresh row is given the benefit of the doubt
-        (all of them), so that a batch tries it once and learns."""
+        (all of them), so that a batch tries it and learns."""
         return float(k) if self.fresh else self.acceptance * k
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
-        self.fresh, self.idle = False, 0
+        self.tries, self.idle = self.tries + 1, 0
         if proposed:
             self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
         self.misses = 0 if accepted else self.misses + 1
@@ -82,4 +88,4 @@ class RowAdaptivity:
             self.off_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
             self.misses, self.acceptance, self.k = 0, 0.5, max(1, min(self.max_k, START_K))
-            self.fresh = True
+            self.tries = 0
