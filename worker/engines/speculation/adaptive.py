@@ -13,7 +13,8 @@ proposing. Each row keeps its own k and an average of its acceptance:
   finds no pass worth running (speculator.py) is new again after `backoff` steps.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
-  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again. The backoff
+  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:
+  a miss turns it off again). The backoff
   starts at `FIRST_BACKOFF` steps and doubles each time a probe fails, up to `MAX_BACKOFF`; a
   proposal accepted whole resets it.
 
@@ -87,5 +88,6 @@ class RowAdaptivity:
         if self.misses >= MISSES_OFF or self.acceptance < LOW_ACCEPTANCE:
             self.off_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-            self.misses, self.acceptance, self.k = 0, 0.5, max(1, min(self.max_k, START_K))
-            self.tries = 0
+            # Back on, it probes: one proposal on trust, and one more miss turns it off again.
+            self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
+            self.misses = self.tries = MISSES_OFF - 1
