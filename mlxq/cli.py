@@ -83,7 +83,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     if args.vision:
         path = make_tiny_vision_model(args.path, shape=args.shape, seed=args.seed)
     else:
-        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
+        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch,
+                               tokenizer_from=args.tokenizer_from)
     print(path)
     return 0
 
@@ -174,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
         "low-priority process builds their kernels; blocking: compile them before taking jobs; off: each at first use)"))
     p.add_argument("--decode-warmup-tokens", type=int, help=(
         "the warm-up covers sequences up to this many tokens (MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
+    p.add_argument("--speculative", choices=("off", "ngram", "draft"), help=(
+        "speculative decoding (MLXQ_SPECULATIVE; default off): ngram (prompt lookup) or draft (--draft-model "
+        "proposes); exact, on the compiled decode path (docs/speculative.md)"))
+    p.add_argument("--draft-model", help="the draft model for --speculative draft: directory, .gguf file or hub id, "
+                   "with the served model's tokenizer (MLXQ_DRAFT_MODEL)")
+    p.add_argument("--speculative-k", type=int, help="most tokens a row proposes per step (MLXQ_SPECULATIVE_K; 4)")
+    p.add_argument("--speculative-max-positions", type=int, help=(
+        "most slots x (1 + k) positions one verification pass runs (MLXQ_SPECULATIVE_MAX_POSITIONS; 64)"))
+    p.add_argument("--speculative-pass-cost", type=float, help=(
+        "a verification pass's time over a decode step's, for deciding whether one pays "
+        "(MLXQ_SPECULATIVE_PASS_COST; default 2 on a CPU, 1.25 on a GPU)"))
     p.add_argument("--upcast", action=argparse.BooleanOptionalAction, default=None, help=(
         "CPU: half-precision (bfloat16/float16) tensors become float32 at load (MLXQ_UPCAST; default on)"))
     p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None, help=(
@@ -203,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
     p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
+    p.add_argument("--tokenizer-from", help=(
+        "a model directory or .gguf file whose tokenizer (and vocabulary size) the model takes: a random draft "
+        "model for --speculative draft (docs/speculative.md)"))
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")

@@ -111,11 +111,13 @@ def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS
 def make_tiny_model(
     path: str | Path, *, shape: str = "tiny", dtype: str = "float32", seed: int = 0, arch: str = "llama",
     num_key_value_heads: int | None = None, extra_special_tokens: tuple[str, ...] = (),
-    chat_template: str = CHAT_TEMPLATE,
+    chat_template: str = CHAT_TEMPLATE, tokenizer_from: str | Path | None = None,
 ) -> Path:
     """Write a random-weight model of architecture `arch` (llama unless given) to `path` and
     return it. `num_key_value_heads` overrides the shape's (grouped-query attention or not);
-    `extra_special_tokens` (e.g. think tags) join the tokenizer's, `chat_template` replaces ChatML."""
+    `extra_special_tokens` (e.g. think tags) join the tokenizer's, `chat_template` replaces ChatML.
+    `tokenizer_from` (a model directory or .gguf file) gives it that model's tokenizer instead, and a
+    vocabulary of its size: a draft model for speculative decoding of that model (docs/speculative.md)."""
     import importlib
 
     import mlx.core as mx
@@ -128,7 +130,16 @@ def make_tiny_model(
     dims = SHAPES[shape]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(dims.vocab_size, SPECIAL_TOKENS + list(extra_special_tokens), chat_template)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+
+        from worker.loading import model_directory
+
+        tokenizer = AutoTokenizer.from_pretrained(model_directory(str(tokenizer_from)))
+        dims = ModelShape(dims.hidden_size, dims.num_hidden_layers, dims.intermediate_size, dims.num_attention_heads,
+                          dims.num_key_value_heads, len(tokenizer))
+    else:
+        tokenizer = _train_tokenizer(dims.vocab_size, SPECIAL_TOKENS + list(extra_special_tokens), chat_template)
     if len(tokenizer) != dims.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {dims.vocab_size}")
     tokenizer.save_pretrained(str(out))
@@ -146,8 +157,8 @@ def make_tiny_model(
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
         **extra,
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        "bos_token_id": tokenizer.bos_token_id if tokenizer_from else tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id if tokenizer_from else tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         "torch_dtype": dtype,
     }
     mx.random.seed(seed)

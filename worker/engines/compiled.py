@@ -16,6 +16,10 @@ mlx-lm's `generate_step` does), which samples the first token. Sampling, logits 
 logprobs, the prefix cache and the n choices sharing one prefill are the text engine's
 (worker/engines/text.py): the same modules, the same per-row rules, in the order mlx-lm applies them.
 
+With a speculator (worker/engines/speculation/, docs/speculative.md) rows propose their next tokens
+and a step may instead be one verification pass over every slot's input and proposal, read back at
+once; a row keeps what the model confirms.
+
 Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
 run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
 """
@@ -46,6 +50,8 @@ from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
 from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
+from worker.engines.speculation.speculator import Speculator, StepPlan
+from worker.engines.speculation.verify_pass import VerificationPass
 from worker.engines.text_model import ChatFormat, model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
@@ -90,6 +96,7 @@ class CompiledEngine:
         tool_call_format: str = "auto",
         reasoning: str = "auto",
         first_token_from_prefill: Optional[bool] = None,
+        speculator: Optional[Speculator] = None,
     ) -> None:
         self.model = model
         self._first_at_prefill = (first_token_from_prefill_by_default() if first_token_from_prefill is None
@@ -122,6 +129,10 @@ class CompiledEngine:
         self._refused: list[TokenEvent] = []
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
         self._prebuild: Optional[Any] = None  # a KernelPrebuild (prebuild_kernels)
+        # Speculative decoding (docs/speculative.md): the policy, and the verification pass over its proposals.
+        self._spec = speculator
+        self._verification = (VerificationPass(model, self._layout.grouped_mask, self._lora, speculator)
+                              if speculator is not None else None)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -160,6 +171,8 @@ class CompiledEngine:
         swap_into(self.model, files)  # all or nothing
         self._version = version
         self._prefix.clear()  # its caches hold the old weights' keys and values
+        if self._spec is not None:
+            self._spec.reset()  # acceptance learnt under the old weights, and draft caches, start over
         # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
         # weights: their first token must not read keys and values the old weights wrote.
         for entry in self._waiting:
@@ -204,6 +217,8 @@ class CompiledEngine:
                         uncompiled_steps=self._decode.uncompiled_steps,
                         kernels_prebuilding=int(self._prebuild is not None and not self._prebuild.done),
                         slot_buffer_bytes=self._table.buffers.nbytes if self._table.buffers else 0, **self._lora.stats())
+        if self._spec is not None:
+            counters.update(self._spec.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
     def time_stats(self) -> dict[str, Any]:
@@ -302,8 +317,24 @@ class CompiledEngine:
             return events
         self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
+        events = refused
+        if self._spec is not None:
+            occupied = self._table.occupied()
+            self._spec.step_began(occupied)
+            if self._spec.wants(occupied, len(self._table.slots)):
+                # A proposal continues each row's latest token: read back the steps that made them first.
+                events += (self._collect(previous) if previous is not None else [])
+                events += (self._collect(first) if first is not None else [])
+                previous = first = None
+                plan = self._spec.plan(self._table.occupied(), len(self._table.slots))
+                if plan is not None:
+                    events += self._verify_plan(plan)
+                    if not self._table.any_occupied() and not self._waiting:
+                        self._table.release()
+                    self._count(events, started, prefill_s)
+                    return events
         launched = self._launch() if self._table.any_occupied() else None
-        events = refused + (self._collect(previous) if previous is not None else [])
+        events += (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
         eager = stepping > 0 and (not decoding or self._eager_allowance >= 1)
@@ -342,6 +373,8 @@ class CompiledEngine:
         self._refused = []
         self._scorer.clear()
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
+        if self._spec is not None:
+            self._spec.reset()
         repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
@@ -402,6 +435,7 @@ class CompiledEngine:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""
         row = self._sampling.row(spec)
         return DecodingSequence(row.guard, row.sampler, row.processors, row.constraint, row.custom, row.seeded,
+                                row.seeded_row,
                                 spec=spec, prompt=list(spec.prompt_token_ids), version=self._version,
                                 context=mx.array(spec.prompt_token_ids) if row.custom else None)
 
@@ -528,25 +562,37 @@ class CompiledEngine:
                 events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=launched.errors[i]))
                 self._end(seq)
                 continue
-            token = int(tokens[slot])
-            seq.generated.append(token)
-            finish = ("stop" if token in spec.stop_token_ids
-                      else "length" if len(seq.generated) >= spec.max_tokens else None)
-            event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
-                                                            finish_reason=finish,
-                                                            weight_version=launched.weight_version))
+            event = self._emit(seq, int(tokens[slot]), launched.weight_version)
             events.append(event)
-            if event.error is not None:
-                self._end(seq)
-                continue
-            if i in wanted_at:
+            if event.error is None and i in wanted_at:
                 wanted_events[wanted_at[i]] = event
-            if finish is not None:
-                self._keep_cache(seq)
-                self._end(seq)
         if launched.logprobs is not None:
             launched.logprobs.fill(wanted_events)
         return events
+
+    def _emit(self, seq: DecodingSequence, token: int, weight_version: int) -> TokenEvent:
+        """`seq`'s next token: its event; the sequence ends on a stop token, its length or its
+        constraint's failure."""
+        spec = seq.spec
+        seq.generated.append(token)
+        finish = ("stop" if token in spec.stop_token_ids
+                  else "length" if len(seq.generated) >= spec.max_tokens else None)
+        event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
+                                                        finish_reason=finish, weight_version=weight_version))
+        if event.error is not None:
+            self._end(seq)
+        elif finish is not None:
+            self._keep_cache(seq)
+            self._end(seq)
+        return event
+
+    # --- speculative decoding (docs/speculative.md) ------------------------------------------
+    def _verify_plan(self, plan: StepPlan) -> list[TokenEvent]:
+        """One verification pass over every slot (worker/engines/speculation/verify_pass.py), read back at once."""
+        assert self._verification is not None
+        self._table.fit(waiting=bool(self._waiting), ahead=plan.width - 1)
+        self._counters.decode_steps += 1
+        return self._verification.run(plan, self._table, self._sampling, self._version, self._emit, self._end)
 
     def _keep_cache(self, seq: DecodingSequence) -> None:
         """Offer a finished sequence's cache (its prompt and the output fed back so far) to the
@@ -563,6 +609,8 @@ class CompiledEngine:
         if seq.adapter is not None and not seq.done:
             self._lora.unpin(seq.adapter)
         seq.done = True
+        if self._spec is not None:
+            self._spec.forget(seq.spec.uid)
         if seq.constraint is not None:
             seq.constraint.release()
         self._by_uid.pop(seq.spec.uid, None)
