@@ -79,7 +79,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     if args.vision:
         path = make_tiny_vision_model(args.path, shape=args.shape, seed=args.seed)
     else:
-        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch)
+        path = make_tiny_model(args.path, shape=args.shape, dtype=args.dtype, seed=args.seed, arch=args.arch,
+                               tokenizer_from=args.tokenizer_from)
     print(path)
     return 0
 
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
     p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
+    p.add_argument("--tokenizer-from", metavar="DIR",
+                   help="use this model directory's tokenizer and vocabulary size (a random draft model for it)")
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")
