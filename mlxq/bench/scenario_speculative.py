@@ -275,7 +275,8 @@ def speculative_lines(s: dict[str, Any]) -> str:
 
 
 def plot_speculative(s: dict[str, Any], path: Path) -> None:
-    """tokens/s per arm, the drafters' ratios and their acceptance, against the row count."""
+    """One column per workload and sampling: tokens/s per arm (top) and each drafter's ratio to `off`
+    (bottom; the legend gives its acceptance), against the row count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,49 +289,39 @@ def plot_speculative(s: dict[str, Any], path: Path) -> None:
     cases = list(dict.fromkeys((c["workload"], c["sampling"]) for c in comparisons))
     drafters = list(dict.fromkeys(c["drafter"] for c in comparisons))
     colors = {arm: f"C{i}" for i, arm in enumerate([BASELINE, *drafters])}
-    styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = plt.subplots(2, len(cases), figsize=(4.6 * len(cases), 8), squeeze=False)
     for j, (kind, sampling) in enumerate(cases):
-        style = styles[j % len(styles)]
+        top, bottom = axes[0][j], axes[1][j]
         mine = [c for c in comparisons if (c["workload"], c["sampling"]) == (kind, sampling)]
         base = {c["rows"]: c["off_tokens_per_s"] for c in mine}
         xs = sorted(base)
-        axes[0].plot(xs, [base[x] or float("nan") for x in xs], style, marker="o", color=colors[BASELINE],
-                     label=f"off, {kind} {sampling}")
+        top.plot(xs, [base[x] or float("nan") for x in xs], marker="o", color=colors[BASELINE], label=BASELINE)
         for drafter in drafters:
-            pts = sorted((c["rows"], c) for c in mine if c["drafter"] == drafter)
+            pts = sorted(((c["rows"], c) for c in mine if c["drafter"] == drafter), key=lambda p: p[0])
             rows = [x for x, _ in pts]
-            axes[0].plot(rows, [c["tokens_per_s"] or float("nan") for _, c in pts], style, marker="o",
-                         color=colors[drafter], label=f"{drafter}, {kind} {sampling}")
-            axes[1].plot(rows, [c["ratio"] or float("nan") for _, c in pts], style, marker="o", color=colors[drafter],
-                         label=f"{drafter}, {kind} {sampling}")
-    axes[1].axhline(1.0, color="grey", linewidth=1)
-    for ax, title, ylabel in ((axes[0], "generated tokens/s (requests at once)", "tokens/s"),
-                              (axes[1], "speculation / off, tokens/s (paired, median of repeats)", "ratio")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(s["rows"]))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("rows (requests at once)")
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    width = 0.8 / max(1, len(cases))
-    for j, (kind, sampling) in enumerate(cases):
-        values = []
-        for drafter in drafters:
-            mine = [c for c in comparisons if (c["workload"], c["sampling"], c["drafter"]) == (kind, sampling, drafter)]
-            proposed = sum(c["proposed"] for c in mine)
-            values.append(100 * sum(c["accepted"] for c in mine) / proposed if proposed else 0.0)
-        axes[2].bar([i + (j - (len(cases) - 1) / 2) * width for i in range(len(drafters))], values, width,
-                    label=f"{kind} {sampling}")
-    axes[2].set_xticks(range(len(drafters)), drafters)
-    axes[2].set_ylim(0, 100)
-    axes[2].set_title("accepted / proposed draft tokens, all rows")
-    axes[2].set_ylabel("%")
-    axes[2].legend(fontsize=7)
-    fig.suptitle("mlxq bench --scenario speculative", fontsize=10)
+            top.plot(rows, [c["tokens_per_s"] or float("nan") for _, c in pts], marker="o", color=colors[drafter],
+                     label=drafter)
+            proposed = sum(c["proposed"] for _, c in pts)
+            accepted = sum(c["accepted"] for _, c in pts)
+            reported = any(c["reported_speculation"] for _, c in pts)
+            share = (f"{100 * accepted / proposed:.0f}% accepted" if proposed
+                     else "none proposed" if reported else "not reported")
+            bottom.plot(rows, [c["ratio"] or float("nan") for _, c in pts], marker="o", color=colors[drafter],
+                        label=f"{drafter} ({share})")
+        bottom.axhline(1.0, color="grey", linewidth=1)
+        for ax, title, ylabel in ((top, f"{kind}, {sampling}: generated tokens/s", "tokens/s"),
+                                  (bottom, f"{kind}, {sampling}: drafter / off", "tokens/s ratio (paired)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(s["rows"]))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("rows (requests at once)")
+            ax.set_title(title, fontsize=10)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"mlxq bench --scenario speculative: up to {s['new_tokens']} new tokens a request, "
+                 f"median of {s['repeats']} interleaved repeat(s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
