@@ -10,7 +10,7 @@ from schemas.request import (
     RequestLimits,
     TextPart,
 )
-from schemas.result import Choice, ErrorInfo, GenerationResult, Timings, TopLogprob, Usage
+from schemas.result import Choice, ErrorInfo, GenerationResult, Speculation, Timings, TopLogprob, Usage
 
 __all__ = [
     "ChatMessage",
@@ -21,6 +21,7 @@ __all__ = [
     "ImagePart",
     "InvalidRequestError",
     "RequestLimits",
+    "Speculation",
     "TextPart",
     "Timings",
     "TopLogprob",

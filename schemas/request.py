@@ -154,6 +154,9 @@ class GenerationRequest(AgentFields):
     # RL (docs/rl.md): a LoRA adapter the worker serves, by name; the lowest weight version that may run it.
     adapter: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")
     min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
+    # false: this request never speculates, on a worker that does (docs/speculative.md); its tokens are
+    # the same either way, only the speed differs.
+    speculative: bool = True
     # Structured output (schemas/constraints.py, docs/structured-output.md): at most one per request.
     response_format: Optional[ResponseFormat] = None
     guided_regex: Optional[GuidedRegex] = None

@@ -116,6 +116,16 @@ def request_echo(payload: Any) -> dict[str, Any]:
     return echo
 
 
+class Speculation(_Model):
+    """How a job speculated (docs/speculative.md): its drafter, the tokens it proposed over every
+    choice, and how many of them were accepted (each accepted token is one the model would have
+    made anyway; the output is the same as without speculation)."""
+
+    drafter: Literal["ngram", "draft"]
+    proposed: int
+    accepted: int
+
+
 class GenerationResult(_Model):
     id: str
     custom_id: Optional[str] = None
@@ -131,6 +141,7 @@ class GenerationResult(_Model):
     weight_version: Optional[int] = None  # the weights that produced it (the oldest, if choices differ)
     adapter: Optional[str] = None  # the LoRA adapter that produced it (None: the base model)
     prompt_logprobs: Optional[PromptLogprobs] = None  # when the request asked for prompt_logprobs
+    speculation: Optional[Speculation] = None  # when the job speculated (docs/speculative.md)
 
 
 def timings(enqueued_at: Optional[float], started_at: Optional[float], finished_at: float,

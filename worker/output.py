@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, TopLogprob, Usage
+from schemas import Choice, ErrorInfo, GenerationRequest, GenerationResult, Speculation, TopLogprob, Usage
 from schemas.agents import ToolCall
 from schemas.result import PromptLogprobs, timings
 from schemas.serializer import EncodedJSON
@@ -138,6 +138,7 @@ class JobOutput:
             for index in range(request.n)
         ]
         self.live = len(self.choices)  # choices not yet ended
+        self.speculation: Optional[Speculation] = None  # summed over its choices' speculative steps
 
     def _reply_parser(self, index: int) -> Optional[ReplyParser]:
         if self._reply is None:
@@ -153,6 +154,11 @@ class JobOutput:
         choice = self.choices[event.index]
         if choice.done:
             return None
+        if event.speculation is not None:
+            drafter, proposed, accepted = event.speculation
+            seen = self.speculation or Speculation(drafter=drafter, proposed=0, accepted=0)  # type: ignore[arg-type]
+            self.speculation = Speculation(drafter=seen.drafter, proposed=seen.proposed + proposed,
+                                           accepted=seen.accepted + accepted)
         if event.empty:
             choice.finish_reason = event.finish_reason or "length"
             self._choice_ended(choice)
@@ -248,7 +254,7 @@ class JobOutput:
             timings=timings(self.enqueued_at, self.started_at, finished_at, self.first_token_at),
             worker=self._worker, error=error, metadata=request.metadata,
             weight_version=min(versions) if versions else None, adapter=request.adapter,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs, speculation=self.speculation)
 
     def _choice(self, choice: ChoiceState) -> Choice:
         text = self._final_text(choice)

@@ -202,6 +202,7 @@ class BatchScheduler:
                 inputs=prompt.inputs,
                 adapter=request.adapter,
                 prompt_logprobs=request.prompt_logprobs,
+                speculative=request.speculative,
             )
             for choice in output.choices
         ]

@@ -95,6 +95,8 @@ class SequenceSpec:
     # Score the prompt: each token's logprob and this many top entries (GenerationRequest.prompt_logprobs).
     # Its first event carries them (TokenEvent.prompt_logprobs); with max_tokens 0 that is all it gets.
     prompt_logprobs: Optional[int] = None
+    # Whether it may speculate where the worker does (GenerationRequest.speculative; docs/speculative.md).
+    speculative: bool = True
 
 
 @dataclass
@@ -118,6 +120,9 @@ class TokenEvent:
     prompt_logprobs: Optional[PromptScores] = None
     # No token: a sequence that ends with nothing generated (max_tokens 0); `token` is meaningless.
     empty: bool = False
+    # On the first token of a speculative step (docs/speculative.md): (drafter, tokens it proposed,
+    # proposed tokens that were accepted and returned).
+    speculation: Optional[tuple[str, int, int]] = None
 
 
 def adapter_not_served(name: str, refusal: str) -> ValueError:

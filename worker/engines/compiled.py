@@ -46,6 +46,9 @@ from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
 from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
+from worker.engines.speculation.speculator import Speculator, StepPlan
+from worker.engines.speculation.verify import ExtraPositions, ExtraRow, accepted_count
+from worker.engines.speculation.verify_step import VerifyStep
 from worker.engines.text_model import ChatFormat, model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
@@ -90,6 +93,7 @@ class CompiledEngine:
         tool_call_format: str = "auto",
         reasoning: str = "auto",
         first_token_from_prefill: Optional[bool] = None,
+        speculator: Optional[Speculator] = None,
     ) -> None:
         self.model = model
         self._first_at_prefill = (first_token_from_prefill_by_default() if first_token_from_prefill is None
@@ -122,6 +126,10 @@ class CompiledEngine:
         self._refused: list[TokenEvent] = []
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
         self._prebuild: Optional[Any] = None  # a KernelPrebuild (prebuild_kernels)
+        # Speculative decoding (docs/speculative.md): the policy, and the verification pass over its proposals.
+        self._spec = speculator
+        self._verify = VerifyStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state) if speculator else None
+        self._extra = ExtraPositions()
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -160,6 +168,8 @@ class CompiledEngine:
         swap_into(self.model, files)  # all or nothing
         self._version = version
         self._prefix.clear()  # its caches hold the old weights' keys and values
+        if self._spec is not None:
+            self._spec.reset()  # acceptance learnt under the old weights, and draft caches, start over
         # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
         # weights: their first token must not read keys and values the old weights wrote.
         for entry in self._waiting:
@@ -204,6 +214,8 @@ class CompiledEngine:
                         uncompiled_steps=self._decode.uncompiled_steps,
                         kernels_prebuilding=int(self._prebuild is not None and not self._prebuild.done),
                         slot_buffer_bytes=self._table.buffers.nbytes if self._table.buffers else 0, **self._lora.stats())
+        if self._spec is not None:
+            counters.update(self._spec.stats())
         return EngineStats(counters=counters, prefix_cache=self._prefix.stats())
 
     def time_stats(self) -> dict[str, Any]:
@@ -302,8 +314,24 @@ class CompiledEngine:
             return events
         self._table.fit(waiting=bool(self._waiting))
         previous, self._in_flight = self._in_flight, None
+        events = refused
+        if self._spec is not None:
+            occupied = self._table.occupied()
+            self._spec.step_began(occupied)
+            if self._spec.wants(occupied, len(self._table.slots)):
+                # A proposal continues each row's latest token: read back the steps that made them first.
+                events += (self._collect(previous) if previous is not None else [])
+                events += (self._collect(first) if first is not None else [])
+                previous = first = None
+                plan = self._spec.plan(self._table.occupied(), len(self._table.slots))
+                if plan is not None:
+                    events += self._verify_plan(plan)
+                    if not self._table.any_occupied() and not self._waiting:
+                        self._table.release()
+                    self._count(events, started, prefill_s)
+                    return events
         launched = self._launch() if self._table.any_occupied() else None
-        events = refused + (self._collect(previous) if previous is not None else [])
+        events += (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
         eager = stepping > 0 and (not decoding or self._eager_allowance >= 1)
@@ -342,6 +370,8 @@ class CompiledEngine:
         self._refused = []
         self._scorer.clear()
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
+        if self._spec is not None:
+            self._spec.reset()
         repair_random_state()
 
     # --- admission and prefill ------------------------------------------------------------
@@ -402,6 +432,7 @@ class CompiledEngine:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""
         row = self._sampling.row(spec)
         return DecodingSequence(row.guard, row.sampler, row.processors, row.constraint, row.custom, row.seeded,
+                                row.seeded_row,
                                 spec=spec, prompt=list(spec.prompt_token_ids), version=self._version,
                                 context=mx.array(spec.prompt_token_ids) if row.custom else None)
 
@@ -528,24 +559,113 @@ class CompiledEngine:
                 events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=launched.errors[i]))
                 self._end(seq)
                 continue
-            token = int(tokens[slot])
-            seq.generated.append(token)
-            finish = ("stop" if token in spec.stop_token_ids
-                      else "length" if len(seq.generated) >= spec.max_tokens else None)
-            event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
-                                                            finish_reason=finish,
-                                                            weight_version=launched.weight_version))
+            event = self._emit(seq, int(tokens[slot]), launched.weight_version)
             events.append(event)
-            if event.error is not None:
-                self._end(seq)
-                continue
-            if i in wanted_at:
+            if event.error is None and i in wanted_at:
                 wanted_events[wanted_at[i]] = event
-            if finish is not None:
-                self._keep_cache(seq)
-                self._end(seq)
         if launched.logprobs is not None:
             launched.logprobs.fill(wanted_events)
+        return events
+
+    def _emit(self, seq: DecodingSequence, token: int, weight_version: int) -> TokenEvent:
+        """`seq`'s next token: its event; the sequence ends on a stop token, its length or its
+        constraint's failure."""
+        spec = seq.spec
+        seq.generated.append(token)
+        finish = ("stop" if token in spec.stop_token_ids
+                  else "length" if len(seq.generated) >= spec.max_tokens else None)
+        event = finish_token(seq.constraint, TokenEvent(uid=spec.uid, token=token, index=spec.choice_index,
+                                                        finish_reason=finish, weight_version=weight_version))
+        if event.error is not None:
+            self._end(seq)
+        elif finish is not None:
+            self._keep_cache(seq)
+            self._end(seq)
+        return event
+
+    # --- speculative decoding (docs/speculative.md) ------------------------------------------
+    def _verify_plan(self, plan: StepPlan) -> list[TokenEvent]:
+        """One verification pass over every slot: each row's input and its proposal (rows without
+        one decode as in a decode step), read back at once. Each row keeps the proposed tokens the
+        served model's own draws confirm, and the draw after them (worker/engines/speculation/verify.py);
+        its position moves to the end of what it kept, which rolls back the rejected tokens' keys and values."""
+        assert self._spec is not None and self._verify is not None
+        table = self._table
+        table.fit(waiting=bool(self._waiting), ahead=plan.width - 1)
+        assert table.buffers is not None and table.inputs is not None
+        occupied = table.occupied()
+        drafts = {id(r.seq): r.draft for r in plan.rows}
+        padded = [[0] * (plan.width - 1) for _ in table.slots]
+        positions = [0] * len(table.slots)
+        adapter_slots = [0] * len(table.slots)
+        for seq in occupied:
+            draft = drafts.get(id(seq), [])
+            padded[seq.slot][: len(draft)] = draft
+            positions[seq.slot] = seq.position
+            adapter_slots[seq.slot] = seq.adapter_slot
+        inputs = table.inputs
+        tokens = mx.concatenate([inputs[:, None].astype(mx.uint32), mx.array(padded, dtype=mx.uint32)], axis=1)
+        self._sampling.begin(occupied, inputs)
+        with self._lora.rows(adapter_slots):
+            logits = self._verify(tokens, mx.array(positions, dtype=mx.int32), table.buffers)
+        first, gather, wanting = self._sampling.sample(logits[:, 0, :], inputs, occupied, len(table.slots))
+        errors = [seq.error for seq in occupied]
+        extra_rows = [ExtraRow(r.seq, r.seq.slot, j, r.seq.seeded_row.drawn - 1 + j if r.seq.seeded_row else 0)
+                      for r in plan.rows for j in range(1, len(r.draft) + 1)]
+        extra = self._extra.sample(logits, extra_rows)
+        mx.eval(first, extra.tokens, *(gather.arrays if gather is not None else ()),
+                *(extra.logprobs.arrays if extra.logprobs is not None else ()), *table.buffers.arrays())
+        self._counters.decode_steps += 1
+        self._spec.steps += 1
+        first_tokens, extra_tokens = first.tolist(), extra.tokens.tolist()
+        extras_of: dict[int, list[int]] = {}
+        for k, row in enumerate(extra_rows):
+            extras_of.setdefault(id(row.seq), []).append(k)
+        wanted_at = {row: i for i, row in enumerate(wanting)}
+        extra_wanted_at = {row: i for i, row in enumerate(extra.wanting)}
+        wanted_events: list[Optional[TokenEvent]] = [None] * len(wanting)
+        extra_events: list[Optional[TokenEvent]] = [None] * len(extra.wanting)
+        next_inputs = list(first_tokens)
+        events: list[TokenEvent] = []
+        for i, seq in enumerate(occupied):
+            spec = seq.spec
+            if errors[i] is not None:
+                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=errors[i]))
+                self._end(seq)
+                continue
+            draft, mine = drafts.get(id(seq), []), extras_of.get(id(seq), [])
+            sampled = [int(first_tokens[seq.slot])] + [int(extra_tokens[k]) for k in mine]
+            kept = sampled[: accepted_count(draft, sampled) + 1]
+            seq.position += 1  # its input
+            emitted: list[TokenEvent] = []
+            for j, token in enumerate(kept):
+                if j:
+                    seq.position += 1  # the proposed token this one follows was fed and kept
+                event = self._emit(seq, token, self._version)
+                emitted.append(event)
+                if event.error is None and j == 0 and i in wanted_at:
+                    wanted_events[wanted_at[i]] = event
+                elif event.error is None and j and mine[j - 1] in extra_wanted_at:
+                    extra_events[extra_wanted_at[mine[j - 1]]] = event
+                if seq.done:
+                    break
+            events += emitted
+            if draft:
+                emitted[0].speculation = (self._spec.name, len(draft), len(emitted) - 1)
+                self._spec.outcome(seq, len(draft), len(kept) - 1)
+            seq.launches += 1
+            if not seq.done:
+                next_inputs[seq.slot] = kept[-1]
+                if seq.seeded_row is not None:
+                    seq.seeded_row.drawn += len(kept) - 1  # its keys go on from the last token kept
+                if seq.custom and len(kept) > 1:
+                    assert seq.context is not None
+                    seq.context = mx.concatenate([seq.context, mx.array(kept[:-1], dtype=mx.int32)])
+        table.inputs = mx.array(next_inputs, dtype=mx.uint32)
+        if gather is not None:
+            gather.fill(wanted_events)
+        if extra.logprobs is not None:
+            extra.logprobs.fill(extra_events)
         return events
 
     def _keep_cache(self, seq: DecodingSequence) -> None:
@@ -563,6 +683,8 @@ class CompiledEngine:
         if seq.adapter is not None and not seq.done:
             self._lora.unpin(seq.adapter)
         seq.done = True
+        if self._spec is not None:
+            self._spec.forget(seq.spec.uid)
         if seq.constraint is not None:
             seq.constraint.release()
         self._by_uid.pop(seq.spec.uid, None)

@@ -81,7 +81,7 @@ class SamplerPool:
         self._greedy = greedy if fence is None else fence(greedy)
         self._seeded = self.seeded if fence is None else fence(self.seeded)
 
-    def get(self, params: SamplingParams, choice: int) -> tuple[Sampler, Optional[Processor]]:
+    def get(self, params: SamplingParams, choice: int) -> tuple[Sampler, Optional["Namer"]]:
         """The row's sampler and, for a seeded row, the processor that names the row to it (it
         must run whatever the row's other processors do)."""
         if params.is_greedy:
@@ -130,7 +130,7 @@ class SeededSampler:
     def __init__(self) -> None:
         self._names: RowNames[SeededRow] = RowNames()
 
-    def name_row(self, params: SamplingParams, choice: int) -> Processor:
+    def name_row(self, params: SamplingParams, choice: int) -> "Namer":
         return self._names.namer(SeededRow(params, choice))
 
     def begin(self) -> None:
@@ -176,6 +176,11 @@ class Namer:
         self._pending = pending
         self._row = row
 
+    @property
+    def row(self) -> Any:
+        """The row it names (a seeded row's `SeededRow`)."""
+        return self._row
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self._pending.append(self._row)
         return logits
@@ -187,10 +192,16 @@ class Namer:
 
 def draw_seeded(logprobs: mx.array, rows: list[SeededRow]) -> mx.array:
     """Row i's next token under its own key: the same draw alone or beside any other rows."""
-    scores = _truncated_and_scaled(logprobs, [row.params for row in rows])
-    keys = mx.array([[key >> 32, key & 0xFFFFFFFF] for key in (row.next_key() for row in rows)],
-                    dtype=mx.uint32)
-    uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
+    return draw_with_keys(logprobs, [row.params for row in rows], [row.next_key() for row in rows])
+
+
+def draw_with_keys(logprobs: mx.array, params: list[SamplingParams], keys: list[int]) -> mx.array:
+    """Row i's token under `params[i]` from the uniform of key `keys[i]` (a `mix_seed` value): the
+    seeded sampler's draw, for a caller that picks the keys itself (speculative verification draws a
+    seeded row's token k with the key it would have had without speculation)."""
+    scores = _truncated_and_scaled(logprobs, params)
+    pairs = mx.array([[key >> 32, key & 0xFFFFFFFF] for key in keys], dtype=mx.uint32)
+    uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(pairs)
     return _inverse_cdf(scores, uniform)
 
 

@@ -79,14 +79,15 @@ class SlotTable(Generic[S]):
             return
         self._resize(*self.shape_for(need_rows, need_length))
 
-    def fit(self, waiting: bool) -> None:
-        """Before a step: grow the buffers for the positions it writes; shrink them once the
-        sequences need half of them or less (the hysteresis keeps churn from resizing every step),
-        the slots only while nothing is `waiting` for one."""
+    def fit(self, waiting: bool, ahead: int = 0) -> None:
+        """Before a step: grow the buffers for the positions it writes (`ahead` more than one per
+        slot: a verification pass); shrink them once the sequences need half of them or less (the
+        hysteresis keeps churn from resizing every step), the slots only while nothing is `waiting`
+        for one."""
         if self.buffers is None:
             return
         occupied = sum(1 for s in self.slots if s is not None)
-        needed = self._needed_length()
+        needed = self._needed_length() + ahead
         slots, length = self.shape_for(occupied, needed)
         target = (len(self.slots) if waiting or slots > len(self.slots) // 2 else slots,
                   self.buffers.length if length > self.buffers.length // 2 and needed <= self.buffers.length

@@ -15,8 +15,8 @@ import mlx.core as mx
 
 from worker.engines.base import SequenceSpec
 from worker.engines.constraints import CompiledConstraint, MaskBatch, RowConstraint, fenced
-from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, logits_processors, needs_raw_capture,
-                                     requested_distribution)
+from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, SeededRow, logits_processors,
+                                     needs_raw_capture, requested_distribution)
 
 if TYPE_CHECKING:
     from worker.engines.compiled_rows import DecodingSequence
@@ -32,6 +32,7 @@ class SequenceSampling:
     constraint: Optional[RowConstraint]
     custom: bool  # it has processors that change its logits (beyond naming a seeded row)
     seeded: bool  # sampled by the seeded sampler, which takes exactly the rows it has names for
+    seeded_row: Optional[SeededRow] = None  # a seeded row's key counter (speculative verification reads it)
 
 
 class StepSampler:
@@ -59,7 +60,8 @@ class StepSampler:
         custom = bool(processors)
         if namer is not None:  # unguarded: it must run even after another processor of the row failed
             processors.insert(0, namer)
-        return SequenceSampling(guard, guard.sampler(sampler), processors, constraint, custom, seeded=namer is not None)
+        return SequenceSampling(guard, guard.sampler(sampler), processors, constraint, custom, seeded=namer is not None,
+                                seeded_row=namer.row if namer is not None else None)
 
     def _mask_batch(self) -> MaskBatch:
         if self._masks is None:

@@ -1,0 +1,65 @@
+"""Per-row adaptivity: how many tokens a row proposes, and whether it speculates at all.
+
+A verification step costs more than a decode step (k more positions through the model, and no
+overlap of the host's work with the device's), so a row whose proposals are rejected should stop
+proposing. Each row keeps its own k and an average of its acceptance:
+
+- k starts at `START_K` and grows by one after a proposal accepted whole (up to the worker's
+  maximum); after a partial acceptance it becomes the accepted count plus one.
+- A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
+  where it found nothing to propose counts as one) or once its average acceptance falls under
+  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again. The backoff
+  starts at `FIRST_BACKOFF` steps and doubles each time a probe fails, up to `MAX_BACKOFF`; a
+  proposal accepted whole resets it.
+
+So open-ended text, where proposals rarely match, pays a few verification steps per
+`MAX_BACKOFF` decode steps; text that repeats its prompt keeps k at the maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START_K = 2
+MISSES_OFF = 2
+LOW_ACCEPTANCE = 0.2  # the average share of a proposal that was accepted
+SMOOTHING = 0.3  # weight of the latest proposal in that average
+FIRST_BACKOFF = 16
+MAX_BACKOFF = 512
+
+
+@dataclass
+class RowAdaptivity:
+    max_k: int
+    k: int = START_K
+    acceptance: float = 0.5  # running average of accepted / proposed
+    misses: int = 0  # proposals in a row with nothing accepted
+    off_for: int = 0  # decode steps left with speculation off
+    backoff: int = FIRST_BACKOFF
+
+    def __post_init__(self) -> None:
+        self.k = max(1, min(self.k, self.max_k))
+
+    @property
+    def on(self) -> bool:
+        return self.off_for == 0
+
+    def decoded(self) -> None:
+        """The row took a decode step without speculating: an off row is one step nearer its probe."""
+        if self.off_for:
+            self.off_for -= 1
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
+        if proposed:
+            self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
+        self.misses = 0 if accepted else self.misses + 1
+        if proposed and accepted == proposed:
+            self.k = min(self.max_k, self.k + 1)
+            self.backoff = FIRST_BACKOFF
+        elif proposed:
+            self.k = max(1, min(self.max_k, accepted + 1))
+        if self.misses >= MISSES_OFF or self.acceptance < LOW_ACCEPTANCE:
+            self.off_for = self.backoff
+            self.backoff = min(MAX_BACKOFF, self.backoff * 2)
+            self.misses, self.acceptance, self.k = 0, 0.5, max(1, min(self.max_k, START_K))

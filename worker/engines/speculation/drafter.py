@@ -1,0 +1,45 @@
+"""What a drafter is: something that guesses, for each decoding row, the next few tokens the
+served model will make, so that one forward pass of the served model can check several of them at
+once (worker/engines/speculation/verify.py). A guess is only ever a proposal: the served model
+decides every token, so a bad drafter costs time, never correctness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One decoding row asking for a proposal: its `uid`, every token it holds (the prompt, then
+    the tokens generated so far; the last one is the row's next input) and at most `k` tokens to
+    propose."""
+
+    uid: str
+    tokens: Sequence[int]
+    k: int
+
+
+class Drafter(Protocol):
+    """Proposes up to k tokens per row; told after each verification how many were accepted."""
+
+    # "ngram" | "draft": the name results report (GenerationResult.speculation.drafter).
+    name: str
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        """A proposal per row, in order: up to `row.k` tokens that would follow `row.tokens`
+        (an empty list: nothing to propose). Deterministic: the same tokens give the same proposal,
+        so verification may treat it as a point mass (verify.py)."""
+        ...
+
+    def accepted(self, uid: str, proposed: int, accepted: int) -> None:
+        """How many of the `proposed` tokens of `uid`'s last proposal the served model accepted."""
+        ...
+
+    def forget(self, uid: str) -> None:
+        """`uid` ended: drop what is kept for it."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every row's state (after a failed step or a weight swap)."""
+        ...

@@ -1,0 +1,170 @@
+"""Which rows speculate in a step, and how far: the compiled engine's speculation policy.
+
+Per row: whether it may speculate at all (`refusal`: the request opted out, or a feature whose
+processing depends on the tokens before each position), its adaptivity (adaptive.py) and its
+drafter's state. Per step: the rows that propose and their proposals, and the width of the
+verification pass, capped so that slots x width stays within `max_positions` (a large batch is
+already compute-bound: extra positions there cost about what they could save).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+from worker.engines.base import SequenceSpec
+from worker.engines.speculation.adaptive import RowAdaptivity
+from worker.engines.speculation.drafter import Drafter, DraftRow
+
+log = logging.getLogger("mlxq.engine")
+
+DEFAULT_MAX_K = 4
+# Slots x width of a verification pass at most: 8 slots verify up to 8 positions each, 16 up to 4,
+# 32 up to 2, 64 and more do not speculate.
+DEFAULT_MAX_POSITIONS = 64
+
+
+class Row(Protocol):
+    """What the policy reads of a decoding sequence (worker/engines/compiled_rows.py)."""
+
+    spec: SequenceSpec
+    prompt: list[int]
+    generated: list[int]
+    constraint: Any
+
+
+def refusal(row: Row) -> Optional[str]:
+    """Why `row` never speculates (None: it may). Logit bias, seeds, every sampling setting, logprobs
+    of every mode, stop strings and adapters speculate: verification applies them at every position
+    exactly as a decode step does."""
+    spec = row.spec
+    if not spec.speculative:
+        return "the request asked for speculative: false"
+    if row.constraint is not None:
+        return "structured output: its matcher takes one token at a time"
+    p = spec.sampling
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        return "repetition, presence and frequency penalties depend on every token before each position"
+    return None
+
+
+@dataclass
+class RowPlan:
+    """One row's proposal in a verification step."""
+
+    seq: Any  # the DecodingSequence
+    draft: list[int]
+
+
+@dataclass
+class StepPlan:
+    width: int  # positions per slot: 1 + the longest proposal
+    rows: list[RowPlan] = field(default_factory=list)
+
+
+@dataclass
+class _RowState:
+    refusal: Optional[str]
+    adaptivity: RowAdaptivity
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS
+                 ) -> None:
+        if max_k < 1:
+            raise ValueError(f"speculative_k: must be >= 1, got {max_k}")
+        self.drafter = drafter
+        self.max_k = max_k
+        self.max_positions = max_positions
+        self._rows: dict[str, _RowState] = {}
+        self._logged: set[str] = set()
+        self.proposed = 0  # totals since start, for the engine's stats
+        self.accepted = 0
+        self.steps = 0
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+    def _state(self, row: Row) -> _RowState:
+        state = self._rows.get(row.spec.uid)
+        if state is None:
+            reason = refusal(row)
+            if reason is not None and row.spec.speculative and reason not in self._logged:
+                self._logged.add(reason)
+                log.info("speculation: rows with %s do not speculate (logged once)", reason)
+            state = self._rows[row.spec.uid] = _RowState(reason, RowAdaptivity(self.max_k))
+        return state
+
+    def _width_limit(self, slot_count: int) -> int:
+        return min(self.max_k + 1, self.max_positions // max(1, slot_count))
+
+    def _room(self, row: Row) -> int:
+        """Tokens it may still propose: the step makes one token of its own, and none past max_tokens."""
+        return row.spec.max_tokens - len(row.generated) - 1
+
+    def wants(self, rows: Sequence[Row], slot_count: int) -> bool:
+        """Whether some row would propose this step (then the engine reads the step in flight back
+        first: a proposal continues each row's latest token)."""
+        if self._width_limit(slot_count) < 2:
+            return False
+        for row in rows:
+            state = self._state(row)
+            if state.refusal is None and state.adaptivity.on and self._room(row) > 0:
+                return True
+        return False
+
+    def step_began(self, rows: Sequence[Row]) -> None:
+        """Every engine step: rows with speculation off count down to their next probe."""
+        for row in rows:
+            self._state(row).adaptivity.decoded()
+
+    def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
+        """The proposals of this step's rows (each row's tokens are up to date), or None when no row
+        proposes anything; rows that found nothing to propose count it as a miss."""
+        limit = self._width_limit(slot_count) - 1
+        if limit < 1:
+            return None
+        asking: list[tuple[Row, _RowState]] = []
+        requests: list[DraftRow] = []
+        for row in rows:
+            state = self._state(row)
+            room = self._room(row)
+            if state.refusal is not None or not state.adaptivity.on or room < 1:
+                continue
+            asking.append((row, state))
+            requests.append(DraftRow(row.spec.uid, row.prompt + row.generated,
+                                     min(state.adaptivity.k, limit, room)))
+        if not asking:
+            return None
+        plan = StepPlan(width=1)
+        for (row, state), request, draft in zip(asking, requests, self.drafter.propose(requests)):
+            draft = [int(t) for t in draft[: request.k]]
+            if draft:
+                plan.rows.append(RowPlan(row, draft))
+                plan.width = max(plan.width, 1 + len(draft))
+            else:
+                state.adaptivity.record(0, 0)
+        return plan if plan.rows else None
+
+    def outcome(self, row: Row, proposed: int, accepted: int) -> None:
+        """`accepted` of the `proposed` tokens of `row`'s proposal were accepted."""
+        self._state(row).adaptivity.record(proposed, accepted)
+        self.drafter.accepted(row.spec.uid, proposed, accepted)
+        self.proposed += proposed
+        self.accepted += accepted
+
+    def forget(self, uid: str) -> None:
+        self._rows.pop(uid, None)
+        self.drafter.forget(uid)
+
+    def reset(self) -> None:
+        """Every row starts over (after a failed step, or a weight swap: what was learnt of the old
+        weights' acceptance, and a draft model's caches, no longer hold)."""
+        self._rows.clear()
+        self.drafter.reset()
+
+    def stats(self) -> dict[str, int]:
+        return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,
+                "speculative_accepted": self.accepted}
