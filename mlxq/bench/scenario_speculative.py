@@ -116,6 +116,12 @@ def metrics(records: list[RequestRecord]) -> dict[str, Any]:
             "ttft_p50_s": ttft["p50"] if ttft else None}
 
 
+def decode_rate(engine: dict[str, float]) -> Optional[float]:
+    """Tokens per second of the worker's decode steps (verification steps among them), prefill left
+    out: what speculation changes, where a CPU's prefill takes much of the wall time."""
+    return ratio(engine.get("engine_decode_tokens"), engine.get("engine_decode_s"))
+
+
 class SpeculativeRun:
     """The arms' workers, the runs, and what the report says of them."""
 
@@ -182,9 +188,13 @@ class SpeculativeRun:
                         make_payload=lambda r: payload(r, cfg.spec_ignore_eos))
         after = cluster.time_counters()
         assert cluster.conn is not None
+        engine = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
         entry = {"arm": arm, "workload": kind, "sampling": sampling, "rows": n, "repeat": repeat,
-                 **metrics(records), "speculation": speculation_of(cluster.conn, records),
-                 "engine": {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}}
+                 **metrics(records), "decode_tokens_per_s": decode_rate(engine),
+                 "speculation": speculation_of(cluster.conn, records), "engine": engine}
+        first = min(records, key=lambda r: r.index)
+        if repeat == 0 and first.extra.get("token_ids") is not None:  # what the model wrote, for the reader
+            entry["first_text"] = self.tokenizer.decode(first.extra["token_ids"])[:400]
         self.runs.append(entry)
         if sampling == "greedy":
             self.text_check.add(arm, workload, repeat, records)
@@ -230,12 +240,16 @@ def compare(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]
                 continue
             mine = {r["repeat"]: r for r in here if r["arm"] == arm}
             each = [x for rep in sorted(mine) if (x := ratio(mine[rep]["tokens_per_s"], base.get(rep))) is not None]
+            decode_base = {r["repeat"]: r.get("decode_tokens_per_s") for r in here if r["arm"] == BASELINE}
+            decode_each = [x for rep in sorted(mine)
+                           if (x := ratio(mine[rep].get("decode_tokens_per_s"), decode_base.get(rep))) is not None]
             proposed = sum(r["speculation"]["proposed"] for r in mine.values())
             accepted = sum(r["speculation"]["accepted"] for r in mine.values())
             out.append({"workload": kind, "sampling": sampling, "rows": n, "drafter": arm,
                         "tokens_per_s": median([r["tokens_per_s"] for r in mine.values()]),
                         "off_tokens_per_s": median(list(base.values())),
                         "ratio": median(each), "ratios_each_repeat": each,
+                        "decode_ratio": median(decode_each), "decode_ratios_each_repeat": decode_each,
                         "proposed": proposed, "accepted": accepted,
                         "acceptance": accepted / proposed if proposed else None,
                         "reported_speculation": any(r["speculation"]["results_reporting"] for r in mine.values())})
@@ -261,16 +275,19 @@ def speculative_lines(s: dict[str, Any]) -> str:
     same = {None: "not compared", True: "yes", False: "NO"}[s["text_identity"].get("all_equal_off")]
     lines = [f"- speculative decoding (rows {', '.join(map(str, s['rows']))}; up to {s['new_tokens']} new tokens"
              f"{', EOS ignored' if s['ignore_eos'] else ', ending at EOS'}; {s['repeats']} repeat(s), arms "
-             f"interleaved; ratio = drafter / off tok/s, median of the repeats' own; every greedy request's tokens "
+             f"interleaved; ratio = drafter / off tok/s end to end, median of the repeats' own; decode ratio: the "
+             f"same of the workers' decode-step tokens/s, prefill left out; every greedy request's tokens "
              f"= off's: {same})", "",
-             "| workload | sampling | rows | off tok/s | drafter | tok/s | ratio | each repeat | acceptance |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |"]
+             "| workload | sampling | rows | off tok/s | drafter | tok/s | ratio | each repeat | decode ratio "
+             "| acceptance |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
     for c in s["comparisons"]:
         acceptance = (f"{100 * c['acceptance']:.0f}% ({c['accepted']}/{c['proposed']})" if c["acceptance"] is not None
                       else ("0 proposed" if c["reported_speculation"] else "not reported"))
         lines.append(f"| {c['workload']} | {c['sampling']} | {c['rows']} | {_f(c['off_tokens_per_s'])} | "
                      f"{c['drafter']} | {_f(c['tokens_per_s'])} | {_f(c['ratio'], 2)} | "
-                     f"{', '.join(_f(x, 2) for x in c['ratios_each_repeat']) or '—'} | {acceptance} |")
+                     f"{', '.join(_f(x, 2) for x in c['ratios_each_repeat']) or '—'} | {_f(c.get('decode_ratio'), 2)} "
+                     f"| {acceptance} |")
     return "\n".join(lines)
 
 
