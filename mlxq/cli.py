@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         "low-priority process builds their kernels; blocking: compile them before taking jobs; off: each at first use)"))
     p.add_argument("--decode-warmup-tokens", type=int, help=(
         "the warm-up covers sequences up to this many tokens (MLXQ_DECODE_WARMUP_TOKENS; default 512; 0: none)"))
+    p.add_argument("--speculative", choices=("off", "ngram", "draft"), help=(
+        "speculative decoding (MLXQ_SPECULATIVE; default off): ngram (prompt lookup) or draft (--draft-model "
+        "proposes); exact, on the compiled decode path (docs/speculative.md)"))
+    p.add_argument("--draft-model", help="the draft model for --speculative draft: directory, .gguf file or hub id, "
+                   "with the served model's tokenizer (MLXQ_DRAFT_MODEL)")
+    p.add_argument("--speculative-k", type=int, help="most tokens a row proposes per step (MLXQ_SPECULATIVE_K; 4)")
+    p.add_argument("--speculative-max-positions", type=int, help=(
+        "most slots x (1 + k) positions one verification pass runs (MLXQ_SPECULATIVE_MAX_POSITIONS; 64)"))
     p.add_argument("--upcast", action=argparse.BooleanOptionalAction, default=None, help=(
         "CPU: half-precision (bfloat16/float16) tensors become float32 at load (MLXQ_UPCAST; default on)"))
     p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None, help=(

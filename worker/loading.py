@@ -129,7 +129,8 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any, model
     if path.name == "compiled":
         from worker.engines.compiled import CompiledEngine
 
-        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes, **options)
+        engine = CompiledEngine(model, tokenizer, kv_budget_bytes=settings.kv_budget_bytes,
+                                speculator=build_speculator(settings, model, tokenizer), **options)
         tokens, warmup = settings.decode_warmup_tokens, settings.decode_warmup
         model_dir = model_dir or (model_directory(settings.model) if settings.model else None)
         if tokens and warmup == "background" and model_dir is not None and current_platform() != "metal":
@@ -145,9 +146,49 @@ def engine_for_model(settings: WorkerSettings, model: Any, tokenizer: Any, model
             log.info("decode step warm-up: %d shapes (up to %d slots x %d tokens) compiled in %.1f s",
                      shapes, settings.max_num_seqs, tokens, seconds)
         return engine
+    if settings.speculative != "off":
+        log.warning("speculation: off: MLXQ_SPECULATIVE=%s needs the compiled decode path, and this model decodes "
+                    "on mlx-lm's BatchGenerator (%s), whose steps take one token per row (docs/speculative.md)",
+                    settings.speculative, path.reason)
     from worker.engines.text import TextEngine
 
     return TextEngine(model, tokenizer, **options)
+
+
+def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> Any:  # -> Optional[Speculator]
+    """The speculation policy MLXQ_SPECULATIVE asks for (None: off); for `draft`, the draft model
+    loaded as the served model is (a directory, a .gguf file or a hub id) and checked to share its tokenizer."""
+    if settings.speculative == "off":
+        return None
+    from worker.engines.speculation import Speculator
+    from worker.engines.text_model import model_vocab_size
+
+    drafter: Any
+    if settings.speculative == "ngram":
+        from worker.engines.speculation.ngram import NgramDrafter
+
+        drafter = NgramDrafter()
+    else:
+        from worker.engines.speculation.draft_model import DraftModelDrafter, check_same_vocabulary
+
+        assert settings.draft_model
+        draft_settings = settings.replace(model=settings.draft_model, draft_model=None, speculative="off")
+        try:
+            check_model_setting(settings.draft_model)
+            if is_vision_model(model_directory(settings.draft_model)):
+                raise ModelLoadError("a vision-language model cannot draft")
+            draft, draft_tokenizer = load_model(draft_settings)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"MLXQ_DRAFT_MODEL: {str(exc).removeprefix('MLXQ_MODEL: ')}") from None
+        try:
+            check_same_vocabulary(tokenizer, draft_tokenizer)
+            drafter = DraftModelDrafter(draft, model_vocab_size(model, tokenizer))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+    log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass",
+             settings.speculative if settings.speculative == "ngram" else f"draft model {settings.draft_model}",
+             settings.speculative_k, settings.speculative_max_positions)
+    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions)
 
 
 def is_vision_model(model: str) -> bool:

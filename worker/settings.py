@@ -76,6 +76,14 @@ class WorkerSettings(BaseSettings):
     # compiles at its first step). Longer sequences' shapes compile when first needed.
     decode_warmup: str = "background"
     decode_warmup_tokens: int = 512
+    # Speculative decoding (docs/speculative.md): "off", "ngram" (prompt lookup) or "draft" (the model at
+    # draft_model, same tokenizer, proposes). Exact: the same tokens, distribution and logprobs as without.
+    # Needs the compiled decode path; on mlx-lm's the worker logs why and runs without.
+    speculative: str = "off"
+    draft_model: Optional[str] = None  # directory, .gguf file or hub id of the draft model
+    speculative_k: int = 4  # most tokens a row proposes per step
+    # Most positions (slots x (1 + k)) one verification pass runs: larger batches propose fewer tokens or none.
+    speculative_max_positions: int = 64
     # Agents (docs/tools.md): the tool-call format replies are parsed and forced in ("auto": picked from
     # the model's chat template and config; or hermes, llama3_json, mistral, one of mlx-lm's parsers),
     # and whether a thinking model's reasoning is split from its answer ("auto" | "none").
@@ -206,6 +214,16 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"MLXQ_REASONING must be auto or none, got {self.reasoning!r}")
         if self.decode_warmup not in ("background", "blocking", "off"):
             raise ValueError(f"MLXQ_DECODE_WARMUP must be background, blocking or off, got {self.decode_warmup!r}")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"MLXQ_SPECULATIVE must be off, ngram or draft, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("MLXQ_SPECULATIVE=draft needs MLXQ_DRAFT_MODEL (--draft-model): the draft model's path")
+        if self.draft_model and self.speculative != "draft":
+            raise ValueError("MLXQ_DRAFT_MODEL is set but MLXQ_SPECULATIVE is not draft: set --speculative draft")
+        if not 1 <= self.speculative_k <= 16:
+            raise ValueError(f"MLXQ_SPECULATIVE_K must be 1..16, got {self.speculative_k}")
+        if self.speculative_max_positions < 2:
+            raise ValueError(f"MLXQ_SPECULATIVE_MAX_POSITIONS must be >= 2, got {self.speculative_max_positions}")
         if self.decode_warmup_tokens < 0:
             raise ValueError(f"MLXQ_DECODE_WARMUP_TOKENS must be >= 0, got {self.decode_warmup_tokens}")
         if self.priorities:
