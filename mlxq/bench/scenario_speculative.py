@@ -18,7 +18,8 @@ hits every arm alike); a ratio is drafter tokens/s over `off` tokens/s within on
 over repeats. Requests end at EOS (or --spec-new-tokens) unless --spec-ignore-eos. The workers' prefix
 caches are off, so every repeat prefills as the first did. Acceptance is the accepted over the
 proposed tokens the results report (their `speculation` field), summed over the run. Every greedy
-arm's tokens must equal `off`'s, request by request (`text_identity`).
+arm's tokens must equal `off`'s, request by request (`text_identity`). Interrupted (Ctrl-C, SIGTERM),
+the scenario stops its workers and reports the runs it made, marked `interrupted`.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class SpeculativeRun:
         envs = {arm: arm_env(cfg, arm, self.model_path, random_path) for arm in self.arms}
         plan = [(kind, sampling, n) for kind in cfg.spec_workloads for sampling in cfg.spec_sampling
                 for n in cfg.spec_rows]
+        interrupted = False
         try:
             for arm in self.arms:
                 print(f"   starting the {arm} worker ({', '.join(f'{k}={v}' for k, v in envs[arm].items())})",
@@ -159,10 +161,14 @@ class SpeculativeRun:
                     order = self.arms if repeat % 2 == 0 else self.arms[::-1]
                     for arm in order:
                         self._one(arm, kind, sampling, n, repeat)
+        except KeyboardInterrupt:  # a run stopped by a time limit still reports what it measured
+            interrupted = True
+            print("   interrupted: reporting the runs made so far", flush=True)
         finally:
             for cluster in self.clusters.values():
                 cluster.stop()
-        return self.section(envs, random_path)
+        section = self.section(envs, random_path)
+        return {**section, "interrupted": True} if interrupted else section
 
     def _settle(self, arm: str, cluster: MlxqCluster) -> None:
         """Until the worker's background kernel build has ended, then one warm-up per row count."""
