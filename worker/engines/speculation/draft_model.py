@@ -104,6 +104,11 @@ class DraftModelDrafter:
                 break
         return proposals
 
+    @property
+    def rows(self) -> list[str]:
+        """The rows whose draft caches it keeps."""
+        return list(self._rows)
+
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:
         pass  # the next proposal trims the cache to what the row's tokens confirm
 

@@ -1,0 +1,403 @@
+"""Speculative decoding on the compiled engine (worker/engines/speculation/, docs/speculative.md), on
+tiny random models: every row gives the tokens and logprobs it gives without speculation (greedy and
+seeded rows exactly, alone or in any batch), sampled rows keep the model's distribution (a
+chi-square test), and stop tokens, stop strings, max_tokens, opt-outs, refused features,
+cancellation and weight swaps keep working. The references are the same engine without a
+speculator, mlx-lm's `generate_step` alone, and the model's exact distribution."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import worker  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+from mlx_lm import load
+
+from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits
+from worker.engines.compiled import CompiledEngine
+from worker.engines.speculation import DraftRow, Speculator
+from worker.engines.speculation.adaptive import FIRST_BACKOFF, RowAdaptivity
+from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
+from worker.engines.speculation.ngram import NgramDrafter
+from worker.scheduler import BatchScheduler
+from worker.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def itself(tiny_model_dir):
+    """The served model's weights in a model object of their own: the model as its own draft (the ceiling)."""
+    return load(tiny_model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory) -> str:
+    """An unrelated tiny random model with the same tokenizer (other weights): the floor of a draft."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-draft", seed=7))
+
+
+@pytest.fixture(scope="module")
+def unrelated(other_dir):
+    return load(other_dir)[0]
+
+
+def looping_prompt(i: int, length: int) -> list[int]:
+    """A prompt that repeats a short phrase, so prompt lookup has something to find."""
+    phrase = [(i * 37 + k * 11) % 500 + 3 for k in range(5 + i % 3)]
+    return (phrase * (length // len(phrase) + 1))[:length]
+
+
+def drafter_for(name: str, model: Any, itself: Any, unrelated: Any) -> Any:
+    vocab = model.args.vocab_size
+    if name == "ngram":
+        return NgramDrafter()
+    return DraftModelDrafter(itself if name == "itself" else unrelated, vocab)
+
+
+def run(model, tokenizer, requests: dict[str, dict], speculator=None, max_num_seqs: int = 8) -> tuple[dict, Any]:
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=max_num_seqs, speculator=speculator)
+    results = run_all(BatchScheduler(engine, max_num_seqs=max_num_seqs), dict(requests))
+    return results, engine
+
+
+def assert_same(with_spec: dict, without: dict, tolerance: float = 1e-4) -> None:
+    for job_id, reference in without.items():
+        got = with_spec[job_id]
+        assert got.status == reference.status == "finished", (job_id, got.error)
+        for mine, theirs in zip(got.choices, reference.choices, strict=True):
+            assert mine.token_ids == theirs.token_ids, job_id
+            assert mine.text == theirs.text and mine.finish_reason == theirs.finish_reason, job_id
+            if theirs.logprobs is not None:
+                assert mine.logprobs == pytest.approx(theirs.logprobs, abs=tolerance), job_id
+            if theirs.top_logprobs is not None:
+                for a, b in zip(mine.top_logprobs, theirs.top_logprobs, strict=True):
+                    assert [t.token_id for t in a] == [t.token_id for t in b], job_id
+                    assert [t.logprob for t in a] == pytest.approx([t.logprob for t in b], abs=tolerance), job_id
+
+
+def accepted(results: dict) -> int:
+    return sum(r.speculation.accepted for r in results.values() if r.speculation is not None)
+
+
+GREEDY_BATCH = {
+    **{f"g{i}": {"prompt_token_ids": looping_prompt(i, 20 + 7 * i), "max_tokens": 24 + 3 * i, "temperature": 0,
+                 "logprobs": True, "top_logprobs": 2, "ignore_eos": True} for i in range(4)},
+    "processed": {"prompt_token_ids": looping_prompt(5, 30), "max_tokens": 20, "temperature": 0, "logprobs": True,
+                  "logprobs_mode": "processed", "ignore_eos": True},
+    "bias": {"prompt_token_ids": looping_prompt(6, 25), "max_tokens": 20, "temperature": 0, "logprobs": True,
+             "logit_bias": {"40": 3.0, "41": -5.0}, "ignore_eos": True},
+    "eos": {"prompt_token_ids": looping_prompt(7, 12), "max_tokens": 30, "temperature": 0, "logprobs": True},
+}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "itself", "unrelated"])
+def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, itself, unrelated, drafter):
+    """In one batch, greedy rows (raw and processed logprobs with top entries, a logit bias, a row
+    that may end at EOS) give what the engine gives without speculation and what mlx-lm gives each
+    alone, logprobs within 1e-4; the proposals were used (the model as its own draft: each accepted
+    whole, but where a logit bias changes the served model's choice)."""
+    model, tokenizer = target
+    without, _ = run(model, tokenizer, GREEDY_BATCH)
+    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)))
+    assert_same(with_spec, without)
+    eos = set(tokenizer.eos_token_ids)
+    for job_id in ("g0", "g3", "eos"):
+        request = GREEDY_BATCH[job_id]
+        tokens, logprobs = greedy_alone(model, request["prompt_token_ids"], request["max_tokens"],
+                                        set() if request.get("ignore_eos") else eos)
+        assert with_spec[job_id].choices[0].token_ids == tokens
+        assert with_spec[job_id].choices[0].logprobs == pytest.approx(logprobs, abs=1e-3)
+    for job_id, request in GREEDY_BATCH.items():
+        if request.get("ignore_eos"):  # max_tokens is never passed, however many proposed tokens were accepted
+            assert len(with_spec[job_id].choices[0].token_ids) == request["max_tokens"]
+    assert accepted(with_spec) > 0
+    counters = engine.stats().counters
+    assert counters["speculative_accepted"] >= accepted(with_spec) and counters["speculative_steps"] > 0
+    if drafter == "itself":
+        assert all(r.speculation.accepted == r.speculation.proposed for job_id, r in with_spec.items()
+                   if job_id != "bias")  # (the draft model knows nothing of the row's logit bias)
+        longest = max(len(r.choices[0].token_ids) for r in with_spec.values())
+        assert counters["decode_steps"] <= longest * 2 // 3  # several tokens a forward pass
+
+
+def seeded_requests() -> dict[str, dict]:
+    return {f"s{i}": {"prompt_token_ids": looping_prompt(i, 14 + 5 * i), "max_tokens": 18, "temperature": 0.5 + 0.1 * i,
+                      "top_p": 0.95 if i % 2 else 1.0, "top_k": 40 if i == 2 else 0, "seed": 100 + i,
+                      "n": 2 if i == 1 else 1, "logprobs": True, "ignore_eos": True} for i in range(4)}
+
+
+def test_seeded_rows_are_the_same_alone_in_a_batch_and_without_speculation(target, itself):
+    """Seeded rows (temperatures, top-p, top-k, two choices) give the same tokens and logprobs
+    alone and batched with speculation as without it, while proposals are both accepted and rejected."""
+    model, tokenizer = target
+    requests = seeded_requests()
+    without, _ = run(model, tokenizer, requests)
+    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+    assert_same(batched, without)
+    for job_id, request in requests.items():
+        alone, _ = run(model, tokenizer, {job_id: request},
+                       Speculator(DraftModelDrafter(itself, model.args.vocab_size), max_k=2))
+        assert_same(alone, {job_id: without[job_id]})
+    stats = [r.speculation for r in batched.values()]
+    assert sum(s.accepted for s in stats) > 0 and sum(s.proposed - s.accepted for s in stats) > 0
+
+
+class FixedDrafter:
+    """Proposes the same tokens whatever the row holds (deterministic, as verification requires)."""
+
+    name = "ngram"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        return [self.tokens[: row.k] for row in rows]
+
+    def accepted(self, uid: str, proposed: int, accepted: int) -> None:
+        pass
+
+    def forget(self, uid: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampled_rows_keep_the_models_distribution(target, seeded):
+    """400 rows sample two tokens from a 4-token vocabulary (a +100 logit bias on 4 ids) while a
+    drafter proposes two fixed tokens at every step: the pairs' counts fit the model's exact joint
+    distribution p(t0) p(t1 | t0) (chi-square). Fixed seeds (and MLX's global seed for unseeded
+    rows) make it deterministic."""
+    model, tokenizer = target
+    prompt = looping_prompt(9, 16)
+    small = [40, 77, 123, 301]
+    bias = {str(t): 100.0 for t in small}
+    rows = 400
+    requests = {f"r{i}": {"prompt_token_ids": prompt, "max_tokens": 2, "temperature": 1.0, "logit_bias": bias,
+                          "ignore_eos": True, **({"seed": i} if seeded else {})} for i in range(rows)}
+    mx.random.seed(1234)
+    results, engine = run(model, tokenizer, requests, Speculator(FixedDrafter([small[0], small[1]])), max_num_seqs=16)
+    pairs = [tuple(r.choices[0].token_ids) for r in results.values()]
+    assert all(a in small and b in small for a, b in pairs)
+    proposed = sum(r.speculation.proposed for r in results.values() if r.speculation)
+    kept = accepted(results)
+    assert proposed > 0 and 0 < kept < proposed  # both acceptances and rejections were exercised
+
+    bias_vector = np.zeros(model.args.vocab_size, dtype=np.float32)
+    bias_vector[small] = 100.0
+    first = np.exp(log_softmax(teacher_forced_logits(model, prompt, [small[0]])[0] + bias_vector))
+    expected, observed = [], []
+    for a in small:
+        second = np.exp(log_softmax(teacher_forced_logits(model, prompt, [a, small[0]])[1] + bias_vector))
+        for b in small:
+            expected.append(rows * first[a] * second[b])
+            observed.append(sum(1 for pair in pairs if pair == (a, b)))
+    expected_cells, observed_cells, rest = [], [], [0.0, 0.0]
+    for e, o in zip(expected, observed):  # cells expected under 5 times are pooled
+        if e >= 5:
+            expected_cells.append(e)
+            observed_cells.append(o)
+        else:
+            rest[0] += e
+            rest[1] += o
+    if rest[0] > 0:
+        expected_cells.append(rest[0])
+        observed_cells.append(rest[1])
+    scale = sum(observed_cells) / sum(expected_cells)  # the 4-token mass is 1 - 1e-40: rounding only
+    _, p_value = chisquare(observed_cells, [e * scale for e in expected_cells])
+    assert len(expected_cells) >= 4 and p_value > 0.001, (observed, expected)
+
+
+class OracleDrafter(FixedDrafter):
+    """Proposes what the row makes without speculation (`reference`, after a prompt of `prompt_length`)."""
+
+    def __init__(self, prompt_length: int, reference: list[int]) -> None:
+        super().__init__(reference)
+        self.prompt_length = prompt_length
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        return [self.tokens[len(row.tokens) - self.prompt_length:][: row.k] for row in rows]
+
+
+def test_stop_tokens_stop_strings_and_max_tokens_end_rows_where_they_end_without_speculation(target):
+    """A stop token inside an accepted run ends the row there; a stop string is cut as without
+    speculation; max_tokens is never passed."""
+    model, tokenizer = target
+    # (greedy rows of the tiny random models repeat one token: a seeded row's text varies)
+    base = {"prompt_token_ids": looping_prompt(3, 30), "max_tokens": 40, "temperature": 0.6, "seed": 3,
+            "ignore_eos": True}
+    without, _ = run(model, tokenizer, {"base": base})
+    tokens = without["base"].choices[0].token_ids
+    stop_token = tokens[10]  # it ends the row at its first occurrence
+    pieces = [tokenizer.decode([t]).strip() for t in tokens[10:]]
+    stop_string = next(p for p in pieces if len(p) >= 2 and p.isalnum())
+    requests = {"stop_token": {**base, "stop_token_ids": [stop_token]},
+                "stop_string": {**base, "stop": [stop_string]},
+                "short": {**base, "max_tokens": 7}}
+    reference, _ = run(model, tokenizer, requests)
+    oracle = OracleDrafter(len(base["prompt_token_ids"]), tokens)  # every proposal right: runs pass the stops
+    got, _ = run(model, tokenizer, requests, Speculator(oracle))
+    assert_same(got, reference)
+    assert got["stop_token"].choices[0].token_ids[-1] == stop_token and got["stop_token"].choices[0].finish_reason == "stop"
+    assert got["stop_string"].choices[0].finish_reason == "stop" and stop_string not in got["stop_string"].choices[0].text
+    assert len(got["short"].choices[0].token_ids) == 7
+    assert all(r.speculation is not None and r.speculation.accepted > 0 for r in got.values())
+
+
+def test_opted_out_and_refused_rows_decode_beside_speculating_ones(target, itself, caplog):
+    """`speculative: false`, penalties and structured output never propose (each refusal logged
+    once); they give their own tokens while a speculating row shares their steps."""
+    model, tokenizer = target
+    prompt = looping_prompt(2, 24)
+    requests = {
+        "free": {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+        "opted_out": {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                      "speculative": False},
+        "penalty": {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                    "repetition_penalty": 1.3, "logprobs": True},
+        "penalty2": {"prompt_token_ids": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                     "presence_penalty": 0.5},
+        "json": {"prompt": "Answer in JSON:", "max_tokens": 16, "temperature": 0,
+                 "response_format": {"type": "json_object"}},
+    }
+    without, _ = run(model, tokenizer, requests)
+    with caplog.at_level(logging.INFO, logger="mlxq.engine"):
+        got, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+    assert_same(got, without)
+    assert got["free"].speculation is not None and got["free"].speculation.accepted > 0
+    assert all(got[job].speculation is None for job in ("opted_out", "penalty", "penalty2", "json"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speculation: rows with")]
+    assert len(lines) == 2 and any("penalties" in line for line in lines) and any("structured" in line for line in lines)
+
+
+def test_a_cancelled_row_ends_and_the_others_go_on(target, itself):
+    model, tokenizer = target
+    requests = {f"c{i}": {"prompt_token_ids": looping_prompt(i, 20), "max_tokens": 30, "temperature": 0,
+                          "ignore_eos": True} for i in range(3)}
+    without, _ = run(model, tokenizer, requests)
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=4,
+                            speculator=Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+    scheduler = BatchScheduler(engine, max_num_seqs=4)
+    for job_id, request in requests.items():
+        assert scheduler.admit(job_id, request) is None
+    results = {}
+    for _ in range(3):
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
+    cancelled = scheduler.cancel("c1")
+    assert cancelled is not None
+    results["c1"] = cancelled.result()
+    while len(scheduler):
+        for ended in scheduler.step():
+            results[ended.id] = ended.result()
+    assert results["c1"].status == "cancelled"
+    assert engine.num_active == 0
+    assert_same({k: v for k, v in results.items() if k != "c1"}, {k: v for k, v in without.items() if k != "c1"})
+
+
+def test_a_weight_swap_starts_the_drafter_over_and_the_new_weights_decide(tiny_model_dir, other_dir):
+    """Rows after a swap get the new weights' tokens (what mlx-lm gives with those weights alone),
+    and the draft model's caches of the old rows are dropped."""
+    model, tokenizer = load(tiny_model_dir)  # its own copy: the swap changes it
+    other, _ = load(other_dir)
+    drafter = DraftModelDrafter(load(tiny_model_dir)[0], model.args.vocab_size)
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=Speculator(drafter))
+    scheduler = BatchScheduler(engine, max_num_seqs=4)
+    first = {"prompt_token_ids": looping_prompt(1, 20), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    assert scheduler.admit("before", first) is None
+    for _ in range(2):
+        scheduler.step()
+    assert drafter.rows
+    engine.swap_weights([f"{other_dir}/model.safetensors"], 1)
+    assert not drafter.rows
+    results = run_all(scheduler, {"after": first})
+    tokens, _ = greedy_alone(other, first["prompt_token_ids"], first["max_tokens"], set())
+    assert results["after"].choices[0].token_ids == tokens
+    assert results["after"].weight_version == 1
+
+
+def test_adaptivity_turns_a_row_off_after_misses_and_grows_k_on_full_acceptance():
+    row = RowAdaptivity(max_k=5)
+    for _ in range(4):
+        row.record(row.k, row.k)
+    assert row.k == 5 and row.on
+    row.record(5, 2)
+    assert row.k == 3 and row.on
+    row.record(3, 0)
+    row.record(1, 0)  # two misses in a row: off for the first backoff
+    assert not row.on and row.off_for == FIRST_BACKOFF
+    for _ in range(FIRST_BACKOFF):
+        row.decoded()
+    assert row.on  # a probe
+    row.record(0, 0)
+    row.record(0, 0)
+    assert row.off_for == 2 * FIRST_BACKOFF  # the probe failed: twice as long
+
+
+class WrongDrafter(FixedDrafter):
+    """Proposes a token that the row's model never makes next (a logit bias of -100 keeps it out)."""
+
+
+def test_a_drafter_that_always_misses_costs_few_verification_steps(target):
+    """Open-ended output where every proposal is rejected: the row stops proposing after two misses
+    and probes again ever more rarely, so a 120-token answer takes few verification passes."""
+    model, tokenizer = target
+    request = {"prompt_token_ids": looping_prompt(4, 20), "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+               "logit_bias": {"7": -100.0}}
+    without, _ = run(model, tokenizer, {"open": request})
+    got, engine = run(model, tokenizer, {"open": request}, Speculator(WrongDrafter([7, 7, 7])))
+    assert_same(got, without)
+    steps = engine.stats().counters["speculative_steps"]
+    assert got["open"].speculation.accepted == 0
+    assert 0 < steps <= 8  # probes at about 0, 16, 48 and 112 decode steps: two misses each
+
+
+def test_the_ngram_drafter_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter()
+    assert drafter.propose([DraftRow("a", [1, 2, 3, 4, 5, 6, 1, 2, 3], 3)]) == [[4, 5, 6]]
+    assert drafter.propose([DraftRow("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 9, 2, 3], 2)]) == [[4, 9]]  # latest
+    assert drafter.propose([DraftRow("b", [8, 9, 10], 4)]) == [[]]
+    assert drafter.propose([DraftRow("c", [5, 1, 7, 5], 4)]) == [[1, 7, 5]]  # n = 1 and runs to the end
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path, target, tiny_model_dir):
+    _, tokenizer = target
+    stranger = make_tiny_model(tmp_path / "stranger", extra_special_tokens=("<other>",))
+    _, stranger_tokenizer = load(str(stranger))
+    with pytest.raises(VocabularyMismatch, match="MLXQ_DRAFT_MODEL: its tokenizer differs"):
+        check_same_vocabulary(tokenizer, stranger_tokenizer)
+    from worker.loading import ModelLoadError, build_speculator
+    from worker.settings import WorkerSettings
+
+    settings = WorkerSettings(model=tiny_model_dir, speculative="draft", draft_model=str(stranger))
+    with pytest.raises(ModelLoadError, match="MLXQ_DRAFT_MODEL: its tokenizer differs"):
+        build_speculator(settings, target[0], tokenizer)
+
+
+def test_settings_and_mlx_lms_path(tiny_model_dir, target, caplog):
+    from worker.engines.text import TextEngine
+    from worker.loading import engine_for_model
+    from worker.settings import SettingsError, WorkerSettings
+
+    with pytest.raises(SettingsError, match="MLXQ_SPECULATIVE=draft needs MLXQ_DRAFT_MODEL"):
+        WorkerSettings.from_env({}, model=tiny_model_dir, speculative="draft")
+    with pytest.raises(SettingsError, match="MLXQ_SPECULATIVE must be off, ngram or draft"):
+        WorkerSettings.from_env({"MLXQ_SPECULATIVE": "eagle"}, model=tiny_model_dir)
+    with pytest.raises(SettingsError, match="MLXQ_SPECULATIVE_K must be 1..16"):
+        WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram", "MLXQ_SPECULATIVE_K": "0"}, model=tiny_model_dir)
+    settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram", "MLXQ_DECODE": "batch-generator"},
+                                       model=tiny_model_dir)
+    with caplog.at_level(logging.INFO, logger="mlxq.worker"):
+        engine = engine_for_model(settings, *target)
+    assert isinstance(engine, TextEngine)
+    assert any("needs the compiled decode path" in r.getMessage() for r in caplog.records)
