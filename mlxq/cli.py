@@ -208,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default="llama", help="llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3_text")
     p.add_argument("--vision", action="store_true", help="a qwen2_vl vision-language model (images and text)")
-    p.add_argument("--tokenizer-from", metavar="DIR",
-                   help="use this model directory's tokenizer and vocabulary size (a random draft model for it)")
+    p.add_argument("--tokenizer-from", help=(
+        "a model directory or .gguf file whose tokenizer (and vocabulary size) the model takes: a random draft "
+        "model for --speculative draft (docs/speculative.md)"))
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine, with embedded defaults")

@@ -80,6 +80,7 @@ class _Common(BaseModel):
     guided_grammar: Optional[GuidedGrammar] = None
     adapter: Optional[str] = Field(None, min_length=1, max_length=256)
     min_weight_version: Optional[int] = Field(None, ge=0, lt=2**53)
+    speculative: Optional[bool] = None  # false: no speculative decoding for it (docs/speculative.md)
     return_token_ids: bool = False
     priority: Optional[str] = Field(None, max_length=32)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)

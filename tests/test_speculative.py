@@ -63,8 +63,10 @@ def drafter_for(name: str, model: Any, itself: Any, unrelated: Any) -> Any:
     return DraftModelDrafter(itself if name == "itself" else unrelated, vocab)
 
 
-def run(model, tokenizer, requests: dict[str, dict], speculator=None, max_num_seqs: int = 8) -> tuple[dict, Any]:
-    engine = CompiledEngine(model, tokenizer, max_num_seqs=max_num_seqs, speculator=speculator)
+def run(model, tokenizer, requests: dict[str, dict], speculator=None, max_num_seqs: int = 8,
+        first_token_from_prefill: bool = False) -> tuple[dict, Any]:
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=max_num_seqs, speculator=speculator,
+                            first_token_from_prefill=first_token_from_prefill)
     results = run_all(BatchScheduler(engine, max_num_seqs=max_num_seqs), dict(requests))
     return results, engine
 
@@ -99,15 +101,19 @@ GREEDY_BATCH = {
 }
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "itself", "unrelated"])
-def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, itself, unrelated, drafter):
+@pytest.mark.parametrize("drafter,from_prefill", [("ngram", False), ("itself", False), ("unrelated", False),
+                                                  ("itself", True)])
+def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, itself, unrelated, drafter,
+                                                                        from_prefill):
     """In one batch, greedy rows (raw and processed logprobs with top entries, a logit bias, a row
     that may end at EOS) give what the engine gives without speculation and what mlx-lm gives each
     alone, logprobs within 1e-4; the proposals were used (the model as its own draft: each accepted
-    whole, but where a logit bias changes the served model's choice)."""
+    whole, but where a logit bias changes the served model's choice). With `from_prefill` each row's
+    first token comes from its prefill's logits (a GPU's way) rather than a decode step (the CPU's)."""
     model, tokenizer = target
     without, _ = run(model, tokenizer, GREEDY_BATCH)
-    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)))
+    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)),
+                            first_token_from_prefill=from_prefill)
     assert_same(with_spec, without)
     eos = set(tokenizer.eos_token_ids)
     for job_id in ("g0", "g3", "eos"):
@@ -141,7 +147,8 @@ def test_seeded_rows_are_the_same_alone_in_a_batch_and_without_speculation(targe
     model, tokenizer = target
     requests = seeded_requests()
     without, _ = run(model, tokenizer, requests)
-    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)),
+                     first_token_from_prefill=True)
     assert_same(batched, without)
     for job_id, request in requests.items():
         alone, _ = run(model, tokenizer, {job_id: request},
@@ -401,3 +408,62 @@ def test_settings_and_mlx_lms_path(tiny_model_dir, target, caplog):
         engine = engine_for_model(settings, *target)
     assert isinstance(engine, TextEngine)
     assert any("needs the compiled decode path" in r.getMessage() for r in caplog.records)
+
+
+def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
+    """Rows of two LoRA adapters and base rows, and a row that scores its prompt, speculate in one
+    batch (the adapted model verifies) with the tokens, logprobs and prompt scores they get without."""
+    from worker.adapters import AdapterCatalog
+    from worker.tiny_model import make_tiny_adapter
+
+    model, tokenizer = target
+    make_tiny_adapter(tmp_path / "alpha", model, keys=("self_attn.q_proj", "self_attn.v_proj"), rank=4, scale=10.0,
+                      seed=1, strength=0.3)
+    make_tiny_adapter(tmp_path / "beta", model, keys=("mlp.gate_proj", "mlp.up_proj"), rank=2, scale=20.0, seed=2,
+                      strength=0.2)
+    requests = {f"a{i}": {"prompt_token_ids": looping_prompt(i, 18 + 4 * i), "max_tokens": 20, "temperature": 0,
+                          "logprobs": True, "ignore_eos": True, **({"adapter": name} if name else {})}
+                for i, name in enumerate([None, "alpha", "beta", "alpha", None])}
+    requests["scored"] = {"prompt_token_ids": looping_prompt(6, 20), "max_tokens": 12, "temperature": 0,
+                          "prompt_logprobs": 2, "ignore_eos": True}
+
+    def run_with(speculator):
+        engine = CompiledEngine(model, tokenizer, max_num_seqs=8, adapters=AdapterCatalog(tmp_path),
+                                speculator=speculator)
+        return run_all(BatchScheduler(engine, max_num_seqs=8), dict(requests))
+
+    without = run_with(None)
+    got = run_with(Speculator(NgramDrafter()))
+    assert_same(got, without)
+    assert got["scored"].prompt_logprobs == without["scored"].prompt_logprobs is not None
+    assert all(got[job].speculation is not None for job in requests) and accepted(got) > 0
+
+
+def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
+    """One row that may propose beside seven that may not is not worth the batch's wider pass; beside
+    three it is; and a batch too large for `max_positions` never speculates."""
+    from worker.engines.base import SequenceSpec
+
+    class Row:
+        def __init__(self, uid: str, speculative: bool) -> None:
+            self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
+            self.prompt, self.generated, self.constraint = [1, 2], [], None
+
+    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)
+    lone = [Row("on", True)]
+    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(3)], slot_count=4)
+    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
+
+
+def test_requests_opt_out_through_the_client_schema_and_the_gateway():
+    from producer.openai_requests import CHAT_PATH, parse_openai_request, to_generation_requests
+    from schemas import GenerationRequest, InvalidRequestError
+
+    assert GenerationRequest(prompt="hi").speculative is True
+    assert GenerationRequest(prompt="hi", speculative=False).speculative is False
+    with pytest.raises(InvalidRequestError, match="speculative"):
+        GenerationRequest.validate_payload({"prompt": "hi", "speculative": "no"})
+    body = parse_openai_request(CHAT_PATH, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "speculative": False})
+    assert [r.speculative for r in to_generation_requests(body)] == [False]

@@ -116,8 +116,8 @@ def make_tiny_model(
     """Write a random-weight model of architecture `arch` (llama unless given) to `path` and
     return it. `num_key_value_heads` overrides the shape's (grouped-query attention or not);
     `extra_special_tokens` (e.g. think tags) join the tokenizer's, `chat_template` replaces ChatML.
-    `tokenizer_from` (a model directory) gives the model that model's tokenizer files, vocabulary
-    size and bos/eos ids instead of a trained one: a random draft model for that model."""
+    `tokenizer_from` (a model directory or .gguf file) gives it that model's tokenizer instead, and a
+    vocabulary of its size: a draft model for speculative decoding of that model (docs/speculative.md)."""
     import importlib
 
     import mlx.core as mx
@@ -131,15 +131,18 @@ def make_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
-        vocab_size, special_ids = _copy_tokenizer(Path(tokenizer_from), out)
+        from transformers import AutoTokenizer
+
+        from worker.loading import model_directory
+
+        tokenizer = AutoTokenizer.from_pretrained(model_directory(str(tokenizer_from)))
+        dims = ModelShape(dims.hidden_size, dims.num_hidden_layers, dims.intermediate_size, dims.num_attention_heads,
+                          dims.num_key_value_heads, len(tokenizer))
     else:
         tokenizer = _train_tokenizer(dims.vocab_size, SPECIAL_TOKENS + list(extra_special_tokens), chat_template)
-        if len(tokenizer) != dims.vocab_size:
-            raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {dims.vocab_size}")
-        tokenizer.save_pretrained(str(out))
-        vocab_size = dims.vocab_size
-        special_ids = {"bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                       "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN)}
+    if len(tokenizer) != dims.vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {dims.vocab_size}")
+    tokenizer.save_pretrained(str(out))
 
     config = {
         "model_type": arch,
@@ -150,11 +153,12 @@ def make_tiny_model(
         "num_key_value_heads": num_key_value_heads or dims.num_key_value_heads,
         "head_dim": dims.hidden_size // dims.num_attention_heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": vocab_size,
+        "vocab_size": dims.vocab_size,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
         **extra,
-        **special_ids,
+        "bos_token_id": tokenizer.bos_token_id if tokenizer_from else tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id if tokenizer_from else tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         "torch_dtype": dtype,
     }
     mx.random.seed(seed)
@@ -163,29 +167,6 @@ def make_tiny_model(
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
-
-
-# What a model directory's tokenizer is made of (mlx-lm and transformers read these).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
-
-
-def _copy_tokenizer(source: Path, out: Path) -> tuple[int, dict[str, object]]:
-    """Copy `source`'s tokenizer files into `out`; its config's vocabulary size (the embedding's
-    rows, which may exceed the tokenizer's length) and bos/eos ids."""
-    import shutil
-
-    config_path = source / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"tokenizer_from: {source} is not a model directory (no config.json)")
-    config = json.loads(config_path.read_text())
-    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if not any(name in copied for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ValueError(f"tokenizer_from: {source} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])})")
-    for name in copied:
-        shutil.copyfile(source / name, out / name)
-    special = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in config}
-    return int(config["vocab_size"]), special
 
 
 # Qwen2-VL's image tokens and the ChatML template with its image placeholder (one per image part).

@@ -47,8 +47,7 @@ from worker.engines.slot_cache import KVLayout
 from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
 from worker.engines.speculation.speculator import Speculator, StepPlan
-from worker.engines.speculation.verify import ExtraPositions, ExtraRow, accepted_count
-from worker.engines.speculation.verify_step import VerifyStep
+from worker.engines.speculation.verify_pass import VerificationPass
 from worker.engines.text_model import ChatFormat, model_context_length, model_vocab_size, prepare_prompt
 from worker.engines.weight_swap import ParameterSpec, parameter_spec, swap_into
 
@@ -128,8 +127,8 @@ class CompiledEngine:
         self._prebuild: Optional[Any] = None  # a KernelPrebuild (prebuild_kernels)
         # Speculative decoding (docs/speculative.md): the policy, and the verification pass over its proposals.
         self._spec = speculator
-        self._verify = VerifyStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state) if speculator else None
-        self._extra = ExtraPositions()
+        self._verification = (VerificationPass(model, self._layout.grouped_mask, self._lora, speculator)
+                              if speculator is not None else None)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -585,88 +584,11 @@ class CompiledEngine:
 
     # --- speculative decoding (docs/speculative.md) ------------------------------------------
     def _verify_plan(self, plan: StepPlan) -> list[TokenEvent]:
-        """One verification pass over every slot: each row's input and its proposal (rows without
-        one decode as in a decode step), read back at once. Each row keeps the proposed tokens the
-        served model's own draws confirm, and the draw after them (worker/engines/speculation/verify.py);
-        its position moves to the end of what it kept, which rolls back the rejected tokens' keys and values."""
-        assert self._spec is not None and self._verify is not None
-        table = self._table
-        table.fit(waiting=bool(self._waiting), ahead=plan.width - 1)
-        assert table.buffers is not None and table.inputs is not None
-        occupied = table.occupied()
-        drafts = {id(r.seq): r.draft for r in plan.rows}
-        padded = [[0] * (plan.width - 1) for _ in table.slots]
-        positions = [0] * len(table.slots)
-        adapter_slots = [0] * len(table.slots)
-        for seq in occupied:
-            draft = drafts.get(id(seq), [])
-            padded[seq.slot][: len(draft)] = draft
-            positions[seq.slot] = seq.position
-            adapter_slots[seq.slot] = seq.adapter_slot
-        inputs = table.inputs
-        tokens = mx.concatenate([inputs[:, None].astype(mx.uint32), mx.array(padded, dtype=mx.uint32)], axis=1)
-        self._sampling.begin(occupied, inputs)
-        with self._lora.rows(adapter_slots):
-            logits = self._verify(tokens, mx.array(positions, dtype=mx.int32), table.buffers)
-        first, gather, wanting = self._sampling.sample(logits[:, 0, :], inputs, occupied, len(table.slots))
-        errors = [seq.error for seq in occupied]
-        extra_rows = [ExtraRow(r.seq, r.seq.slot, j, r.seq.seeded_row.drawn - 1 + j if r.seq.seeded_row else 0)
-                      for r in plan.rows for j in range(1, len(r.draft) + 1)]
-        extra = self._extra.sample(logits, extra_rows)
-        mx.eval(first, extra.tokens, *(gather.arrays if gather is not None else ()),
-                *(extra.logprobs.arrays if extra.logprobs is not None else ()), *table.buffers.arrays())
+        """One verification pass over every slot (worker/engines/speculation/verify_pass.py), read back at once."""
+        assert self._verification is not None
+        self._table.fit(waiting=bool(self._waiting), ahead=plan.width - 1)
         self._counters.decode_steps += 1
-        self._spec.steps += 1
-        first_tokens, extra_tokens = first.tolist(), extra.tokens.tolist()
-        extras_of: dict[int, list[int]] = {}
-        for k, row in enumerate(extra_rows):
-            extras_of.setdefault(id(row.seq), []).append(k)
-        wanted_at = {row: i for i, row in enumerate(wanting)}
-        extra_wanted_at = {row: i for i, row in enumerate(extra.wanting)}
-        wanted_events: list[Optional[TokenEvent]] = [None] * len(wanting)
-        extra_events: list[Optional[TokenEvent]] = [None] * len(extra.wanting)
-        next_inputs = list(first_tokens)
-        events: list[TokenEvent] = []
-        for i, seq in enumerate(occupied):
-            spec = seq.spec
-            if errors[i] is not None:
-                events.append(TokenEvent(uid=spec.uid, token=-1, index=spec.choice_index, error=errors[i]))
-                self._end(seq)
-                continue
-            draft, mine = drafts.get(id(seq), []), extras_of.get(id(seq), [])
-            sampled = [int(first_tokens[seq.slot])] + [int(extra_tokens[k]) for k in mine]
-            kept = sampled[: accepted_count(draft, sampled) + 1]
-            seq.position += 1  # its input
-            emitted: list[TokenEvent] = []
-            for j, token in enumerate(kept):
-                if j:
-                    seq.position += 1  # the proposed token this one follows was fed and kept
-                event = self._emit(seq, token, self._version)
-                emitted.append(event)
-                if event.error is None and j == 0 and i in wanted_at:
-                    wanted_events[wanted_at[i]] = event
-                elif event.error is None and j and mine[j - 1] in extra_wanted_at:
-                    extra_events[extra_wanted_at[mine[j - 1]]] = event
-                if seq.done:
-                    break
-            events += emitted
-            if draft:
-                emitted[0].speculation = (self._spec.name, len(draft), len(emitted) - 1)
-                self._spec.outcome(seq, len(draft), len(kept) - 1)
-            seq.launches += 1
-            if not seq.done:
-                next_inputs[seq.slot] = kept[-1]
-                if seq.seeded_row is not None:
-                    seq.seeded_row.drawn += len(kept) - 1  # its keys go on from the last token kept
-                if seq.custom and len(kept) > 1:
-                    assert seq.context is not None
-                    seq.context = mx.concatenate([seq.context, mx.array(kept[:-1], dtype=mx.int32)])
-        table.inputs = mx.array(next_inputs, dtype=mx.uint32)
-        if gather is not None:
-            gather.fill(wanted_events)
-        if extra.logprobs is not None:
-            extra.logprobs.fill(extra_events)
-        return events
+        return self._verification.run(plan, self._table, self._sampling, self._version, self._emit, self._end)
 
     def _keep_cache(self, seq: DecodingSequence) -> None:
         """Offer a finished sequence's cache (its prompt and the output fed back so far) to the

@@ -23,6 +23,10 @@ DEFAULT_MAX_K = 4
 # Slots x width of a verification pass at most: 8 slots verify up to 8 positions each, 16 up to 4,
 # 32 up to 2, 64 and more do not speculate.
 DEFAULT_MAX_POSITIONS = 64
+# A verification pass runs only when the rows that would propose are expected (their running
+# acceptance times their k) to add at least this many tokens per decoding row: the pass costs the
+# whole batch its wider step and, on a GPU, the overlap, so one probing row does not hold up 30 others.
+MIN_EXPECTED_GAIN = 0.25
 
 
 class Row(Protocol):
@@ -107,13 +111,16 @@ class Speculator:
     def wants(self, rows: Sequence[Row], slot_count: int) -> bool:
         """Whether some row would propose this step (then the engine reads the step in flight back
         first: a proposal continues each row's latest token)."""
-        if self._width_limit(slot_count) < 2:
+        limit = self._width_limit(slot_count) - 1
+        if limit < 1:
             return False
+        expected = 0.0
         for row in rows:
             state = self._state(row)
-            if state.refusal is None and state.adaptivity.on and self._room(row) > 0:
-                return True
-        return False
+            room = self._room(row)
+            if state.refusal is None and state.adaptivity.on and room > 0:
+                expected += state.adaptivity.acceptance * min(state.adaptivity.k, limit, room)
+        return expected > 0 and expected >= MIN_EXPECTED_GAIN * len(rows)
 
     def step_began(self, rows: Sequence[Row]) -> None:
         """Every engine step: rows with speculation off count down to their next probe."""
