@@ -117,6 +117,21 @@ def metrics(records: list[RequestRecord]) -> dict[str, Any]:
             "ttft_p50_s": ttft["p50"] if ttft else None}
 
 
+def worker_cpu_s(cluster: MlxqCluster) -> float:
+    """CPU seconds the cluster's worker processes have used: the work a run costs, which the load of
+    other processes on a shared machine changes far less than the wall time it takes."""
+    import psutil
+
+    total = 0.0
+    for pid in cluster.pids():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def decode_rate(engine: dict[str, float]) -> Optional[float]:
     """Tokens per second of the worker's decode steps (verification steps among them), prefill left
     out: what speculation changes, where a CPU's prefill takes much of the wall time."""
@@ -189,14 +204,15 @@ class SpeculativeRun:
         requests = [BenchRequest(i, self.prompts[kind][i], cfg.spec_new_tokens, client=i, temperature=temperature,
                                  seed=cfg.seed + i if sampling == "sampled" else None) for i in range(n)]
         workload: Workload = all_at_once(requests, f"{kind}-{sampling}-{n}")
-        before = cluster.time_counters()
+        before, cpu_before = cluster.time_counters(), worker_cpu_s(cluster)
         records = drive(cluster, workload, cfg.request_timeout_s,
                         make_payload=lambda r: payload(r, cfg.spec_ignore_eos))
-        after = cluster.time_counters()
+        after, cpu_after = cluster.time_counters(), worker_cpu_s(cluster)
         assert cluster.conn is not None
         engine = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
         entry = {"arm": arm, "workload": kind, "sampling": sampling, "rows": n, "repeat": repeat,
                  **metrics(records), "decode_tokens_per_s": decode_rate(engine),
+                 "worker_cpu_s": cpu_after - cpu_before,
                  "speculation": speculation_of(cluster.conn, records), "engine": engine}
         first = min(records, key=lambda r: r.index)
         if repeat == 0 and first.extra.get("token_ids") is not None:  # what the model wrote, for the reader
@@ -223,7 +239,8 @@ class SpeculativeRun:
             "text_identity": {**identity, "all_equal_off": all_equal_baseline(identity)},
             "method": "one worker per arm, all started first; each workload's requests sent at once to one arm "
                       "after the other, the order reversed every other repeat; ratio = drafter tok/s / off tok/s "
-                      "within a repeat, median over repeats; acceptance = accepted / proposed draft tokens "
+                      "within a repeat, median over repeats (decode ratio: of the workers' decode-step tokens/s; "
+                      "CPU-time ratio: off's worker CPU seconds over the drafter's); acceptance = accepted / proposed draft tokens "
                       "summed over the results' `speculation` fields; prefix cache off in every worker",
         }
 
@@ -246,6 +263,9 @@ def compare(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]
                 continue
             mine = {r["repeat"]: r for r in here if r["arm"] == arm}
             each = [x for rep in sorted(mine) if (x := ratio(mine[rep]["tokens_per_s"], base.get(rep))) is not None]
+            cpu_base = {r["repeat"]: r for r in here if r["arm"] == BASELINE}
+            cpu_each = [x for rep in sorted(mine) if rep in cpu_base
+                        and (x := ratio(cpu_base[rep].get("worker_cpu_s"), mine[rep].get("worker_cpu_s"))) is not None]
             decode_base = {r["repeat"]: r.get("decode_tokens_per_s") for r in here if r["arm"] == BASELINE}
             decode_each = [x for rep in sorted(mine)
                            if (x := ratio(mine[rep].get("decode_tokens_per_s"), decode_base.get(rep))) is not None]
@@ -256,6 +276,7 @@ def compare(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]
                         "off_tokens_per_s": median(list(base.values())),
                         "ratio": median(each), "ratios_each_repeat": each,
                         "decode_ratio": median(decode_each), "decode_ratios_each_repeat": decode_each,
+                        "cpu_ratio": median(cpu_each), "cpu_ratios_each_repeat": cpu_each,
                         "proposed": proposed, "accepted": accepted,
                         "acceptance": accepted / proposed if proposed else None,
                         "reported_speculation": any(r["speculation"]["results_reporting"] for r in mine.values())})
@@ -282,18 +303,19 @@ def speculative_lines(s: dict[str, Any]) -> str:
     lines = [f"- speculative decoding (rows {', '.join(map(str, s['rows']))}; up to {s['new_tokens']} new tokens"
              f"{', EOS ignored' if s['ignore_eos'] else ', ending at EOS'}; {s['repeats']} repeat(s), arms "
              f"interleaved; ratio = drafter / off tok/s end to end, median of the repeats' own; decode ratio: the "
-             f"same of the workers' decode-step tokens/s, prefill left out; every greedy request's tokens "
+             f"same of the workers' decode-step tokens/s, prefill left out; CPU-time ratio: off's worker CPU seconds "
+             f"over the drafter's for the same requests; every greedy request's tokens "
              f"= off's: {same})", "",
              "| workload | sampling | rows | off tok/s | drafter | tok/s | ratio | each repeat | decode ratio "
-             "| acceptance |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
+             "| CPU-time ratio | acceptance |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for c in s["comparisons"]:
         acceptance = (f"{100 * c['acceptance']:.0f}% ({c['accepted']}/{c['proposed']})" if c["acceptance"] is not None
                       else ("0 proposed" if c["reported_speculation"] else "not reported"))
         lines.append(f"| {c['workload']} | {c['sampling']} | {c['rows']} | {_f(c['off_tokens_per_s'])} | "
                      f"{c['drafter']} | {_f(c['tokens_per_s'])} | {_f(c['ratio'], 2)} | "
                      f"{', '.join(_f(x, 2) for x in c['ratios_each_repeat']) or '—'} | {_f(c.get('decode_ratio'), 2)} "
-                     f"| {acceptance} |")
+                     f"| {_f(c.get('cpu_ratio'), 2)} | {acceptance} |")
     return "\n".join(lines)
 
 
