@@ -9,7 +9,9 @@ runs: `off` (no speculation: the baseline) and one per drafter of --spec-drafter
 - draft-random: a tiny random-weight model with the served model's tokenizer and vocabulary
   (`mlxq make-tiny-model --tokenizer-from`), whose proposals are almost never accepted: what
   speculation costs when it cannot help;
-- draft: --spec-draft-model, a real draft model.
+- draft: --spec-draft-model, a real draft model;
+- control: a second worker without speculation, measured as a drafter is: its ratio to `off` is the
+  spread a shared machine's load alone gives two identical workers.
 
 For each workload (spec_workloads.py: grounded, chat), sampling (greedy; sampled: --spec-temperature,
 seeded per request) and row count of --spec-rows, every arm runs the same requests, all sent at once,
@@ -37,7 +39,7 @@ from mlxq.bench.text_check import TextCheck
 from mlxq.bench.workloads import BenchRequest, RequestRecord, Tokenizer, Workload, all_at_once, make_prompts
 from schemas import keys
 
-SPEC_DRAFTERS = ("ngram", "draft-self", "draft-random", "draft")
+SPEC_DRAFTERS = ("ngram", "draft-self", "draft-random", "draft", "control")
 SAMPLINGS = ("greedy", "sampled")
 BASELINE = "off"
 SETTLE_TIMEOUT_S = 900.0
@@ -59,7 +61,7 @@ def random_draft(model_path: str, where: Path) -> str:
 def arm_env(cfg: BenchConfig, arm: str, model_path: str, random_path: Optional[str]) -> dict[str, str]:
     """The worker settings of one arm (MLXQ_* variables: `mlxq worker`'s flags)."""
     env = {"MLXQ_PREFIX_CACHE_MB": "0"}  # every repeat prefills alike
-    if arm == BASELINE:
+    if arm in (BASELINE, "control"):
         return {**env, "MLXQ_SPECULATIVE": "off"}
     if cfg.spec_k is not None:
         env["MLXQ_SPECULATIVE_K"] = str(cfg.spec_k)
