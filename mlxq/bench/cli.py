@@ -154,7 +154,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--spec-drafters", type=_list(str), default=("ngram", "draft-self", "draft-random"),
                    help="speculative: the arms compared with a worker without speculation: ngram (prompt lookup), "
                         "draft-self (the model as its own draft), draft-random (a tiny random draft with the "
-                        "model's vocabulary), draft (--spec-draft-model) (default ngram,draft-self,draft-random)")
+                        "model's vocabulary), draft (--spec-draft-model), control (a second worker "
+                        "without speculation: the noise of the machine) (default ngram,draft-self,draft-random)")
     g.add_argument("--spec-workloads", type=_list(str), default=("grounded", "chat"),
                    help="speculative: grounded (copy, correct, list, summarize a passage in the prompt), chat "
                         "(open questions) (default both)")
