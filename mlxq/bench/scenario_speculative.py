@@ -323,7 +323,7 @@ def speculative_lines(s: dict[str, Any]) -> str:
 
 def plot_speculative(s: dict[str, Any], path: Path) -> None:
     """One column per workload and sampling: tokens/s per arm (top) and each drafter's ratio to `off`
-    (bottom; the legend gives its acceptance), against the row count."""
+    (bottom: the median line, each repeat's a dot; the legend gives its acceptance), against the row count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -355,6 +355,9 @@ def plot_speculative(s: dict[str, Any], path: Path) -> None:
                      else "none proposed" if reported else "not reported")
             bottom.plot(rows, [c["ratio"] or float("nan") for _, c in pts], marker="o", color=colors[drafter],
                         label=f"{drafter} ({share})")
+            for x, c in pts:  # each repeat's own ratio: the spread the medians come from
+                bottom.scatter([x] * len(c["ratios_each_repeat"]), c["ratios_each_repeat"], s=14, alpha=0.4,
+                               color=colors[drafter])
         bottom.axhline(1.0, color="grey", linewidth=1)
         for ax, title, ylabel in ((top, f"{kind}, {sampling}: generated tokens/s", "tokens/s"),
                                   (bottom, f"{kind}, {sampling}: drafter / off", "tokens/s ratio (paired)")):
