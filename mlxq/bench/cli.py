@@ -27,7 +27,8 @@ Workloads: closed loop (--concurrency N clients) and open loop (Poisson --rates)
 (--scenario): throughput (the arms), overhead, late-joiner, rl, prefix-cache, soak, structured, images (image jobs
 alone, through mlx-vlm's batched generation and through mlxq), weights (the model's weight formats on this
 device: decode step and prefill), startup (a fresh worker's first answer and early throughput, per decode
-path), or all. --model takes a model directory, a .gguf file or a hub id.
+path), speculative (tokens/s with and without speculative decoding, per drafter, on input-grounded
+and open chat requests), or all. --model takes a model directory, a .gguf file or a hub id.
 The throughput arms' greedy texts are checked: each workload's first request alone through mlx-lm is
 the reference, and the table says per arm whether its text equals it, and how many requests equal B's.
 Writes report.json, table.md, plot.png and records.jsonl to --out, and prints the table.
@@ -150,6 +151,23 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--startup-paths", type=_list(str), default=("batch-generator", "auto"),
                    help="startup: the workers compared: batch-generator, auto (the default worker), blocking (auto "
                         "with every shape compiled before the first job) (default batch-generator,auto)")
+    g.add_argument("--spec-drafters", type=_list(str), default=("ngram", "draft-self", "draft-random"),
+                   help="speculative: the arms compared with a worker without speculation: ngram (prompt lookup), "
+                        "draft-self (the model as its own draft), draft-random (a tiny random draft with the "
+                        "model's vocabulary), draft (--spec-draft-model), control (a second worker "
+                        "without speculation: the noise of the machine) (default ngram,draft-self,draft-random)")
+    g.add_argument("--spec-workloads", type=_list(str), default=("grounded", "chat"),
+                   help="speculative: grounded (copy, correct, list, summarize a passage in the prompt), chat "
+                        "(open questions) (default both)")
+    g.add_argument("--spec-sampling", type=_list(str), default=("greedy",),
+                   help="speculative: greedy and/or sampled (--spec-temperature, seeded) (default greedy)")
+    g.add_argument("--spec-rows", type=_list(int), default=(1, 8, 32), help="speculative: requests at once (1,8,32)")
+    g.add_argument("--spec-new-tokens", type=int, default=64, help="speculative: max new tokens a request (64)")
+    g.add_argument("--spec-k", type=int, help="speculative: the workers' --speculative-k (default: theirs)")
+    g.add_argument("--spec-temperature", type=float, default=0.7, help="speculative: sampled requests' (0.7)")
+    g.add_argument("--spec-ignore-eos", action="store_true",
+                   help="speculative: every request makes --spec-new-tokens tokens (default: it ends at EOS)")
+    g.add_argument("--spec-draft-model", help="speculative: the draft model of the `draft` drafter")
     p.set_defaults(func=_run)
 
 
@@ -183,6 +201,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         image_new_tokens=args.image_new_tokens, weights=args.weights, weights_variants=args.weights_variants,
         weights_rows=args.weights_rows, weights_steps=args.weights_steps, weights_prefill=args.weights_prefill,
         startup_cold=args.startup_cold, startup_wave=args.startup_wave, startup_paths=args.startup_paths,
+        spec_drafters=args.spec_drafters, spec_workloads=args.spec_workloads, spec_sampling=args.spec_sampling,
+        spec_rows=args.spec_rows, spec_new_tokens=args.spec_new_tokens, spec_k=args.spec_k,
+        spec_temperature=args.spec_temperature, spec_ignore_eos=args.spec_ignore_eos,
+        spec_draft_model=args.spec_draft_model,
     )
 
 

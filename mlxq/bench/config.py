@@ -8,7 +8,7 @@ from typing import Optional
 
 ARMS = ("A", "B", "C", "D", "E", "S", "K")
 SCENARIOS = ("throughput", "overhead", "late-joiner", "rl", "prefix-cache", "soak", "structured", "gateway-stream",
-             "gateway-blocking", "images", "weights", "startup")
+             "gateway-blocking", "images", "weights", "startup", "speculative")
 # --weights: the in-process arms' model as a worker serves it on this device, or as mlx-lm loads it
 WEIGHTS = ("worker", "as-loaded")
 
@@ -100,6 +100,16 @@ class BenchConfig:
     startup_cold: bool = True  # scenario startup: each worker starts with an empty kernel cache
     startup_wave: int = 8
     startup_paths: tuple[str, ...] = ("batch-generator", "auto")  # scenario_startup.PATHS
+    # scenario speculative (mlxq/bench/scenario_speculative.py)
+    spec_drafters: tuple[str, ...] = ("ngram", "draft-self", "draft-random")
+    spec_workloads: tuple[str, ...] = ("grounded", "chat")
+    spec_sampling: tuple[str, ...] = ("greedy",)
+    spec_rows: tuple[int, ...] = (1, 8, 32)
+    spec_new_tokens: int = 64
+    spec_k: Optional[int] = None  # the workers' --speculative-k; None: theirs
+    spec_temperature: float = 0.7
+    spec_ignore_eos: bool = False
+    spec_draft_model: Optional[str] = None  # the `draft` drafter's model
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -143,8 +153,27 @@ class BenchConfig:
 
         if not self.startup_paths or any(p not in PATHS for p in self.startup_paths):
             raise ValueError(f"--startup-paths: choose from {','.join(PATHS)}")
+        self._validate_speculative()
         if self.soak_engine not in ("model", "fake"):
             raise ValueError("--soak-engine is model or fake")
+
+    def _validate_speculative(self) -> None:
+        from mlxq.bench.scenario_speculative import SAMPLINGS, SPEC_DRAFTERS
+        from mlxq.bench.spec_workloads import SPEC_WORKLOADS
+
+        for name, given, allowed in (("--spec-drafters", self.spec_drafters, SPEC_DRAFTERS),
+                                     ("--spec-workloads", self.spec_workloads, SPEC_WORKLOADS),
+                                     ("--spec-sampling", self.spec_sampling, SAMPLINGS)):
+            if not given or any(v not in allowed for v in given) or len(set(given)) != len(given):
+                raise ValueError(f"{name}: one or more of {','.join(allowed)}, each once")
+        if "draft" in self.spec_drafters and not self.spec_draft_model:
+            raise ValueError("--spec-drafters draft needs --spec-draft-model")
+        if not self.spec_rows or any(n < 1 for n in self.spec_rows) or self.spec_new_tokens < 1:
+            raise ValueError("--spec-rows and --spec-new-tokens take positive integers")
+        if self.spec_k is not None and self.spec_k < 1:
+            raise ValueError("--spec-k must be >= 1")
+        if not self.spec_temperature > 0:
+            raise ValueError("--spec-temperature must be > 0")
 
     @property
     def logs(self) -> Path:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from mlxq.bench.images import images_line
 from mlxq.bench.structured import summary_line as structured_summary_line
-from mlxq.bench import scenario_gateway, scenario_rl_swap, scenario_startup, scenario_weights
+from mlxq.bench import scenario_gateway, scenario_rl_swap, scenario_speculative, scenario_startup, scenario_weights
 from mlxq.bench.stats import median, ratio
 from mlxq.bench.text_check import identity_lines
 
@@ -85,6 +85,9 @@ def write_all(report: dict[str, Any], out: Path) -> str:
             plot(report, out / "plot.png")
         if "soak" in report.get("scenarios", {}):
             plot_soak(report["scenarios"]["soak"], out / "soak.png")
+        spec = report.get("scenarios", {}).get("speculative")
+        if spec and "comparisons" in spec:
+            scenario_speculative.plot_speculative(spec, out / "speculative.png")
     except ImportError:
         table += "\n(no plot: matplotlib is not installed; pip install 'mlxq[bench]')\n"
     return table
@@ -291,6 +294,7 @@ _SCENARIO_LINES = {
     "gateway-stream": scenario_gateway.stream_line,
     "gateway-blocking": scenario_gateway.blocking_line,
     "images": images_line,
+    "speculative": scenario_speculative.speculative_lines,
 }
 
 

@@ -63,7 +63,7 @@ class Runner:
 
         cfg = self.cfg
         cfg.out.mkdir(parents=True, exist_ok=True)
-        for stale in ("records.jsonl", "plot.png", "soak.png"):
+        for stale in ("records.jsonl", "plot.png", "soak.png", "speculative.png"):
             (cfg.out / stale).unlink(missing_ok=True)
         interrupt_on_signals()
         self.blas = preload_blas(os.environ.get("MLXQ_BLAS", "auto"))
@@ -122,7 +122,7 @@ class Runner:
             table = write_all(self.report, cfg.out)
             print("\n" + table)
             written = [p.name for p in (cfg.out / n for n in ("report.json", "table.md", "plot.png", "soak.png",
-                                                              "records.jsonl")) if p.exists()]
+                                                              "speculative.png", "records.jsonl")) if p.exists()]
             print(f"written to {cfg.out}: {', '.join(written)}")
         return code
 
@@ -265,8 +265,8 @@ class Runner:
 
     # --- scenarios ------------------------------------------------------------------------
     def _scenarios(self, procs: ProcessSet, url: str) -> None:
-        from mlxq.bench import (images, scenario_gateway, scenario_rl_swap, scenario_startup, scenario_weights, scenarios,
-                                soak, structured)
+        from mlxq.bench import (images, scenario_gateway, scenario_rl_swap, scenario_speculative, scenario_startup,
+                                scenario_weights, scenarios, soak, structured)
         from mlxq.bench.arm_mlxq import MlxqCluster
 
         cfg = self.cfg
@@ -294,6 +294,7 @@ class Runner:
             "images": lambda: images.images(cfg, url, procs, self.blas.path),
             "weights": lambda: scenario_weights.weights(cfg, self.model, self.tokenizer),
             "startup": lambda: scenario_startup.startup(cfg, self.tokenizer, make_cluster),
+            "speculative": lambda: scenario_speculative.speculative(cfg, self.tokenizer, make_cluster, self.model),
         }
         for name, run in runs.items():
             if name not in cfg.scenarios:
