@@ -34,8 +34,9 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("mlxq.worker")
 
-# A sweeper that dies holding the sweep lock holds up the others' sweeps at most this long.
-SWEEP_LOCK_TTL_S = 60
+# A sweeper that dies or stalls (a frozen process) holding the sweep lock holds up the others' sweeps
+# at most this long; a sweep takes milliseconds to a second or two.
+SWEEP_LOCK_TTL_S = 10
 
 # The first sweep looks this far back for jobs cancelled while queued, each later one from the one
 # before less this, so a cancel made while no worker ran still gets its result key.

@@ -174,17 +174,19 @@ class BatchWorker(SimpleWorker):
         with_scheduler: bool = False,
         dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT,
     ) -> bool:
-        self.bootstrap(logging_level, date_format, log_format)
-        # `kill -USR1 <pid>` prints every thread's stack (at once, even with the loop stuck in a step)
-        # and then, from the loop's thread, the jobs in flight: what a worker that will not stop is doing.
-        signal.signal(signal.SIGUSR1, self._log_in_flight)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
-        self._dequeue_strategy = dequeue_strategy
-        if with_scheduler:
-            self._start_scheduler(burst, logging_level, date_format, log_format)
+        # First: a SIGTERM while rq registers the worker (its name is listed from there on) is a warm
+        # stop like any other; before, it met Python's default handler and the process died of it.
         self._install_signal_handlers()
         taken = 0
         try:
+            self.bootstrap(logging_level, date_format, log_format)
+            # `kill -USR1 <pid>` prints every thread's stack (at once, even with the loop stuck in a step)
+            # and then, from the loop's thread, the jobs in flight: what a worker that will not stop is doing.
+            signal.signal(signal.SIGUSR1, self._log_in_flight)
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+            self._dequeue_strategy = dequeue_strategy
+            if with_scheduler:
+                self._start_scheduler(burst, logging_level, date_format, log_format)
             scheduler = self._build_scheduler()
             # What is alive now (the model, the libraries) stays alive: keep it out of the cyclic
             # collector, whose full passes over it stalled steps by tens of ms.
