@@ -56,3 +56,24 @@ def test_a_worker_serves_vllm_named_metrics_labelled_with_worker_and_model(redis
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "mlxq:redis_reconnects",
                  "mlxq:bookkeeping_lag_seconds", "vllm:num_requests_waiting"):
         assert name in metrics, name
+
+
+def test_speculations_proposed_and_accepted_tokens_are_counted_per_drafter():
+    """In process (the counters' arithmetic): a worker process speculating is test_speculative_worker.py's."""
+    from prometheus_client import generate_latest
+
+    from schemas import GenerationResult
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("w", "m", lambda: {})
+    for proposed, accepted in ((12, 9), (5, 0)):
+        metrics.ended(GenerationResult(id="j", status="finished",
+                                       speculation={"drafter": "ngram", "proposed": proposed, "accepted": accepted}),
+                      0.0)
+    metrics.ended(GenerationResult(id="k", status="finished"), 0.0)
+    families = {f.name: f.samples for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    labels = {"worker": "w", "model_name": "m", "drafter": "ngram"}
+    assert value(families["vllm:spec_decode_num_draft_tokens"], "vllm:spec_decode_num_draft_tokens_total",
+                 **labels) == 17
+    assert value(families["vllm:spec_decode_num_accepted_tokens"], "vllm:spec_decode_num_accepted_tokens_total",
+                 **labels) == 9

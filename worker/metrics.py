@@ -74,6 +74,12 @@ class WorkerMetrics(Collector):
                                        "finished_reason")
         self._failed_family = counter("mlxq:jobs_failed", "Jobs that failed, by error type", "error_type")
         self._cancelled = counter("mlxq:jobs_cancelled", "Jobs cancelled while running (not failures)").labels(**labels)
+        self._draft_family = counter("vllm:spec_decode_num_draft_tokens",
+                                     "Tokens proposed by speculative decoding's drafter", "drafter")
+        self._accepted_family = counter("vllm:spec_decode_num_accepted_tokens",
+                                        "Proposed tokens the model accepted", "drafter")
+        self._drafted: dict[str, Any] = {}
+        self._accepted: dict[str, Any] = {}
         self._success: dict[str, Any] = {}
         self._failed: dict[str, Any] = {}
         self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (from the job's start)"
@@ -106,6 +112,11 @@ class WorkerMetrics(Collector):
                 for choice in result.choices:
                     reason = choice.finish_reason or "stop"
                     self._child(self._success, self._success_family, "finished_reason", reason).inc()
+            if result.speculation is not None:
+                drafter = result.speculation.drafter
+                self._child(self._drafted, self._draft_family, "drafter", drafter).inc(result.speculation.proposed)
+                self._child(self._accepted, self._accepted_family, "drafter", drafter).inc(
+                    result.speculation.accepted)
             timings = result.timings
             if timings.ttft_s is not None:
                 self._ttft.observe(timings.ttft_s)
