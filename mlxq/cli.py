@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-k", type=int, help="most tokens a row proposes per step (MLXQ_SPECULATIVE_K; 4)")
     p.add_argument("--speculative-max-positions", type=int, help=(
         "most slots x (1 + k) positions one verification pass runs (MLXQ_SPECULATIVE_MAX_POSITIONS; 64)"))
+    p.add_argument("--speculative-pass-cost", type=float, help=(
+        "a verification pass's time over a decode step's, for deciding whether one pays "
+        "(MLXQ_SPECULATIVE_PASS_COST; default 2 on a CPU, 1.25 on a GPU)"))
     p.add_argument("--upcast", action=argparse.BooleanOptionalAction, default=None, help=(
         "CPU: half-precision (bfloat16/float16) tensors become float32 at load (MLXQ_UPCAST; default on)"))
     p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None, help=(

@@ -345,10 +345,9 @@ def test_adaptivity_turns_a_row_off_after_misses_and_grows_k_on_full_acceptance(
     assert not row.on and row.off_for == FIRST_BACKOFF
     for _ in range(FIRST_BACKOFF):
         row.decoded()
-    assert row.on  # a probe
+    assert row.on  # a probe: one miss turns it off again, for twice as long
     row.record(0, 0)
-    row.record(0, 0)
-    assert row.off_for == 2 * FIRST_BACKOFF  # the probe failed: twice as long
+    assert row.off_for == 2 * FIRST_BACKOFF
 
 
 class WrongDrafter(FixedDrafter):
@@ -366,7 +365,7 @@ def test_a_drafter_that_always_misses_costs_few_verification_steps(target):
     assert_same(got, without)
     steps = engine.stats().counters["speculative_steps"]
     assert got["open"].speculation.accepted == 0
-    assert 0 < steps <= 8  # probes at about 0, 16, 48 and 112 decode steps: two misses each
+    assert 0 < steps <= 5  # two misses at the start, then one probe after 16, 32 and 64 more steps
 
 
 def test_the_ngram_drafter_proposes_what_followed_the_latest_match():
@@ -440,8 +439,8 @@ def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
 
 
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
-    """One row that may propose beside seven that may not is not worth the batch's wider pass; beside
-    three it is; and a batch too large for `max_positions` never speculates."""
+    """A row that may propose is worth the batch's wider pass when its expected tokens cover the pass's
+    extra cost for every row of the batch; a batch too large for `max_positions` never speculates."""
     from worker.engines.base import SequenceSpec
 
     class Row:
@@ -449,11 +448,17 @@ def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(ta
             self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
             self.prompt, self.generated, self.constraint = [1, 2], [], None
 
-    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)
-    lone = [Row("on", True)]
-    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(3)], slot_count=4)
-    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)  # a pass costs 1.25 steps
+    lone = [Row("on", True)]  # new: expected to add its k (2) tokens
+    assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
+    assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(15)], slot_count=16)
     assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
+    on_cpu = Speculator(NgramDrafter(), max_k=4, max_positions=64, pass_cost=2.0)  # a token per row to pay
+    assert on_cpu.wants(lone + [Row("off0", False)], slot_count=2)
+    assert not on_cpu.wants(lone + [Row(f"off{i}", False) for i in range(2)], slot_count=3)
+    on_cpu.outcome(lone[0], 2, 2)
+    on_cpu.outcome(lone[0], 3, 0)  # no longer new: its running acceptance (0.455) times its k (2) counts
+    assert not on_cpu.wants(lone, slot_count=1)
 
 
 def test_requests_opt_out_through_the_client_schema_and_the_gateway():
@@ -467,3 +472,14 @@ def test_requests_opt_out_through_the_client_schema_and_the_gateway():
     body = parse_openai_request(CHAT_PATH, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                             "speculative": False})
     assert [r.speculative for r in to_generation_requests(body)] == [False]
+
+
+def test_rows_that_ended_leave_nothing_behind(target, itself):
+    """The policy and the draft model keep nothing of rows that ended (rows end inside verification
+    passes here: max_tokens, stop tokens)."""
+    model, tokenizer = target
+    drafter = DraftModelDrafter(itself, model.args.vocab_size)
+    speculator = Speculator(drafter)
+    run(model, tokenizer, GREEDY_BATCH, speculator)
+    assert speculator.stats()["speculative_accepted"] > 0
+    assert not drafter.rows and speculator.tracked_rows == 0

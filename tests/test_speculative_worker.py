@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow
 
 def test_a_worker_with_speculative_ngram_serves_exact_results_through_redis(redis_url, redis_conn, tiny_model_dir,
                                                                             reference):
+    # (a pass is taken to cost 1.25 steps, as on a GPU: on this CPU's default of 2 these rows, whose first
+    # proposals miss, would not be worth a pass until they are new again)
     proc = start_worker(redis_url, tiny_model_dir, "--speculative", "ngram", "--speculative-k", "3",
-                        "--max-num-seqs", "4", name="spec")
+                        "--speculative-pass-cost", "1.25", "--max-num-seqs", "4", name="spec")
     client = Client(redis_url)
     requests = [{"prompt_token_ids": [(i * 37 + k * 11) % 500 + 3 for k in range(6)] * 4, "max_tokens": 20,
                  "temperature": 0, "logprobs": True, "ignore_eos": True} for i in range(3)]
@@ -36,7 +38,7 @@ def test_a_worker_with_speculative_ngram_serves_exact_results_through_redis(redi
     finally:
         out = stop(proc)
     assert proc.returncode == 0, out
-    assert "speculation: ngram, up to 3 tokens a row" in out
+    assert "speculation: ngram, up to 3 tokens a row, at most 64 positions a verification pass, a pass costing 1.25" in out
     for job_id, request in zip(ids, requests):
         result = results[job_id]
         assert result.status == "finished", result.error
@@ -111,7 +113,7 @@ def test_prompt_lookup_on_the_real_model_is_exact_and_takes_fewer_forward_passes
     assert_same_as_without(results, without[0])
     assert "Tuesday" in results["repeat"].choices[0].text
     repeat = results["repeat"].speculation
-    assert repeat.drafter == "ngram" and repeat.accepted >= len(results["repeat"].choices[0].token_ids) // 2
+    assert repeat.drafter == "ngram" and repeat.accepted >= len(results["repeat"].choices[0].token_ids) // 4
     assert counters["decode_steps"] < without[1]["decode_steps"]  # (the batch ends with its slowest row)
 
 

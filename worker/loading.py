@@ -185,10 +185,13 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
             drafter = DraftModelDrafter(draft, model_vocab_size(model, tokenizer))
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
-    log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass",
-             settings.speculative if settings.speculative == "ngram" else f"draft model {settings.draft_model}",
-             settings.speculative_k, settings.speculative_max_positions)
-    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions)
+    import mlx.core as mx
+
+    cost = settings.speculative_pass_cost or (2.0 if mx.default_device().type == mx.DeviceType.cpu else 1.25)
+    log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass, a pass costing "
+             "%.2f decode steps", settings.speculative if settings.speculative == "ngram"
+             else f"draft model {settings.draft_model}", settings.speculative_k, settings.speculative_max_positions, cost)
+    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions, cost)
 
 
 def is_vision_model(model: str) -> bool:

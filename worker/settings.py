@@ -84,6 +84,9 @@ class WorkerSettings(BaseSettings):
     speculative_k: int = 4  # most tokens a row proposes per step
     # Most positions (slots x (1 + k)) one verification pass runs: larger batches propose fewer tokens or none.
     speculative_max_positions: int = 64
+    # A verification pass's time over a decode step's, for deciding whether a pass pays (default: 2 on a
+    # CPU, where a few more positions double a step's matmuls; 1.25 on a GPU or Metal).
+    speculative_pass_cost: Optional[float] = None
     # Agents (docs/tools.md): the tool-call format replies are parsed and forced in ("auto": picked from
     # the model's chat template and config; or hermes, llama3_json, mistral, one of mlx-lm's parsers),
     # and whether a thinking model's reasoning is split from its answer ("auto" | "none").
@@ -222,6 +225,8 @@ class WorkerSettings(BaseSettings):
             raise ValueError("MLXQ_DRAFT_MODEL is set but MLXQ_SPECULATIVE is not draft: set --speculative draft")
         if not 1 <= self.speculative_k <= 16:
             raise ValueError(f"MLXQ_SPECULATIVE_K must be 1..16, got {self.speculative_k}")
+        if self.speculative_pass_cost is not None and not 1.0 <= self.speculative_pass_cost <= 16.0:
+            raise ValueError(f"MLXQ_SPECULATIVE_PASS_COST must be 1..16, got {self.speculative_pass_cost}")
         if self.speculative_max_positions < 2:
             raise ValueError(f"MLXQ_SPECULATIVE_MAX_POSITIONS must be >= 2, got {self.speculative_max_positions}")
         if self.decode_warmup_tokens < 0:

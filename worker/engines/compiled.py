@@ -16,6 +16,10 @@ mlx-lm's `generate_step` does), which samples the first token. Sampling, logits 
 logprobs, the prefix cache and the n choices sharing one prefill are the text engine's
 (worker/engines/text.py): the same modules, the same per-row rules, in the order mlx-lm applies them.
 
+With a speculator (worker/engines/speculation/, docs/speculative.md) rows propose their next tokens
+and a step may instead be one verification pass over every slot's input and proposal, read back at
+once; a row keeps what the model confirms.
+
 Models whose caches are not plain `KVCache`s, or whose layers this cache does not serve exactly,
 run on mlx-lm's BatchGenerator instead: worker/engines/decode_path.py decides.
 """

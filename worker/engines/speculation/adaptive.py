@@ -5,10 +5,16 @@ overlap of the host's work with the device's), so a row whose proposals are reje
 proposing. Each row keeps its own k and an average of its acceptance:
 
 - k starts at `START_K` and grows by one after a proposal accepted whole (up to the worker's
-  maximum); after a partial acceptance it becomes the accepted count plus one.
+  maximum); after a partial acceptance it becomes the accepted count plus one, but not below
+  `START_K`: a proposal of one token can add at most one, which does not pay for a pass that costs
+  a step or more (speculator.py).
+- A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
+  proposals it is expected to have all its k tokens accepted, so that its batch tries it; a row whose batch
+  finds no pass worth running (speculator.py) is new again after `backoff` steps.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
-  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again. The backoff
+  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:
+  a miss turns it off again). The backoff
   starts at `FIRST_BACKOFF` steps and doubles each time a probe fails, up to `MAX_BACKOFF`; a
   proposal accepted whole resets it.
 
@@ -36,6 +42,8 @@ class RowAdaptivity:
     misses: int = 0  # proposals in a row with nothing accepted
     off_for: int = 0  # decode steps left with speculation off
     backoff: int = FIRST_BACKOFF
+    tries: int = 0  # proposals since it started or came back on
+    idle: int = 0  # decode steps on, without a proposal (the batch did not find a pass worth it)
 
     def __post_init__(self) -> None:
         self.k = max(1, min(self.k, self.max_k))
@@ -45,12 +53,30 @@ class RowAdaptivity:
         return self.off_for == 0
 
     def decoded(self) -> None:
-        """The row took a decode step without speculating: an off row is one step nearer its probe."""
+        """A decode step began: an off row is one step nearer its probe; a row left waiting while on
+        (its batch found no pass worth running) is given the benefit of the doubt again after `backoff`
+        steps, as its text may have turned repetitive since."""
         if self.off_for:
             self.off_for -= 1
+        elif not self.fresh:
+            self.idle += 1
+            if self.idle >= self.backoff:
+                self.tries, self.idle = 0, 0
+
+    @property
+    def fresh(self) -> bool:
+        """Too few proposals since it started or came back on for its acceptance to say much (the
+        first token of an answer, say, is rarely in the prompt, what follows often is)."""
+        return self.tries < MISSES_OFF
+
+    def expected(self, k: int) -> float:
+        """Tokens a proposal of `k` is expected to add: a fresh row is given the benefit of the doubt
+        (all of them), so that a batch tries it and learns."""
+        return float(k) if self.fresh else self.acceptance * k
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
+        self.tries, self.idle = self.tries + 1, 0
         if proposed:
             self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
         self.misses = 0 if accepted else self.misses + 1
@@ -58,8 +84,10 @@ class RowAdaptivity:
             self.k = min(self.max_k, self.k + 1)
             self.backoff = FIRST_BACKOFF
         elif proposed:
-            self.k = max(1, min(self.max_k, accepted + 1))
+            self.k = max(min(START_K, self.max_k), min(self.max_k, accepted + 1))
         if self.misses >= MISSES_OFF or self.acceptance < LOW_ACCEPTANCE:
             self.off_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-            self.misses, self.acceptance, self.k = 0, 0.5, max(1, min(self.max_k, START_K))
+            # Back on, it probes: one proposal on trust, and one more miss turns it off again.
+            self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
+            self.misses = self.tries = MISSES_OFF - 1

@@ -24,9 +24,13 @@ DEFAULT_MAX_K = 4
 # 32 up to 2, 64 and more do not speculate.
 DEFAULT_MAX_POSITIONS = 64
 # A verification pass runs only when the rows that would propose are expected (their running
-# acceptance times their k) to add at least this many tokens per decoding row: the pass costs the
-# whole batch its wider step and, on a GPU, the overlap, so one probing row does not hold up 30 others.
+# acceptance times their k) to add at least (pass cost - 1) tokens per decoding row, and never less
+# than this: the pass costs the whole batch its wider step and, on a GPU, the overlap, so one probing
+# row does not hold up thirty others.
 MIN_EXPECTED_GAIN = 0.25
+# A verification pass's time over a decode step's, by default: where a step is bound by reading the
+# weights or by launching kernels (a GPU, few rows), a few more positions cost little.
+DEFAULT_PASS_COST = 1.25
 
 
 class Row(Protocol):
@@ -74,10 +78,12 @@ class _RowState:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS
-                 ) -> None:
+    def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS,
+                 pass_cost: float = DEFAULT_PASS_COST) -> None:
+        """`pass_cost`: a verification pass's time over a decode step's (worker/loading.py picks it per device)."""
         if max_k < 1:
             raise ValueError(f"speculative_k: must be >= 1, got {max_k}")
+        self.pass_cost = pass_cost
         self.drafter = drafter
         self.max_k = max_k
         self.max_positions = max_positions
@@ -119,8 +125,9 @@ class Speculator:
             state = self._state(row)
             room = self._room(row)
             if state.refusal is None and state.adaptivity.on and room > 0:
-                expected += state.adaptivity.acceptance * min(state.adaptivity.k, limit, room)
-        return expected > 0 and expected >= MIN_EXPECTED_GAIN * len(rows)
+                expected += state.adaptivity.expected(min(state.adaptivity.k, limit, room))
+        # A pass of cost c makes n + E tokens where a step makes n: worth it when E >= n (c - 1).
+        return expected > 0 and expected >= max(MIN_EXPECTED_GAIN, self.pass_cost - 1) * len(rows)
 
     def step_began(self, rows: Sequence[Row]) -> None:
         """Every engine step: rows with speculation off count down to their next probe."""
@@ -171,6 +178,11 @@ class Speculator:
         weights' acceptance, and a draft model's caches, no longer hold)."""
         self._rows.clear()
         self.drafter.reset()
+
+    @property
+    def tracked_rows(self) -> int:
+        """Rows whose state it keeps (those decoding)."""
+        return len(self._rows)
 
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,

@@ -79,6 +79,8 @@ class VerificationPass:
             draft, mine = drafts.get(id(seq), []), extras_of.get(id(seq), [])
             sampled = [int(first_tokens[seq.slot])] + [int(extra_tokens[k]) for k in mine]
             kept = sampled[: accepted_count(draft, sampled) + 1]
+            if draft:  # (before its tokens are emitted: a row that ends is forgotten)
+                self.speculator.outcome(seq, len(draft), len(kept) - 1)
             seq.position += 1  # its input
             emitted: list[TokenEvent] = []
             for j, token in enumerate(kept):
@@ -95,7 +97,6 @@ class VerificationPass:
             events += emitted
             if draft:
                 emitted[0].speculation = (self.speculator.name, len(draft), len(emitted) - 1)
-                self.speculator.outcome(seq, len(draft), len(kept) - 1)
             seq.launches += 1
             if not seq.done:
                 next_inputs[seq.slot] = kept[-1]
