@@ -7,10 +7,10 @@
 # plus $OUT/speculative-table.md and $OUT/speculative.log to read at once. About 5 minutes in all.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLXQ_BLAS=${MLXQ_BLAS:-off} HF_HUB_OFFLINE=1 MLX_PTX_CACHE_DIR=/tmp/ptx \
-  MLXQ_CACHE_DIR=/tmp/mlxq-cache MLXQ_DECODE_WARMUP_TOKENS=${MLXQ_DECODE_WARMUP_TOKENS:-256}
+  MLXQ_CACHE_DIR=/tmp/mlxq-cache MLXQ_DECODE_WARMUP_TOKENS=${MLXQ_DECODE_WARMUP_TOKENS:-512}
 OUT=${OUT:-/tmp/out}
 PYTHON=${PYTHON:-python3}
-REPEATS=${REPEATS:-3}
+REPEATS=${REPEATS:-2}
 ROWS=${ROWS:-1,8,32}
 NEW_TOKENS=${NEW_TOKENS:-128}
 DRAFTERS=${DRAFTERS:-ngram,draft-self}
@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 # (temperature 0.7, seeded), $REPEATS interleaved repeats; a warm-up of each row count on every worker first.
 speculative() {
   rm -rf $RUN
-  (cd /tmp && timeout ${SPEC_TIMEOUT:-420} $PYTHON -m mlxq bench --model $BF16 --scenario speculative \
+  (cd /tmp && timeout ${SPEC_TIMEOUT:-300} $PYTHON -m mlxq bench --model $BF16 --scenario speculative \
     --spec-drafters "$DRAFTERS" --spec-workloads grounded,chat --spec-sampling "$SAMPLING" --spec-rows "$ROWS" \
     --spec-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --warmup-tokens 32 --max-num-seqs 32 --out $RUN \
     > "$OUT/speculative.log" 2>&1)
