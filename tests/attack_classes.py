@@ -493,9 +493,8 @@ class HijackAttack(Actor):
             time.sleep(0.05)
         for way, job_id in jobs.items():
             key = f"rq:job:{job_id}"
-            if way == "list":
-                self.hostile.delete(key)
-                self.hostile.rpush(key, "junk")
+            if way == "list":  # in one transaction: the job may end between two commands and write its hash again
+                self.hostile.pipeline(transaction=True).delete(key).rpush(key, "junk").execute()
             elif way == "rewrite":
                 self.hostile.hset(key, mapping={"status": "finished", "data": b"\x80garbage", "origin": "nowhere"})
             elif way == "expire":
