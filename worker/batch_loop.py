@@ -418,38 +418,34 @@ class BatchLoop:
         """A step failed and no single sequence can be blamed. Start the engine afresh; re-queue every
         job it held to run alone, and fail any job that already failed alone: that one is the poison,
         and the others finish normally."""
+        self._hand_off(self._send_back([(job_id, True) for job_id in self.scheduler.reset()],
+                                       f"this request made the engine fail even when run alone: {exc!r}"))
+
+    def _send_back(self, jobs: list[tuple[str, bool]], poison_message: str) -> list[Any]:
+        """Send each (job, alone) back to its queue, `alone` for those in a failed step; a job that was
+        already running alone when its step failed is the poison: its failed result is returned."""
         poisoned = []
-        for job_id in self.scheduler.reset():
+        for job_id, alone in jobs:
             inflight = self._table[job_id]
-            if inflight.solo:
-                poisoned.append(self.scheduler.failed_result(
-                    job_id, inflight.payload, "EngineError",
-                    f"this request made the engine fail even when run alone: {exc!r}", started_at=time.time()))
+            if inflight.solo and alone:
+                poisoned.append(self.scheduler.failed_result(job_id, inflight.payload, "EngineError", poison_message,
+                                                             started_at=time.time()))
                 continue
             inflight.ending = inflight.sent_back = True
-            self._ending.requeue(inflight.ending_record(None), alone=True)
-        self._hand_off(poisoned)
+            self._ending.requeue(inflight.ending_record(None), alone=alone)
+        return poisoned
 
     def _hand_back_after_device_loss(self, exc: BaseException, reason: str) -> NoReturn:
         """The device is gone for this process (worker/engines/device_loss.py): fail a job that lost it
         while running alone, as `_recover_from_engine_failure` would; send every other job back to its
         queue (those that were in the failed step to run alone), then end the loop."""
-        poisoned = []
         sent_back = [(job_id, True) for job_id in self.scheduler.reset(restart_engine=False)]
         sent_back += [(job_id, False) for job_id in self.scheduler.withdraw()]
         sent_back += [(job_id, False) for job_id in self._preparing]
         self._preparing.clear()
         if self._preparer is not None:
             self._preparer.clear()
-        for job_id, alone in sent_back:
-            inflight = self._table[job_id]
-            if inflight.solo and alone:
-                poisoned.append(self.scheduler.failed_result(
-                    job_id, inflight.payload, "EngineError",
-                    f"this request made the device fail even when run alone: {exc!r}", started_at=time.time()))
-                continue
-            inflight.ending = True
-            self._ending.requeue(inflight.ending_record(None), alone=alone)
+        poisoned = self._send_back(sent_back, f"this request made the device fail even when run alone: {exc!r}")
         self._hand_off(poisoned)
         log.critical("the device failed and cannot be used again in this process (%s): %d job(s) went back to "
                      "their queues, %d failed; the worker stops", reason, len(sent_back) - len(poisoned), len(poisoned))
