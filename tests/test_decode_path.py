@@ -33,6 +33,19 @@ def test_half_precision_takes_a_moved_far_tail_but_not_a_moved_head():
     assert probe_difference(head_moved, alone)[0] > tolerance
 
 
+def test_half_precision_takes_every_logit_rounded_another_way_but_not_a_wrong_position():
+    """On the H200 the real model's bf16 copy measured 0.035 batched against alone (every logit rounded
+    another way, the head too); a token dropped from the prompt, as a wrong position does, measured 0.87
+    on the same model on the CPU."""
+    head = [4.0, 3.5, 1.0, 0.5] + [-30.0] * 200
+    alone = [_logprobs(head, mx.bfloat16)]
+    rounded = [_logprobs([4.06, 3.44, 1.03, 0.47] + [-29.75] * 200, mx.bfloat16)]
+    worst, _, tolerance = probe_difference(rounded, alone)
+    assert 0.02 < worst <= tolerance
+    wrong = [_logprobs([1.0, 3.5, 4.0, 0.5] + [-30.0] * 200, mx.bfloat16)]
+    assert probe_difference(wrong, alone)[0] > tolerance
+
+
 def test_a_half_precision_model_with_float32_logits_is_judged_as_half_precision():
     """A GGUF file dequantized to float16 keeps float32 norms, so its logits come out float32 though every
     matmul rounded: on the H200 its far tail moved by 0.0186 (seen), past float32's 1e-3."""

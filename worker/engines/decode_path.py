@@ -32,10 +32,10 @@ DECODE_SETTINGS = ("auto", "compiled", "batch-generator")
 
 # float32: the largest difference of any token's next-token log-probability (sums in another order
 # stay far below it). Half precision: the total variation distance of the two distributions, since a
-# GPU's kernels for another batch shape move the far tail (log-probabilities near -30, where one
-# bfloat16 step is 0.25) by several steps while what can be sampled stays put.
+# GPU's kernels for another batch shape round every logit another way; a wrong mask or position moves
+# the probable tokens and lands far above it (measurements: docs/engine.md#the-probe).
 PROBE_TOLERANCE = {mx.float32: 1e-3}
-PROBE_TOLERANCE_LOW_PRECISION = 0.02
+PROBE_TOLERANCE_LOW_PRECISION = 0.1
 PROBE_PROMPTS = ([11, 27, 5, 201, 42], [7, 19, 88, 3, 250, 61, 9, 14, 120])
 
 
@@ -88,6 +88,7 @@ def _probe(model: Any) -> Optional[str]:
     except Exception as exc:
         return f"the probe failed: {type(exc).__name__}: {exc}"
     worst, measure, tolerance = probe_difference(batched, alone, _half_precision(model))
+    log.info("probe: the next-token %s differs from mlx-lm's by %.3g (tolerance %s)", measure, worst, tolerance)
     if not worst <= tolerance:
         return f"the probe's next-token {measure} differs from mlx-lm's by {worst:.3g} (> {tolerance})"
     return None
