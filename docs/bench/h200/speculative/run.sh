@@ -15,7 +15,8 @@ ROWS=${ROWS:-1,8,32}
 NEW_TOKENS=${NEW_TOKENS:-128}
 DRAFTERS=${DRAFTERS:-ngram,draft-self}
 SAMPLING=${SAMPLING:-greedy,sampled}
-BF16=/tmp/real-bf16  # made by real-model/run.sh prepare
+BF16=/tmp/real-bf16  # made by real-model/run.sh prepare, as is /tmp/real-f32
+MODEL=${MODEL:-$BF16}
 RUN=/tmp/spec-run
 HERE=$(dirname "$0")
 mkdir -p "$OUT"
@@ -24,7 +25,7 @@ mkdir -p "$OUT"
 # (temperature 0.7, seeded), $REPEATS interleaved repeats; a warm-up of each row count on every worker first.
 speculative() {
   rm -rf $RUN
-  (cd /tmp && timeout ${SPEC_TIMEOUT:-300} $PYTHON -m mlxq bench --model $BF16 --scenario speculative \
+  (cd /tmp && timeout ${SPEC_TIMEOUT:-300} $PYTHON -m mlxq bench --model "$MODEL" --scenario speculative \
     --spec-drafters "$DRAFTERS" --spec-workloads grounded,chat --spec-sampling "$SAMPLING" --spec-rows "$ROWS" \
     --spec-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --warmup-tokens 32 --max-num-seqs 32 --out $RUN \
     > "$OUT/speculative.log" 2>&1)
