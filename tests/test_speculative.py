@@ -7,7 +7,9 @@ speculator, mlx-lm's `generate_step` alone, and the model's exact distribution."
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,6 +22,7 @@ from mlx_lm import load
 
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits
 from worker.engines.compiled import CompiledEngine
+from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
 from worker.engines.speculation import DraftRow, Speculator
 from worker.engines.speculation.adaptive import FIRST_BACKOFF, RowAdaptivity
 from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
@@ -483,3 +486,55 @@ def test_rows_that_ended_leave_nothing_behind(target, itself):
     run(model, tokenizer, GREEDY_BATCH, speculator)
     assert speculator.stats()["speculative_accepted"] > 0
     assert not drafter.rows and speculator.tracked_rows == 0
+
+
+class _Prebuild:
+    """A kernel prebuild as the engine reads it (worker/engines/kernel_prebuild.py), still running."""
+
+    verify_ready = False
+    done = False
+
+    def ready(self, shape) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+def test_no_row_proposes_until_the_verification_kernels_are_built(target):
+    """A first verification pass would build its kernels inside the worker, a stall of seconds for the
+    whole batch: until the prebuild reports them, rows decode one token a step, with the same tokens."""
+    model, tokenizer = target
+    request = {"prompt_token_ids": looping_prompt(1, 30), "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    without, _ = run(model, tokenizer, {"r": request})
+    prebuild = _Prebuild()
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=2, speculator=Speculator(NgramDrafter()))
+    engine._prebuild = prebuild
+    waiting = run_all(BatchScheduler(engine, max_num_seqs=2), {"r": request})
+    assert engine.stats().counters["speculative_steps"] == 0
+    prebuild.verify_ready = True
+    built = run_all(BatchScheduler(engine, max_num_seqs=2), {"r2": request})
+    assert engine.stats().counters["speculative_steps"] > 0
+    assert waiting["r"].choices[0].token_ids == built["r2"].choices[0].token_ids == without["r"].choices[0].token_ids
+
+
+def test_the_prebuild_process_builds_the_verification_pass_after_the_first_two_shapes(tiny_model_dir):
+    """The process reports the pass's kernels after the first two shapes (which hold every kernel of one
+    slot and of several), and the worker's side reads that report as the verification pass being ready."""
+    out = io.StringIO()
+    prebuild({"model": tiny_model_dir, "shapes": [[1, 128], [2, 128], [4, 128]], "upcast": True,
+              "keep_quantized": False, "grouped_mask": False, "verify_widths": [2, 3], "parent": os.getppid()}, out)
+    lines = out.getvalue().splitlines(keepends=True)
+    assert [line.strip() for line in lines[:4]] == ["ready 1 128", "ready 2 128", "ready verify", "ready 4 128"]
+
+    class Running:
+        def wait(self) -> int:
+            return 0
+
+    reader = KernelPrebuild.__new__(KernelPrebuild)
+    reader._ready, reader._verify_built, reader.finished_after, reader._started = set(), False, None, 0.0
+    reader._process = Running()
+    reader._read(io.StringIO("".join(lines[:2])))
+    assert reader._ready == {(1, 128), (2, 128)} and not reader._verify_built
+    reader._read(io.StringIO("".join(lines[:3])))
+    assert reader._verify_built

@@ -244,12 +244,18 @@ class CompiledEngine:
         return [(n, length) for length in ladder(max_tokens, MIN_LENGTH_BUCKET) for n in buckets]
 
     def warm_up(self, max_tokens: int, slots: Optional[Sequence[int]] = None) -> tuple[int, float]:
-        """Compile the decode step for `warm_up_shapes` now, and run one lone prompt's prefill (on
+        """Compile the decode step for `warm_up_shapes` now (and the verification pass for the first
+        two, which build its kernels), and run one lone prompt's prefill (on
         CUDA the first run of its kernels took 0.4 s, a stall for a batch the first joiner would
         join): how many shapes, and the seconds it took. Serving waits for it; `prebuild_kernels`
         does not."""
         shapes = self.warm_up_shapes(max_tokens, slots)
         seconds = self._decode.warm_up(self._layout, shapes)
+        if self._verification is not None:
+            started = time.perf_counter()
+            for slot_count, length in shapes[:2]:
+                self._verification.warm_up(self._layout, slot_count, length, self._verify_widths())
+            seconds += time.perf_counter() - started
         return len(shapes), seconds + self.warm_up_prefill(max_tokens)
 
     def warm_up_prefill(self, max_tokens: int) -> float:
@@ -268,7 +274,8 @@ class CompiledEngine:
 
         upcast, keep_quantized = served_formats(self.model)
         self._prebuild = KernelPrebuild(model_dir, self.warm_up_shapes(max_tokens), upcast=upcast,
-                                        keep_quantized=keep_quantized, grouped_mask=self._layout.grouped_mask)
+                                        keep_quantized=keep_quantized, grouped_mask=self._layout.grouped_mask,
+                                        verify_widths=self._verify_widths())
         self._decode.may_compile = self._prebuild.ready
         if mx.default_device().type != mx.DeviceType.cpu:  # the CPU's prefill builds no kernels: nothing to gain
             self.warm_up_prefill(max_tokens)
@@ -321,7 +328,9 @@ class CompiledEngine:
         if self._spec is not None:
             occupied = self._table.occupied()
             self._spec.step_began(occupied)
-            if self._spec.wants(occupied, len(self._table.slots)):
+            # Until the verification pass's kernels are built a pass would stall the batch for seconds.
+            verify_ready = self._prebuild is None or self._prebuild.verify_ready
+            if verify_ready and self._spec.wants(occupied, len(self._table.slots)):
                 # A proposal continues each row's latest token: read back the steps that made them first.
                 events += (self._collect(previous) if previous is not None else [])
                 events += (self._collect(first) if first is not None else [])
@@ -587,6 +596,10 @@ class CompiledEngine:
         return event
 
     # --- speculative decoding (docs/speculative.md) ------------------------------------------
+    def _verify_widths(self) -> list[int]:
+        """The widths a verification pass can take (1 + a proposal of 1 to k tokens); none without speculation."""
+        return list(range(2, self._spec.max_k + 2)) if self._spec is not None else []
+
     def _verify_plan(self, plan: StepPlan) -> list[TokenEvent]:
         """One verification pass over every slot (worker/engines/speculation/verify_pass.py), read back at once."""
         assert self._verification is not None

@@ -88,9 +88,9 @@ def _probe(model: Any) -> Optional[str]:
     except Exception as exc:
         return f"the probe failed: {type(exc).__name__}: {exc}"
     worst, measure, tolerance = probe_difference(batched, alone, _half_precision(model))
-    log.info("probe: the next-token %s differs from mlx-lm's by %.3g (tolerance %s)", measure, worst, tolerance)
+    log.info("probe: next-token %s %.3g apart from mlx-lm's (tolerance %s)", measure, worst, tolerance)
     if not worst <= tolerance:
-        return f"the probe's next-token {measure} differs from mlx-lm's by {worst:.3g} (> {tolerance})"
+        return f"the probe's next-token {measure} are {worst:.3g} apart from mlx-lm's (> {tolerance})"
     return None
 
 

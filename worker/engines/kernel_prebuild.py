@@ -9,7 +9,8 @@ them instead, on a copy of the model with its first two layers only (the layers 
 kernels are the same) and the served weights' formats, one (slots, length) shape at a time,
 reporting each shape it finished. Until a shape is reported, the engine runs that step uncompiled;
 then it compiles the shape itself, which with the kernels on disk costs about one step
-(docs/engine.md, "Start-up").
+(docs/engine.md, "Start-up"). With speculative decoding on, it also builds the verification pass's
+kernels (after the first two shapes), and the engine proposes nothing until it has.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ class KernelPrebuild:
     """Owns the prebuilding process and the thread that reads its reports: which shapes are ready."""
 
     def __init__(self, model_dir: str, shapes: Sequence[tuple[int, int]], *, upcast: bool, keep_quantized: bool,
-                 grouped_mask: bool) -> None:
+                 grouped_mask: bool, verify_widths: Sequence[int] = ()) -> None:
         self.shapes = list(shapes)
         self._ready: set[tuple[int, int]] = set()
+        self._verify_built = not verify_widths
         self._started = time.perf_counter()
         self.finished_after: Optional[float] = None  # seconds from start to the process's end
         self.failure: Optional[str] = None
         spec = {"model": model_dir, "shapes": self.shapes, "upcast": upcast, "keep_quantized": keep_quantized,
-                "grouped_mask": grouped_mask, "parent": os.getpid()}
+                "grouped_mask": grouped_mask, "verify_widths": list(verify_widths), "parent": os.getpid()}
         # At the lowest priority from its first thread on (BLAS starts its threads when it loads): the
         # worker's steps come first, this process takes the CPU they leave. It stays in the worker's
         # session: Linux shares the CPU fairly between sessions (autogroups) whatever their nice values.
@@ -63,6 +65,11 @@ class KernelPrebuild:
         return shape in self._ready or self.finished_after is not None
 
     @property
+    def verify_ready(self) -> bool:
+        """Whether a verification pass compiles now without building kernels (as `ready`)."""
+        return self._verify_built or self.finished_after is not None
+
+    @property
     def done(self) -> bool:
         return self.finished_after is not None
 
@@ -78,6 +85,8 @@ class KernelPrebuild:
             parts = line.split()
             if len(parts) == 3 and parts[0] == "ready":
                 self._ready.add((int(parts[1]), int(parts[2])))
+            elif parts == ["ready", "verify"]:
+                self._verify_built = True
             else:
                 lines.append(line.rstrip())
         code = self._process.wait()
@@ -107,13 +116,15 @@ def served_formats(model: Any) -> tuple[bool, bool]:
 
 
 def prebuild(spec: dict[str, Any], out: IO[str]) -> None:
-    """The process's work: the copy of the model, then each shape's step and one lone prefill."""
+    """The process's work: the copy of the model, then each shape's step (the verification pass's
+    widths after the first two, which hold every kernel of one slot and of several) and one lone prefill."""
     import worker  # noqa: F401  (the worker's BLAS, before MLX)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     from worker.engines.decode_step import DecodeStep
+    from worker.engines.speculation.verify_step import VerifyStep
     from worker.engines.slot_cache import KVLayout
     from worker.weight_prep import prepare_weights
 
@@ -122,11 +133,16 @@ def prebuild(spec: dict[str, Any], out: IO[str]) -> None:
     prepare_weights(model, upcast=spec["upcast"], keep_quantized=spec["keep_quantized"], free_bytes=1 << 62)
     layout = KVLayout.of(model)
     step = DecodeStep(model, spec["grouped_mask"])
-    for slots, length in spec["shapes"]:
+    for index, (slots, length) in enumerate(spec["shapes"]):
         if os.getppid() != spec["parent"]:
             return  # the worker is gone
         step.warm_up(layout, [(slots, length)])
         print(f"ready {slots} {length}", file=out, flush=True)
+        if index == 1 and spec.get("verify_widths"):
+            verify = VerifyStep(model, spec["grouped_mask"])
+            for verify_slots, verify_length in spec["shapes"][:2]:
+                verify.warm_up(layout, verify_slots, verify_length, spec["verify_widths"])
+            print("ready verify", file=out, flush=True)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 16), dtype=mx.uint32), cache=cache))
 

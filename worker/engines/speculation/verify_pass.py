@@ -31,6 +31,10 @@ class VerificationPass:
         self._verify = VerifyStep(model, grouped_mask, extra_inputs=lora.state)
         self._extra = ExtraPositions()
 
+    def warm_up(self, layout: Any, slots: int, length: int, widths: list[int]) -> None:
+        """Compile the pass at each width for (`slots`, `length`) now (VerifyStep.warm_up)."""
+        self._verify.warm_up(layout, slots, length, widths)
+
     def run(self, plan: StepPlan, table: SlotTable[Any], sampling: StepSampler, version: int, emit: Emit, end: End
             ) -> list[TokenEvent]:
         """The pass over every occupied slot of `table` (its buffers fit for `plan.width` positions

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
@@ -42,6 +42,16 @@ class VerifyStep:
         logits = self.model(tokens, cache=caches)
         buffers.absorb(caches)
         return logits, buffers.arrays()
+
+    def warm_up(self, layout: Any, slots: int, length: int, widths: Sequence[int]) -> None:
+        """Compile and run the pass once at each width on throwaway buffers of (`slots`, `length`): the
+        first run of a shape is where MLX builds its kernels (worker/engines/kernel_prebuild.py)."""
+        for width in widths:
+            scratch = SlotBuffers.allocate(layout, slots, length)
+            tokens = mx.zeros((slots, width), mx.uint32)  # a real pass's dtypes: a new dtype recompiles
+            logits, arrays = self._compiled(tokens, mx.zeros((slots,), mx.int32), scratch.arrays())
+            mx.eval(logits, arrays)
+            self.shapes.add((slots, length, width))
 
     def __call__(self, tokens: mx.array, positions: mx.array, buffers: SlotBuffers) -> mx.array:
         shape = (buffers.slots, buffers.length, tokens.shape[1])
