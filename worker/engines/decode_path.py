@@ -8,7 +8,7 @@ architectures in COVERED, read and tested here. Sliding-window (`RotatingKVCache
 (`ArraysCache`, SSM) and hybrid caches, and architectures not in COVERED, take mlx-lm's path.
 A covered model is also probed once: two prompts of different lengths through slot buffers as
 one batch must give the next-token log-probabilities mlx-lm gives each alone (in float32 within
-1e-3 for every token; in half precision as distributions: docs/engine.md#the-probe).
+1e-3 for every token; in half precision and on CUDA as distributions: docs/engine.md#the-probe).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.weight_prep import current_platform
 
 log = logging.getLogger("mlxq.engine")
 
@@ -87,18 +88,22 @@ def _probe(model: Any) -> Optional[str]:
         alone = [_next_token_logprobs_alone(model, prompt) for prompt in PROBE_PROMPTS]
     except Exception as exc:
         return f"the probe failed: {type(exc).__name__}: {exc}"
-    worst, measure, tolerance = probe_difference(batched, alone, _half_precision(model))
+    worst, measure, tolerance = probe_difference(batched, alone, rounds_below_float32(model, current_platform()))
     log.info("probe: next-token %s %.3g apart from mlx-lm's (tolerance %s)", measure, worst, tolerance)
     if not worst <= tolerance:
         return f"the probe's next-token {measure} are {worst:.3g} apart from mlx-lm's (> {tolerance})"
     return None
 
 
-def _half_precision(model: Any) -> bool:
-    """Whether any of the model's floating-point weights is bfloat16 or float16: its activations are
-    rounded so even where its logits come out in float32 (float32 norms, as a GGUF file has them)."""
+def rounds_below_float32(model: Any, platform: str) -> bool:
+    """Whether the model's arithmetic rounds below float32: any of its floating-point weights is
+    bfloat16 or float16 (its activations are rounded even where its logits come out in float32, as
+    with a GGUF file's float32 norms), or it runs on CUDA, whose float32 matmuls measured 0.038
+    apart batched against alone on the real model (docs/engine.md#the-probe)."""
     from mlx.utils import tree_flatten
 
+    if platform == "cuda":
+        return True
     return any(v.dtype in (mx.bfloat16, mx.float16) for _, v in tree_flatten(model.parameters()))
 
 
