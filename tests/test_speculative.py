@@ -538,3 +538,16 @@ def test_the_prebuild_process_builds_the_verification_pass_after_the_first_two_s
     assert reader._ready == {(1, 128), (2, 128)} and not reader._verify_built
     reader._read(io.StringIO("".join(lines[:3])))
     assert reader._verify_built
+
+
+@pytest.mark.parametrize("platform,cost", [("cpu", 2.0), ("cuda", 1.75), ("metal", 1.25)])
+def test_the_pass_cost_defaults_to_the_platforms_and_a_setting_overrides_it(target, monkeypatch, platform, cost):
+    import worker.loading
+    from worker.loading import build_speculator
+    from worker.settings import WorkerSettings
+
+    monkeypatch.setattr(worker.loading, "current_platform", lambda: platform)
+    settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram"}, model="unused")
+    assert build_speculator(settings, *target).pass_cost == cost
+    settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram", "MLXQ_SPECULATIVE_PASS_COST": "3"}, model="unused")
+    assert build_speculator(settings, *target).pass_cost == 3.0

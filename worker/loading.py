@@ -161,6 +161,7 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
     if settings.speculative == "off":
         return None
     from worker.engines.speculation import Speculator
+    from worker.engines.speculation.speculator import DEFAULT_PASS_COST
     from worker.engines.text_model import model_vocab_size
 
     drafter: Any
@@ -185,9 +186,7 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
             drafter = DraftModelDrafter(draft, model_vocab_size(model, tokenizer))
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
-    import mlx.core as mx
-
-    cost = settings.speculative_pass_cost or (2.0 if mx.default_device().type == mx.DeviceType.cpu else 1.25)
+    cost = settings.speculative_pass_cost or DEFAULT_PASS_COST[current_platform()]
     log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass, a pass costing "
              "%.2f decode steps", settings.speculative if settings.speculative == "ngram"
              else f"draft model {settings.draft_model}", settings.speculative_k, settings.speculative_max_positions, cost)

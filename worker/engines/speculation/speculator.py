@@ -28,9 +28,10 @@ DEFAULT_MAX_POSITIONS = 64
 # than this: the pass costs the whole batch its wider step and, on a GPU, the overlap, so one probing
 # row does not hold up thirty others.
 MIN_EXPECTED_GAIN = 0.25
-# A verification pass's time over a decode step's, by default: where a step is bound by reading the
-# weights or by launching kernels (a GPU, few rows), a few more positions cost little.
-DEFAULT_PASS_COST = 1.25
+# A verification pass's time over a decode step's, by default, per platform (docs/speculative.md,
+# "Whether a pass pays"): measured on a CPU and on CUDA (where the pass also gives up the overlap of
+# host and device); on Metal a guess, as a step of few rows is bound by reading the weights.
+DEFAULT_PASS_COST = {"cpu": 2.0, "cuda": 1.75, "metal": 1.25}
 
 
 class Row(Protocol):
@@ -79,7 +80,7 @@ class _RowState:
 
 class Speculator:
     def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS,
-                 pass_cost: float = DEFAULT_PASS_COST) -> None:
+                 pass_cost: float = DEFAULT_PASS_COST["metal"]) -> None:
         """`pass_cost`: a verification pass's time over a decode step's (worker/loading.py picks it per device)."""
         if max_k < 1:
             raise ValueError(f"speculative_k: must be >= 1, got {max_k}")
