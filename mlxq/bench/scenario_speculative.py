@@ -36,14 +36,13 @@ from mlxq.bench.config import BenchConfig
 from mlxq.bench.spec_workloads import spec_prompts
 from mlxq.bench.stats import distribution, median, ratio
 from mlxq.bench.text_check import TextCheck
-from mlxq.bench.workloads import BenchRequest, RequestRecord, Tokenizer, Workload, all_at_once, make_prompts
+from mlxq.bench.workloads import BenchRequest, RequestRecord, Tokenizer, Workload, all_at_once
 from schemas import keys
 
 SPEC_DRAFTERS = ("ngram", "draft-self", "draft-random", "draft", "control")
 SAMPLINGS = ("greedy", "sampled")
 BASELINE = "off"
 SETTLE_TIMEOUT_S = 900.0
-WARMUP_PROMPT_TOKENS = 32
 # The floor's draft: the tiny shape (2 layers of 64), so its own cost is next to nothing.
 RANDOM_DRAFT_SHAPE, RANDOM_DRAFT_SEED = "tiny", 1
 
@@ -188,14 +187,16 @@ class SpeculativeRun:
         return {**section, "interrupted": True} if interrupted else section
 
     def _settle(self, arm: str, cluster: MlxqCluster) -> None:
-        """Until the worker's background kernel build has ended, then one warm-up per row count."""
+        """Until the worker's background kernel build has ended, then one warm-up per row count with the
+        first workload's prompts: they make the drafters propose, so the verification pass's shapes
+        are traced before the timed runs (random prompts left that to the first repeat)."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         tick = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
         while cluster.worker_stats("engine_").get("kernels_prebuilding") == "1" and time.monotonic() < deadline:
             time.sleep(2.0)
             cluster.results([cluster.client.submit(tick, queue=cluster.queue)], 120.0)  # type: ignore[union-attr]
         for n in self.cfg.spec_rows:
-            prompts = make_prompts(self.tokenizer, n, WARMUP_PROMPT_TOKENS, seed=self.cfg.seed, salt=f"spec-warm-{n}")
+            prompts = self.prompts[self.cfg.spec_workloads[0]][:n]
             cluster.warm(all_at_once([BenchRequest(i, p, self.cfg.warmup_tokens) for i, p in enumerate(prompts)],
                                      f"warm-{n}"))
         print(f"   {arm}: warmed up at {', '.join(map(str, self.cfg.spec_rows))} rows", flush=True)
