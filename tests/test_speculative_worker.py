@@ -16,7 +16,7 @@ import worker  # noqa: F401  (OpenBLAS before MLX)
 from producer import Client
 from schemas import keys
 from tests.reference import run_all
-from tests.workers import start_worker, stop
+from tests.workers import start_worker, stop, wait_for
 from worker.scheduler import BatchScheduler
 
 pytestmark = pytest.mark.slow
@@ -33,6 +33,13 @@ def test_a_worker_with_speculative_ngram_serves_exact_results_through_redis(redi
                  "temperature": 0, "logprobs": True, "ignore_eos": True} for i in range(3)]
     requests.append({**requests[0], "speculative": False})
     try:
+        # No row proposes before the verification pass's kernels are built (worker/engines/kernel_prebuild.py);
+        # the worker publishes its stats with each round of results, so a one-token job asks.
+        def prebuilt() -> bool:
+            client.wait(client.submit({"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0}), timeout=60)
+            return redis_conn.hget(keys.stats_key("spec"), "engine_kernels_prebuilding") == b"0"
+
+        wait_for(prebuilt, timeout=240, interval=1.0, what="the worker's kernel prebuild to end")
         ids = client.submit_many(requests)
         results = client.wait_many(ids, timeout=300)
     finally:
