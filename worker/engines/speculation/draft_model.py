@@ -106,6 +106,11 @@ class DraftModelDrafter:
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in rows]
+        joining = [row for row in rows if row.k > 0 and row.uid not in self._rows]
+        if joining:  # (room for all of them at once: one resize at most)
+            self._table.reserve(len(joining), max(len(row.tokens) for row in joining))
+            for row in joining:
+                self._table.place(self._rows.setdefault(row.uid, _DraftRow()))
         asking = {i: self._asking(row) for i, row in enumerate(rows) if row.k > 0}
         if not asking:
             return proposals
@@ -123,17 +128,12 @@ class DraftModelDrafter:
             live = [i for i in live if len(proposals[i]) < asking[i].k]
             if not live:
                 return proposals
-            guesses = self._feed({asking[i].state.slot: (asking[i].state, proposals[i][-1]) for i in live},
-                                 [asking[i].state.slot for i in live])
+            guesses = self._feed([(asking[i].state, proposals[i][-1]) for i in live])
 
     def _asking(self, row: DraftRow) -> _Asking:
-        """The row's slot (a new one for a new row) moved back to the longest prefix it shares with the
-        row's tokens, and the tokens past it."""
-        state = self._rows.get(row.uid)
-        if state is None:
-            state = self._rows[row.uid] = _DraftRow()
-            self._table.reserve(1, len(row.tokens))
-            self._table.place(state)
+        """The row's slot moved back to the longest prefix it shares with the row's tokens, and the
+        tokens past it."""
+        state = self._rows[row.uid]
         tokens = list(row.tokens)
         limit = min(len(state.held), len(tokens) - 1)  # at least the last token is run again
         shared = min(state.confirmed, limit)  # a row's own tokens never change: compare only past them
@@ -190,17 +190,17 @@ class DraftModelDrafter:
             a.state.held, a.state.confirmed = a.tokens, len(a.tokens)
         return mx.argmax(at[:, : self._vocab_size], axis=-1)
 
-    def _feed(self, fed: dict[int, tuple[_DraftRow, int]], order: list[int]) -> mx.array:
-        """One token into each slot of `fed` ({slot: (its row, the token)}): the argmax after it for
-        the slots in `order` (lazy)."""
+    def _feed(self, fed: list[tuple[_DraftRow, int]]) -> mx.array:
+        """One token into each row's slot of `fed` ((its row, the token)): the argmax after it, in
+        order (lazy)."""
         buffers = self._buffers()
         tokens = [0] * buffers.slots
-        for slot, (state, token) in fed.items():
-            tokens[slot] = token
+        for state, token in fed:
+            tokens[state.slot] = token
         logits = self._call(mx.array(tokens, dtype=mx.int32)[:, None], buffers)
-        for state, token in fed.values():
+        for state, token in fed:
             state.held.append(token)
-        return mx.argmax(logits[mx.array(order), 0, : self._vocab_size], axis=-1)
+        return mx.argmax(logits[mx.array([state.slot for state, _ in fed]), 0, : self._vocab_size], axis=-1)
 
     def _call(self, tokens: mx.array, buffers: SlotBuffers) -> mx.array:
         """`tokens` (slots, width) through the model, each slot at its row's position (a free slot at 0);
