@@ -20,7 +20,8 @@ draft model runs as one batched call per position over every slot, each slot at 
 A slot that is not asking (a row that did not ask this step, a row whose k is reached, a free slot)
 runs padding at its own position: written past the tokens it holds, it is hidden and overwritten
 later, so the row is not disturbed. The calls are not compiled: on the CPU compiling them per
-shape saved 4-7% a proposal (docs/bench/cpu/draft-batching/), less than a shape's first-use cost. Proposals are those of the row alone through mlx-lm, up to floating-point
+shape saved only 4-7% a proposal (docs/bench/cpu/draft-batching/), and each new shape would be
+traced, and its kernels built, in a serving step. Proposals are those of the row alone through mlx-lm, up to floating-point
 ties: the slot buffers are exact where the compiled engine's are, which the constructor checks
 (plain KV caches, a covered architecture, the probe: worker/engines/decode_path.py).
 """
