@@ -488,6 +488,70 @@ def test_rows_that_ended_leave_nothing_behind(target, itself):
     assert not drafter.rows and speculator.tracked_rows == 0
 
 
+def draft_greedy_alone(model: Any, tokens: list[int], k: int, vocab: int) -> list[int]:
+    """The draft model's greedy continuation of `tokens` alone: a plain forward loop on a fresh mlx-lm cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(tokens)[None], cache=cache)
+    continuation: list[int] = []
+    for _ in range(k):
+        continuation.append(int(mx.argmax(logits[0, -1, :vocab])))
+        logits = model(mx.array([continuation[-1:]]), cache=cache)
+    return continuation
+
+
+@pytest.mark.parametrize("prefill_step", [2048, 16])
+def test_the_batched_draft_model_proposes_each_rows_greedy_continuation_alone(unrelated, prefill_step):
+    """Rows of different lengths asking for different k in one batched drafter, over rounds in which
+    their proposals are wholly, partly or not accepted (their tokens then diverge from what the draft
+    slots hold), rows skip rounds (more tokens to catch up than the catch-up call takes), join past
+    the first slots and length bucket, and end: every proposal is the draft model's greedy
+    continuation of the row's tokens computed alone."""
+    vocab = unrelated.args.vocab_size
+    rng = np.random.default_rng(11)
+    drafter = DraftModelDrafter(unrelated, vocab, prefill_step=prefill_step)
+    tokens = {f"r{i}": rng.integers(3, vocab, size=n).tolist() for i, n in enumerate([5, 17, 40, 3, 150, 1])}
+    outcomes = {"all": 0, "part": 0, "none": 0, "skipped": 0, "diverged": 0}
+    holds: dict[str, list[int]] = {}  # what each row's draft slot holds after its last proposal
+    for round_ in range(12):
+        if round_ == 3:  # two rows end, three join (one longer than the buffers so far)
+            for uid in ("r1", "r3"):
+                drafter.forget(uid)
+                del tokens[uid]
+            tokens |= {f"r{i}": rng.integers(3, vocab, size=n).tolist() for i, n in ((6, 200), (7, 9), (8, 30))}
+        rows = [DraftRow(uid, list(t), int(rng.integers(0, 5))) for uid, t in tokens.items()]
+        for row in rows:  # a row whose slot holds rejected tokens before its last one, which it must drop
+            held = holds.get(row.uid, [])[: len(row.tokens) - 1]
+            outcomes["diverged"] += bool(row.k) and held != list(row.tokens[: len(held)])
+        for row, proposal in zip(rows, drafter.propose(rows)):
+            assert proposal == draft_greedy_alone(unrelated, row.tokens, row.k, vocab), (round_, row.uid)
+            if row.k:
+                holds[row.uid] = list(row.tokens) + proposal[:-1]
+            if not row.k:  # it decoded without asking: several tokens of its own
+                tokens[row.uid] += rng.integers(3, vocab, size=int(rng.integers(1, 8))).tolist()
+                outcomes["skipped"] += 1
+                continue
+            kept = int(rng.integers(0, row.k + 1))
+            outcomes["all" if kept == row.k else "part" if kept else "none"] += 1
+            drawn = int(rng.integers(3, vocab))
+            if kept < row.k and drawn == proposal[kept]:
+                drawn = (drawn + 1) % vocab  # the served model's draw differs where it rejected
+            tokens[row.uid] += proposal[:kept] + [drawn]
+    assert all(outcomes.values()), outcomes
+    assert sorted(drafter.rows) == sorted(tokens)
+    for uid in list(tokens):
+        drafter.forget(uid)
+    assert not drafter.rows
+
+
+def test_a_draft_model_with_sliding_window_caches_is_refused(tmp_path, target):
+    """Its rows could not share slot buffers (nor be rolled back)."""
+    windowed = load(str(make_tiny_model(tmp_path / "windowed", arch="gemma3_text")))[0]
+    with pytest.raises(ValueError, match="MLXQ_DRAFT_MODEL: .*RotatingKVCache"):
+        DraftModelDrafter(windowed, target[0].args.vocab_size)
+
+
 class _Prebuild:
     """A kernel prebuild as the engine reads it (worker/engines/kernel_prebuild.py), still running."""
 

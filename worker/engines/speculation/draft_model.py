@@ -2,11 +2,28 @@
 tokenizer proposes each row's next k tokens, greedily (its argmax: a deterministic proposal, which
 verification treats as a point mass, worker/engines/speculation/verify.py).
 
-Each row keeps its own mlx-lm KV cache in the draft model and the tokens that cache holds. At a
-proposal the cache is trimmed back to the longest prefix it shares with the row's tokens now (the
-proposed tokens that were rejected go), the rest of the row's tokens are run through (the whole
-prompt the first time), then k - 1 proposed tokens are fed one by one. The rows' draft calls of one
-position are evaluated together.
+Every row keeps its draft keys and values in a slot of the draft model's own slot buffers (the
+compiled engine's, worker/engines/slot_cache.py, in a `SlotTable`: bucketed shapes, grown before
+a call writes past them, shrunk with hysteresis), together with the tokens the slot holds. The
+draft model runs as one batched call per position over every slot, each slot at its own position:
+
+1. Each asking row keeps the longest prefix its slot shares with the row's tokens now (at least
+   its last token is run again): moving the row's position back to it rolls the rejected
+   proposals back (their entries lie past the position, hidden by the mask, and are overwritten).
+2. Rows with more than CATCH_UP_WIDTH tokens to run (a new row's prompt, a row that did not ask
+   for a while) first run all of them but the last, gathered out of their slots into buffers of
+   their own, right-padded, in chunks of `prefill_step` positions, and scattered back.
+3. One catch-up call over every slot runs each asking row's remaining tokens (right-padded to the
+   longest); each row's logits at its last real token give its first guess.
+4. k - 1 single-token calls over every slot feed each row's latest guess while it still proposes.
+
+A slot that is not asking (a row that did not ask this step, a row whose k is reached, a free slot)
+runs padding at its own position: written past the tokens it holds, it is hidden and overwritten
+later, so the row is not disturbed. The calls are not compiled: on the CPU compiling them per
+shape saved only 4-7% a proposal (docs/bench/cpu/draft-batching/), and each new shape would be
+traced, and its kernels built, in a serving step. Proposals are those of the row alone through mlx-lm, up to floating-point
+ties: the slot buffers are exact where the compiled engine's are, which the constructor checks
+(plain KV caches, a covered architecture, the probe: worker/engines/decode_path.py).
 """
 
 from __future__ import annotations
@@ -15,12 +32,20 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from worker.engines.decode_path import compiled_unsupported_reason
+from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.engines.slot_table import SlotTable
 from worker.engines.speculation.drafter import DraftRow
 
 # Prompt tokens run through the draft model per call (as the served model's prefill step).
 PREFILL_STEP = 2048
+# The most tokens a row runs in the catch-up call: every slot runs this call at the longest row's
+# width, so longer runs (a row's prompt, a row back after a pause) go through the gathered prefill.
+# A row that asks every step has 1 or 2 (its last input, and a bonus token after a full acceptance).
+CATCH_UP_WIDTH = 4
+# The slot table has no limit of its own: the engine's max_num_seqs bounds the rows that ask.
+_NO_SLOT_LIMIT = 1 << 20
 
 
 class VocabularyMismatch(ValueError):
@@ -42,9 +67,26 @@ def check_same_vocabulary(tokenizer: Any, draft_tokenizer: Any) -> None:
 
 @dataclass
 class _DraftRow:
-    cache: list[Any]
-    held: list[int] = field(default_factory=list)  # the tokens the cache holds, in order
+    """A row's slot: `held` are the tokens whose keys and values it holds, at positions 0, 1, ..."""
+
+    held: list[int] = field(default_factory=list)
     confirmed: int = 0  # how many of them are the row's own (not proposed) tokens
+    slot: int = -1
+
+    @property
+    def position(self) -> int:
+        """Where its next token's keys and values go."""
+        return len(self.held)
+
+
+@dataclass
+class _Asking:
+    """A row asking this step: its state, its tokens and what is still to run through its slot."""
+
+    state: _DraftRow
+    tokens: list[int]
+    k: int
+    rest: list[int]
 
 
 class DraftModelDrafter:
@@ -52,68 +94,145 @@ class DraftModelDrafter:
 
     def __init__(self, model: Any, vocab_size: int, prefill_step: int = PREFILL_STEP) -> None:
         """`vocab_size`: the served model's; the draft model proposes no id at or past it."""
-        if not can_trim_prompt_cache(make_prompt_cache(model)):
-            raise ValueError("MLXQ_DRAFT_MODEL: its KV caches cannot be trimmed (a sliding window or recurrent "
-                             "state), so rejected proposals could not be rolled back: use a model with plain KV caches")
+        reason = compiled_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"MLXQ_DRAFT_MODEL: its rows cannot share batched slot caches: {reason}; use a model "
+                             "with plain KV caches of an architecture the compiled engine covers")
         self.model = model
         self._vocab_size = vocab_size
         self._prefill_step = prefill_step
+        self._layout = KVLayout.of(model)
+        self._table: SlotTable[_DraftRow] = SlotTable(self._layout, _NO_SLOT_LIMIT)
         self._rows: dict[str, _DraftRow] = {}
 
-    def _catch_up(self, row: DraftRow) -> mx.array:
-        """Bring the row's draft cache to its tokens; the draft model's logits after the last one (lazy)."""
-        state = self._rows.get(row.uid)
-        if state is None:
-            state = self._rows[row.uid] = _DraftRow(make_prompt_cache(self.model))
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in rows]
+        joining = [row for row in rows if row.k > 0 and row.uid not in self._rows]
+        if joining:  # (room for all of them at once: one resize at most)
+            self._table.reserve(len(joining), max(len(row.tokens) for row in joining))
+            for row in joining:
+                self._table.place(self._rows.setdefault(row.uid, _DraftRow()))
+        asking = {i: self._asking(row) for i, row in enumerate(rows) if row.k > 0}
+        if not asking:
+            return proposals
+        long = [a for a in asking.values() if len(a.rest) > CATCH_UP_WIDTH]
+        width = max(min(len(a.rest), CATCH_UP_WIDTH) for a in asking.values())
+        self._fit(list(asking.values()), width)
+        if long:
+            self._prefill(long)
+        guesses = self._catch_up(list(asking.values()), width)
+        live = list(asking)
+        while True:
+            mx.eval(guesses, *self._buffers().arrays())
+            for i, token in zip(live, guesses.tolist()):
+                proposals[i].append(token)
+            live = [i for i in live if len(proposals[i]) < asking[i].k]
+            if not live:
+                return proposals
+            guesses = self._feed([(asking[i].state, proposals[i][-1]) for i in live])
+
+    def _asking(self, row: DraftRow) -> _Asking:
+        """The row's slot moved back to the longest prefix it shares with the row's tokens, and the
+        tokens past it."""
+        state = self._rows[row.uid]
         tokens = list(row.tokens)
         limit = min(len(state.held), len(tokens) - 1)  # at least the last token is run again
         shared = min(state.confirmed, limit)  # a row's own tokens never change: compare only past them
         while shared < limit and state.held[shared] == tokens[shared]:
             shared += 1
-        if len(state.held) > shared:
-            trim_prompt_cache(state.cache, len(state.held) - shared)
-        rest = tokens[shared:]
-        logits = None
-        for start in range(0, len(rest), self._prefill_step):
-            if start:
-                mx.eval([c.state for c in state.cache])
-            logits = self.model(mx.array(rest[start:start + self._prefill_step])[None], cache=state.cache)
-        assert logits is not None
-        state.held, state.confirmed = tokens, len(tokens)
-        return logits[0, -1, : self._vocab_size]
+        del state.held[shared:]
+        state.confirmed = min(state.confirmed, shared)
+        return _Asking(state, tokens, row.k, tokens[shared:])
 
-    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in rows]
-        live = [i for i, row in enumerate(rows) if row.k > 0]
-        if not live:
-            return proposals
-        guesses = [mx.argmax(self._catch_up(rows[i])) for i in live]
-        for step in range(max(rows[i].k for i in live)):
-            mx.eval(guesses)
-            tokens = [int(g) for g in guesses]
-            for i, token in zip(live, tokens):
-                proposals[i].append(token)
-            live, guesses = [i for i in live if len(proposals[i]) < rows[i].k], []
-            for i in live:
-                state = self._rows[rows[i].uid]
-                token = proposals[i][-1]
-                state.held.append(token)
-                logits = self.model(mx.array([[token]]), cache=state.cache)
-                guesses.append(mx.argmax(logits[0, -1, : self._vocab_size]))
-            if not live:
-                break
-        return proposals
+    def _fit(self, asking: list[_Asking], width: int) -> None:
+        """Size the buffers for every position this proposal writes in them: each slot's catch-up
+        call (`width` from its position) and each asking row's fed guesses. (The gathered prefill's
+        padding may reach further: it is cut off before it is scattered back.)"""
+        mine = {id(a.state) for a in asking}
+        # An asking row feeds k - 1 guesses after its tokens, then padding at the next position.
+        ends = [max(a.state.position + width, len(a.tokens) + a.k) for a in asking]
+        ends += [s.position + width for s in self._table.occupied() if id(s) not in mine]
+        top = max(s.position for s in self._table.occupied()) + 1
+        self._table.fit(waiting=False, ahead=max(ends) - top)
+
+    def _prefill(self, long: list[_Asking]) -> None:
+        """The tokens to run of every row of `long` but its last, right-padded, in one batch gathered out
+        of their slots (the other slots run nothing), in chunks of `prefill_step` positions."""
+        buffers = self._buffers()
+        runs = [a.rest[:-1] for a in long]
+        starts = [a.state.position for a in long]
+        width = max(len(r) for r in runs)
+        slots = [a.state.slot for a in long]
+        part = buffers.resized(len(long), max(starts) + width, slots)
+        tokens = mx.array([r + [0] * (width - len(r)) for r in runs], dtype=mx.int32)
+        for start in range(0, width, self._prefill_step):
+            if start:
+                mx.eval(part.arrays())
+            caches = part.layer_caches(mx.array([s + start for s in starts], dtype=mx.int32), self._layout.grouped_mask)
+            self.model(tokens[:, start:start + self._prefill_step], cache=caches)
+            part.absorb(caches)
+        if part.length > buffers.length:  # (the padding past a row's tokens may reach past the buffers)
+            part = part.gather(list(range(len(long))), buffers.length)
+        buffers.scatter(slots, part)
+        for a, run in zip(long, runs):
+            a.state.held += run
+            a.rest = a.rest[len(run):]
+
+    def _catch_up(self, asking: list[_Asking], width: int) -> mx.array:
+        """Each asking row's remaining tokens through its slot, every slot at `width`: the argmax after
+        each asking row's last token, in order (lazy)."""
+        buffers = self._buffers()
+        padded = [[0] * width for _ in range(buffers.slots)]
+        for a in asking:
+            padded[a.state.slot][: len(a.rest)] = a.rest
+        logits = self._call(mx.array(padded, dtype=mx.int32), buffers)
+        at = logits[mx.array([a.state.slot for a in asking]), mx.array([len(a.rest) - 1 for a in asking])]
+        for a in asking:
+            a.state.held, a.state.confirmed = a.tokens, len(a.tokens)
+        return mx.argmax(at[:, : self._vocab_size], axis=-1)
+
+    def _feed(self, fed: list[tuple[_DraftRow, int]]) -> mx.array:
+        """One token into each row's slot of `fed` ((its row, the token)): the argmax after it, in
+        order (lazy)."""
+        buffers = self._buffers()
+        tokens = [0] * buffers.slots
+        for state, token in fed:
+            tokens[state.slot] = token
+        logits = self._call(mx.array(tokens, dtype=mx.int32)[:, None], buffers)
+        for state, token in fed:
+            state.held.append(token)
+        return mx.argmax(logits[mx.array([state.slot for state, _ in fed]), 0, : self._vocab_size], axis=-1)
+
+    def _call(self, tokens: mx.array, buffers: SlotBuffers) -> mx.array:
+        """`tokens` (slots, width) through the model, each slot at its row's position (a free slot at 0);
+        the buffers take the written keys and values. Logits (slots, width, vocabulary), lazy."""
+        positions = [0] * buffers.slots
+        for state in self._table.occupied():
+            positions[state.slot] = state.position
+        caches = buffers.layer_caches(mx.array(positions, dtype=mx.int32), self._layout.grouped_mask)
+        logits = self.model(tokens, cache=caches)
+        buffers.absorb(caches)  # (the old arrays are then the graph's alone: updated in place)
+        return logits
+
+    def _buffers(self) -> SlotBuffers:
+        assert self._table.buffers is not None
+        return self._table.buffers
 
     @property
     def rows(self) -> list[str]:
-        """The rows whose draft caches it keeps."""
+        """The rows whose draft slots it keeps."""
         return list(self._rows)
 
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:
-        pass  # the next proposal trims the cache to what the row's tokens confirm
+        pass  # the next proposal moves the row back to what its tokens confirm
 
     def forget(self, uid: str) -> None:
-        self._rows.pop(uid, None)
+        state = self._rows.pop(uid, None)
+        if state is not None:
+            self._table.vacate(state)
+        if not self._rows:
+            self._table.release()
 
     def reset(self) -> None:
         self._rows.clear()
+        self._table.release()
