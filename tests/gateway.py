@@ -32,8 +32,10 @@ def running_gateway(redis_url: str, **settings: Any) -> Iterator[str]:
     """Serve a gateway on a free port for the block; yields its base URL (`http://127.0.0.1:P/v1`)."""
     config = GatewaySettings(redis_url=redis_url, **settings)
     port = free_port()
+    # Open streams are cut after 5 s at the end of the block: a server left running keeps its upkeep tasks
+    # (the queue-registry pruner among them) working on a Redis later tests share.
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", **uvicorn_options()))
+                                           lifespan="on", timeout_graceful_shutdown=5, **uvicorn_options()))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -46,6 +48,8 @@ def running_gateway(redis_url: str, **settings: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+        if thread.is_alive():
+            raise AssertionError("the test gateway did not stop within 20 s of its block's end")
 
 
 def wait_live(conn: redis.Redis, name: str, timeout: float = 60) -> None:
