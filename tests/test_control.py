@@ -44,7 +44,12 @@ def expected(first: int, tokens: int, version_at: list[tuple[int, int]]) -> list
 
 
 def workers_live(conn: redis.Redis, count: int) -> None:
-    wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= count, timeout=30, what=f"{count} live workers")
+    """Until `count` workers have a heartbeat entry (the names in mlxq:workers stay an hour after a worker
+    is gone, so their count includes earlier tests' workers)."""
+    def live() -> int:
+        return sum(bool(conn.exists(keys.worker_key(name.decode()))) for name in conn.zrange(keys.WORKERS_KEY, 0, -1))
+
+    wait_for(lambda: live() >= count, timeout=30, what=f"{count} live workers")
 
 
 def test_inflight_drain_and_abort_swaps(redis_url, version_dir):
