@@ -16,13 +16,9 @@ import redis
 from producer import Client
 from schemas import keys
 from tests.reference import fused_alone, greedy_alone
-from tests.workers import start_worker, stop, wait_for
+from tests.workers import start_worker, stop, wait_for, workers_live
 
 PROMPT = [5, 6, 7, 8, 9, 10]
-
-
-def workers_live(conn: redis.Redis, count: int) -> None:
-    wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= count, timeout=60, what=f"{count} live workers")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import redis
 from producer import AsyncClient, Client
 from producer.control import ControlCalls, weights_command
 from schemas import keys
-from tests.workers import start_fake_worker, stop, wait_for
+from tests.workers import start_fake_worker, stop, wait_for, workers_live
 from worker.engines.fake import fake_token
 
 pytestmark = pytest.mark.slow
@@ -41,15 +41,6 @@ def expected(first: int, tokens: int, version_at: list[tuple[int, int]]) -> list
         version = [v for start, v in version_at if start <= i][-1]
         out.append(fake_token([first, 7], i, version=version))
     return out
-
-
-def workers_live(conn: redis.Redis, count: int) -> None:
-    """Until `count` workers have a heartbeat entry (the names in mlxq:workers stay an hour after a worker
-    is gone, so their count includes earlier tests' workers)."""
-    def live() -> int:
-        return sum(bool(conn.exists(keys.worker_key(name.decode()))) for name in conn.zrange(keys.WORKERS_KEY, 0, -1))
-
-    wait_for(lambda: live() >= count, timeout=30, what=f"{count} live workers")
 
 
 def test_inflight_drain_and_abort_swaps(redis_url, version_dir):

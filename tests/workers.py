@@ -132,3 +132,14 @@ class ScriptFlusher(threading.Thread):
     def __exit__(self, *exc: object) -> None:
         self.stopping.set()
         self.join(timeout=10)
+
+
+def workers_live(conn: redis.Redis, count: int, timeout: float = 60) -> None:
+    """Until `count` workers have a heartbeat entry (the names in mlxq:workers stay an hour after a worker
+    is gone, so their count includes earlier tests' workers)."""
+    from schemas import keys
+
+    def live() -> int:
+        return sum(bool(conn.exists(keys.worker_key(name.decode()))) for name in conn.zrange(keys.WORKERS_KEY, 0, -1))
+
+    wait_for(lambda: live() >= count, timeout=timeout, what=f"{count} live workers")
