@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from schemas import keys
-from tests.workers import start_worker, stop, wait_for
+from tests.workers import start_worker, stop, workers_live
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def rq_result_types(conn: redis.Redis, job_id: str) -> list[int]:
 def tiny_worker(redis_url, tiny_model_dir):
     conn = redis.Redis.from_url(redis_url)
     proc = start_worker(redis_url, tiny_model_dir, "--alias", "tiny", name="grpo")
-    wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= 1, timeout=60, what="a live worker")
+    workers_live(conn, 1)
     yield conn
     out = stop(proc)
     assert proc.returncode == 0, out

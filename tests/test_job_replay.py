@@ -23,7 +23,7 @@ from schemas import keys
 from schemas.serializer import JSON_SERIALIZER
 from tests.test_hostile_jobs import drain, leftovers, plant, good_fields
 from tests.test_security import PRODUCER_ACL
-from tests.workers import start_fake_worker, stop, wait_for
+from tests.workers import start_fake_worker, stop, wait_for, workers_live
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_a_worker_given_up_for_dead_does_not_replace_the_result_written_after_it
     frozen_log = drain(frozen)
     sweeper = None
     try:
-        wait_for(lambda: conn.zcard(keys.WORKERS_KEY) >= 1, timeout=30, what="the first worker")
+        workers_live(conn, 1, timeout=30)
         queue = Queue("mlxq", connection=conn, serializer=JSON_SERIALIZER)
         job_id = queue.enqueue(keys.JOB_FUNCTION, request={**GOOD, "max_tokens": 120, "ignore_eos": True},
                                retry=Retry(max=1) if retried else None).id
