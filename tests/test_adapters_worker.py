@@ -14,9 +14,8 @@ import pytest
 import redis
 
 from producer import Client
-from schemas import keys
 from tests.reference import fused_alone, greedy_alone
-from tests.workers import start_worker, stop, wait_for, workers_live
+from tests.workers import start_worker, stop, workers_live
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
