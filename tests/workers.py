@@ -16,6 +16,8 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from schemas import keys
+
 BIN = Path(sys.executable).parent
 
 
@@ -137,8 +139,6 @@ class ScriptFlusher(threading.Thread):
 def workers_live(conn: redis.Redis, count: int, timeout: float = 60) -> None:
     """Until `count` workers have a heartbeat entry (the names in mlxq:workers stay an hour after a worker
     is gone, so their count includes earlier tests' workers)."""
-    from schemas import keys
-
     def live() -> int:
         return sum(bool(conn.exists(keys.worker_key(name.decode()))) for name in conn.zrange(keys.WORKERS_KEY, 0, -1))
 
