@@ -441,16 +441,39 @@ def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
     assert all(got[job].speculation is not None for job in requests) and accepted(got) > 0
 
 
+class PolicyRow:
+    """What the speculation policy reads of a decoding row (speculator.py's `Row`)."""
+
+    def __init__(self, uid: str, speculative: bool = True) -> None:
+        from worker.engines.base import SequenceSpec
+
+        self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
+        self.prompt, self.generated, self.constraint = [1, 2], [], None
+
+
+def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
+    """A pass runs every slot at its full width, so a row that is off proposes in it for free: its
+    misses leave its backoff as it was, and a ride accepted whole turns it back on."""
+    speculator = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4)
+    on, off = PolicyRow("on"), PolicyRow("off")
+    speculator.outcome(off, 2, 0)
+    speculator.outcome(off, 2, 0)  # two misses: off
+    waiting = speculator._state(off).adaptivity.off_for
+    assert waiting > 0
+    assert speculator.plan([off], slot_count=1) is None  # no row is on: no pass for the off row alone
+    plan = speculator.plan([on, off], slot_count=2)
+    assert plan is not None and plan.width == 3  # the new row's k (2) sets the width
+    assert [(r.seq.spec.uid, r.draft) for r in plan.rows] == [("on", [5, 6]), ("off", [5, 6])]
+    speculator.outcome(off, 2, 1)
+    assert speculator._state(off).adaptivity.off_for == waiting  # a ride's miss costs it nothing
+    speculator.outcome(off, 2, 2)
+    assert speculator._state(off).adaptivity.on and speculator.accepted == 3
+
+
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
     """A row that may propose is worth the batch's wider pass when its expected tokens cover the pass's
     extra cost for every row of the batch; a batch too large for `max_positions` never speculates."""
-    from worker.engines.base import SequenceSpec
-
-    class Row:
-        def __init__(self, uid: str, speculative: bool) -> None:
-            self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
-            self.prompt, self.generated, self.constraint = [1, 2], [], None
-
+    Row = PolicyRow
     speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)  # a pass costs 1.25 steps
     lone = [Row("on", True)]  # new: expected to add its k (2) tokens
     assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)

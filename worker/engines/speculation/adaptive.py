@@ -20,6 +20,10 @@ proposing. Each row keeps its own k and an average of its acceptance:
 
 So open-ended text, where proposals rarely match, pays a few verification steps per
 `MAX_BACKOFF` decode steps; text that repeats its prompt keeps k at the maximum.
+
+A row that is off still proposes in a pass that runs for other rows (speculator.py): every slot of
+the pass runs its full width anyway, so its proposal costs nothing. Such a ride never extends its
+backoff; a ride of at least `START_K` tokens accepted whole turns the row back on.
 """
 
 from __future__ import annotations
@@ -86,8 +90,18 @@ class RowAdaptivity:
         elif proposed:
             self.k = max(min(START_K, self.max_k), min(self.max_k, accepted + 1))
         if self.misses >= MISSES_OFF or self.acceptance < LOW_ACCEPTANCE:
-            self.off_for = self.backoff
-            self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-            # Back on, it probes: one proposal on trust, and one more miss turns it off again.
-            self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
-            self.misses = self.tries = MISSES_OFF - 1
+            self._turn_off()
+
+    def rode(self, proposed: int, accepted: int) -> None:
+        """The outcome of a proposal made while off, in a pass that ran for other rows: only a ride
+        accepted whole, of at least `START_K` tokens, counts, and turns the row back on, new."""
+        if proposed >= START_K and accepted == proposed:
+            self.off_for, self.backoff, self.misses, self.tries, self.idle = 0, FIRST_BACKOFF, 0, 0, 0
+            self.acceptance, self.k = 0.5, min(self.max_k, proposed)
+
+    def _turn_off(self) -> None:
+        self.off_for = self.backoff
+        self.backoff = min(MAX_BACKOFF, self.backoff * 2)
+        # Back on, it probes: one proposal on trust, and one more miss turns it off again.
+        self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
+        self.misses = self.tries = MISSES_OFF - 1

@@ -137,35 +137,42 @@ class Speculator:
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """The proposals of this step's rows (each row's tokens are up to date), or None when no row
-        proposes anything; rows that found nothing to propose count it as a miss."""
+        that is on proposes anything. The rows that are on set the pass's width; every other row that
+        may speculate rides along, proposing up to that width, since its slot runs the whole width
+        anyway. Rows that are on and found nothing to propose count it as a miss."""
         limit = self._width_limit(slot_count) - 1
         if limit < 1:
             return None
-        asking: list[tuple[Row, _RowState]] = []
-        requests: list[DraftRow] = []
+        on: list[tuple[Row, _RowState, int]] = []
+        riding: list[tuple[Row, _RowState, int]] = []
         for row in rows:
             state = self._state(row)
             room = self._room(row)
-            if state.refusal is not None or not state.adaptivity.on or room < 1:
-                continue
-            asking.append((row, state))
-            requests.append(DraftRow(row.spec.uid, row.prompt + row.generated,
-                                     min(state.adaptivity.k, limit, room)))
-        if not asking:
+            if state.refusal is None and room > 0:
+                (on if state.adaptivity.on else riding).append((row, state, room))
+        if not on:
             return None
-        plan = StepPlan(width=1)
-        for (row, state), request, draft in zip(asking, requests, self.drafter.propose(requests)):
-            draft = [int(t) for t in draft[: request.k]]
-            if draft:
-                plan.rows.append(RowPlan(row, draft))
-                plan.width = max(plan.width, 1 + len(draft))
-            else:
+        planned = max(min(state.adaptivity.k, limit, room) for _, state, room in on)
+        asking = [(row, state, min(planned, room)) for row, state, room in on + riding]
+        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, _, k in asking])
+        drafts = [[int(t) for t in draft[:k]] for draft, (_, _, k) in zip(drafts, asking)]
+        longest = max(len(draft) for draft in drafts[: len(on)])
+        for (_, state, _), draft in zip(on, drafts):
+            if not draft:
                 state.adaptivity.record(0, 0)
-        return plan if plan.rows else None
+        if not longest:
+            return None
+        plan = StepPlan(width=1 + longest)
+        plan.rows = [RowPlan(row, draft[:longest]) for (row, _, _), draft in zip(asking, drafts) if draft]
+        return plan
 
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` tokens of `row`'s proposal were accepted."""
-        self._state(row).adaptivity.record(proposed, accepted)
+        adaptivity = self._state(row).adaptivity
+        if adaptivity.on:
+            adaptivity.record(proposed, accepted)
+        else:
+            adaptivity.rode(proposed, accepted)
         self.drafter.accepted(row.spec.uid, proposed, accepted)
         self.proposed += proposed
         self.accepted += accepted
