@@ -470,6 +470,29 @@ def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
     assert speculator._state(off).adaptivity.on and speculator.accepted == 3
 
 
+def test_the_pass_width_follows_the_costs_measured_while_serving():
+    """Each width's cost is its passes' median time over the decode steps' at the same slot count,
+    once both are measured (the prior until then; a pause in one sample does not move it); the width
+    chosen makes the most tokens per step's cost. A cost given as a setting is never measured."""
+    measured = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0, measure_cost=True)
+    fixed = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0)
+    rows = [PolicyRow(f"r{i}") for i in range(8)]
+    for speculator in (measured, fixed):
+        for row in rows:
+            speculator.outcome(row, 2, 2)
+            speculator.outcome(row, 3, 3)  # k 4, running acceptance 0.755
+        assert speculator.width(rows, 8) == 5  # every width at the prior: the widest makes the most
+        for seconds in (0.1, 0.1, 0.1, 2.0):
+            speculator.costs.step_took(8, seconds)
+        for width, seconds in ((5, 0.3), (3, 0.14)):
+            speculator.costs.pass_took(8, width, seconds)
+            speculator.costs.pass_took(8, width, seconds)
+    assert measured.costs.cost(8, 5) == pytest.approx(3.0) and measured.costs.cost(8, 4) == 2.0
+    assert measured.costs.cost(8, 3) == pytest.approx(1.4) and measured.costs.cost(4, 3) == 2.0
+    assert measured.width(rows, 8) == 3  # 8 + 12.1 tokens for 1.4 steps beat 8 + 18.1 for 2 and 8 + 24.2 for 3
+    assert fixed.width(rows, 8) == 5 and fixed.costs.cost(8, 3) == 2.0
+
+
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):
     """A row that may propose is worth the batch's wider pass when its expected tokens cover the pass's
     extra cost for every row of the batch; a batch too large for `max_positions` never speculates."""
@@ -628,13 +651,15 @@ def test_the_prebuild_process_builds_the_verification_pass_after_the_first_two_s
 
 
 @pytest.mark.parametrize("platform,cost", [("cpu", 2.0), ("cuda", 1.75), ("metal", 1.25)])
-def test_the_pass_cost_defaults_to_the_platforms_and_a_setting_overrides_it(target, monkeypatch, platform, cost):
+def test_the_pass_cost_starts_at_the_platforms_and_a_setting_fixes_it(target, monkeypatch, platform, cost):
     import worker.loading
     from worker.loading import build_speculator
     from worker.settings import WorkerSettings
 
     monkeypatch.setattr(worker.loading, "current_platform", lambda: platform)
     settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram"}, model="unused")
-    assert build_speculator(settings, *target).pass_cost == cost
+    default = build_speculator(settings, *target)
+    assert default.pass_cost == cost and default.costs.measure  # the platform's cost until measured
     settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram", "MLXQ_SPECULATIVE_PASS_COST": "3"}, model="unused")
-    assert build_speculator(settings, *target).pass_cost == 3.0
+    given = build_speculator(settings, *target)
+    assert given.pass_cost == 3.0 and not given.costs.measure

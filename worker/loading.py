@@ -186,11 +186,13 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
             drafter = DraftModelDrafter(draft, model_vocab_size(model, tokenizer))
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+    measured = settings.speculative_pass_cost is None
     cost = settings.speculative_pass_cost or DEFAULT_PASS_COST[current_platform()]
     log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass, a pass costing "
-             "%.2f decode steps", settings.speculative if settings.speculative == "ngram"
-             else f"draft model {settings.draft_model}", settings.speculative_k, settings.speculative_max_positions, cost)
-    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions, cost)
+             "%.2f decode steps%s", settings.speculative if settings.speculative == "ngram"
+             else f"draft model {settings.draft_model}", settings.speculative_k, settings.speculative_max_positions, cost,
+             " until measured" if measured else "")
+    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions, cost, measure_cost=measured)
 
 
 def is_vision_model(model: str) -> bool:

@@ -335,14 +335,18 @@ class CompiledEngine:
                 events += (self._collect(previous) if previous is not None else [])
                 events += (self._collect(first) if first is not None else [])
                 previous = first = None
-                plan = self._spec.plan(self._table.occupied(), len(self._table.slots))
+                slots, began = len(self._table.slots), time.perf_counter()
+                plan = self._spec.plan(self._table.occupied(), slots)
                 if plan is not None:
                     events += self._verify_plan(plan)
+                    self._spec.costs.pass_took(slots, plan.width, time.perf_counter() - began)
                     if not self._table.any_occupied() and not self._waiting:
                         self._table.release()
                     self._count(events, started, prefill_s)
                     return events
         launched = self._launch() if self._table.any_occupied() else None
+        # A step's worth of time: one launched and (with overlap) the one before read back, nothing admitted.
+        steady = launched is not None and (previous is not None) == self._overlap and first is None and not prefill_s
         events += (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
@@ -352,6 +356,8 @@ class CompiledEngine:
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
+        if self._spec is not None and steady and not stepping:  # what a verification pass is weighed against
+            self._spec.costs.step_took(len(self._table.slots), time.perf_counter() - started)
         if not self._table.any_occupied() and not self._waiting:  # idle: give the buffers' memory back
             self._table.release()
         self._count(events, started, prefill_s)

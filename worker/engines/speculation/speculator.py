@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol, Sequence
 from worker.engines.base import SequenceSpec
 from worker.engines.speculation.adaptive import RowAdaptivity
 from worker.engines.speculation.drafter import Drafter, DraftRow
+from worker.engines.speculation.pass_cost import PassCosts
 
 log = logging.getLogger("mlxq.engine")
 
@@ -80,11 +81,13 @@ class _RowState:
 
 class Speculator:
     def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS,
-                 pass_cost: float = DEFAULT_PASS_COST["metal"]) -> None:
-        """`pass_cost`: a verification pass's time over a decode step's (worker/loading.py picks it per device)."""
+                 pass_cost: float = DEFAULT_PASS_COST["metal"], measure_cost: bool = False) -> None:
+        """`pass_cost`: a verification pass's time over a decode step's (worker/loading.py picks it per
+        device); with `measure_cost` only until the engine has measured it (pass_cost.py)."""
         if max_k < 1:
             raise ValueError(f"speculative_k: must be >= 1, got {max_k}")
         self.pass_cost = pass_cost
+        self.costs = PassCosts(pass_cost, measure=measure_cost)
         self.drafter = drafter
         self.max_k = max_k
         self.max_positions = max_positions
@@ -115,20 +118,29 @@ class Speculator:
         """Tokens it may still propose: the step makes one token of its own, and none past max_tokens."""
         return row.spec.max_tokens - len(row.generated) - 1
 
+    def width(self, rows: Sequence[Row], slot_count: int) -> int:
+        """The width of the verification pass worth running this step (1: none is). A pass of width w
+        and cost c makes n + E(w) tokens where a decode step makes n (n rows decoding, E(w) what the
+        rows that are on are expected to add proposing up to w - 1 tokens each, capped by their k);
+        it is worth it when E(w) >= n (c - 1), and the width chosen makes the most tokens per step's
+        cost."""
+        limit = self._width_limit(slot_count) - 1
+        on = [(state.adaptivity, room) for state, room in ((self._state(row), self._room(row)) for row in rows)
+              if state.refusal is None and state.adaptivity.on and room > 0]
+        best, best_rate = 1, 0.0
+        for width in range(2, limit + 2) if on else ():
+            expected = sum(adaptivity.expected(min(adaptivity.k, width - 1, room)) for adaptivity, room in on)
+            cost = self.costs.cost(slot_count, width)
+            if expected > 0 and expected >= max(MIN_EXPECTED_GAIN, cost - 1) * len(rows):
+                rate = (len(rows) + expected) / cost
+                if rate > best_rate:
+                    best, best_rate = width, rate
+        return best
+
     def wants(self, rows: Sequence[Row], slot_count: int) -> bool:
         """Whether some row would propose this step (then the engine reads the step in flight back
         first: a proposal continues each row's latest token)."""
-        limit = self._width_limit(slot_count) - 1
-        if limit < 1:
-            return False
-        expected = 0.0
-        for row in rows:
-            state = self._state(row)
-            room = self._room(row)
-            if state.refusal is None and state.adaptivity.on and room > 0:
-                expected += state.adaptivity.expected(min(state.adaptivity.k, limit, room))
-        # A pass of cost c makes n + E tokens where a step makes n: worth it when E >= n (c - 1).
-        return expected > 0 and expected >= max(MIN_EXPECTED_GAIN, self.pass_cost - 1) * len(rows)
+        return self.width(rows, slot_count) > 1
 
     def step_began(self, rows: Sequence[Row]) -> None:
         """Every engine step: rows with speculation off count down to their next probe."""
@@ -136,12 +148,13 @@ class Speculator:
             self._state(row).adaptivity.decoded()
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
-        """The proposals of this step's rows (each row's tokens are up to date), or None when no row
-        that is on proposes anything. The rows that are on set the pass's width; every other row that
-        may speculate rides along, proposing up to that width, since its slot runs the whole width
-        anyway. Rows that are on and found nothing to propose count it as a miss."""
-        limit = self._width_limit(slot_count) - 1
-        if limit < 1:
+        """The proposals of this step's rows (each row's tokens are up to date), or None when no pass
+        is worth running or no row that is on proposes anything. Every row that may speculate
+        proposes up to the pass's width (`width`): its slot runs the whole width anyway, so a row
+        that is off rides along for free. Rows that are on and found nothing to propose count it
+        as a miss."""
+        width = self.width(rows, slot_count)
+        if width < 2:
             return None
         on: list[tuple[Row, _RowState, int]] = []
         riding: list[tuple[Row, _RowState, int]] = []
@@ -150,10 +163,7 @@ class Speculator:
             room = self._room(row)
             if state.refusal is None and room > 0:
                 (on if state.adaptivity.on else riding).append((row, state, room))
-        if not on:
-            return None
-        planned = max(min(state.adaptivity.k, limit, room) for _, state, room in on)
-        asking = [(row, state, min(planned, room)) for row, state, room in on + riding]
+        asking = [(row, state, min(width - 1, room)) for row, state, room in on + riding]
         drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, _, k in asking])
         drafts = [[int(t) for t in draft[:k]] for draft, (_, _, k) in zip(drafts, asking)]
         longest = max(len(draft) for draft in drafts[: len(on)])
