@@ -25,6 +25,7 @@ from worker.engines.compiled import CompiledEngine
 from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
 from worker.engines.speculation import DraftRow, Speculator
 from worker.engines.speculation.adaptive import FIRST_BACKOFF, RowAdaptivity
+from worker.engines.speculation.pass_cost import FORGET_AFTER
 from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
 from worker.engines.speculation.ngram import NgramDrafter
 from worker.scheduler import BatchScheduler
@@ -473,7 +474,8 @@ def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
 def test_the_pass_width_follows_the_costs_measured_while_serving():
     """Each width's cost is its passes' median time over the decode steps' at the same slot count,
     once both are measured (the prior until then; a pause in one sample does not move it); the width
-    chosen makes the most tokens per step's cost. A cost given as a setting is never measured."""
+    chosen makes the most tokens per step's cost. A cost given as a setting is never measured, and a
+    width not run for a while is measured afresh (a width measured too dear would never be run again)."""
     measured = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0, measure_cost=True)
     fixed = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0)
     rows = [PolicyRow(f"r{i}") for i in range(8)]
@@ -485,12 +487,15 @@ def test_the_pass_width_follows_the_costs_measured_while_serving():
         for seconds in (0.1, 0.1, 0.1, 2.0):
             speculator.costs.step_took(8, seconds)
         for width, seconds in ((5, 0.3), (3, 0.14)):
-            speculator.costs.pass_took(8, width, seconds)
-            speculator.costs.pass_took(8, width, seconds)
+            for _ in range(3):
+                speculator.costs.pass_took(8, width, seconds)
     assert measured.costs.cost(8, 5) == pytest.approx(3.0) and measured.costs.cost(8, 4) == 2.0
     assert measured.costs.cost(8, 3) == pytest.approx(1.4) and measured.costs.cost(4, 3) == 2.0
     assert measured.width(rows, 8) == 3  # 8 + 12.1 tokens for 1.4 steps beat 8 + 18.1 for 2 and 8 + 24.2 for 3
     assert fixed.width(rows, 8) == 5 and fixed.costs.cost(8, 3) == 2.0
+    for _ in range(FORGET_AFTER + 1):  # a width left unused that long is tried afresh
+        measured.costs.step_took(8, 0.1)
+    assert measured.costs.cost(8, 5) == 2.0 and measured.width(rows, 8) == 5
 
 
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):

@@ -339,7 +339,9 @@ class CompiledEngine:
                 plan = self._spec.plan(self._table.occupied(), slots)
                 if plan is not None:
                     events += self._verify_plan(plan)
-                    self._spec.costs.pass_took(slots, plan.width, time.perf_counter() - began)
+                    assert self._verification is not None
+                    if not self._verification.traced:
+                        self._spec.costs.pass_took(slots, plan.width, time.perf_counter() - began)
                     if not self._table.any_occupied() and not self._waiting:
                         self._table.release()
                     self._count(events, started, prefill_s)

@@ -31,6 +31,11 @@ class VerificationPass:
         self._verify = VerifyStep(model, grouped_mask, extra_inputs=lora.state)
         self._extra = ExtraPositions()
 
+    @property
+    def traced(self) -> bool:
+        """Whether the last pass traced its shape first (worker/engines/speculation/verify_step.py)."""
+        return self._verify.traced
+
     def warm_up(self, layout: Any, slots: int, length: int, widths: list[int]) -> None:
         """Compile the pass at each width for (`slots`, `length`) now (VerifyStep.warm_up)."""
         self._verify.warm_up(layout, slots, length, widths)

@@ -34,6 +34,7 @@ class VerifyStep:
         self.grouped_mask = grouped_mask
         self._compiled = mx.compile(self._verify, inputs=[model] if extra_inputs is None else [model, extra_inputs])
         self.shapes: set[tuple[int, int, int]] = set()
+        self.traced = False  # whether the last call traced its shape (its time is not a pass's)
 
     def _verify(self, tokens: mx.array, positions: mx.array, arrays: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
         half = len(arrays) // 2
@@ -57,7 +58,8 @@ class VerifyStep:
         shape = (buffers.slots, buffers.length, tokens.shape[1])
         started = time.perf_counter()
         logits, arrays = self._compiled(tokens, positions, buffers.arrays())
-        if shape not in self.shapes:
+        self.traced = shape not in self.shapes
+        if self.traced:
             self.shapes.add(shape)
             log.info("verify step: compiled %d slots x %d positions x %d tokens at first use (traced in %.2f s)",
                      shape[0], shape[1], shape[2], time.perf_counter() - started)
