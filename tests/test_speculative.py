@@ -471,6 +471,21 @@ def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
     assert speculator._state(off).adaptivity.on and speculator.accepted == 3
 
 
+def test_rows_start_as_probes_while_their_drafter_keeps_missing():
+    """A new row gets two proposals to show its worth, unless the drafter's recent proposals for other
+    rows mostly missed: then it starts as a probe, and one miss turns it off."""
+    speculator = Speculator(FixedDrafter([5, 6]), max_k=4)
+    early = PolicyRow("early")
+    speculator.outcome(early, 2, 0)
+    assert speculator._state(early).adaptivity.on  # its first miss: one more try
+    for uid in ("a", "b"):
+        speculator.outcome(PolicyRow(uid), 2, 0)
+    assert speculator.track < 0.2
+    late = PolicyRow("late")
+    speculator.outcome(late, 2, 0)
+    assert not speculator._state(late).adaptivity.on
+
+
 def test_the_pass_width_follows_the_costs_measured_while_serving():
     """Each width's cost is its passes' median time over the decode steps' at the same slot count,
     once both are measured (the prior until then; a pause in one sample does not move it); the width

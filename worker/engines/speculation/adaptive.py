@@ -10,7 +10,10 @@ proposing. Each row keeps its own k and an average of its acceptance:
   a step or more (speculator.py).
 - A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
   proposals it is expected to have all its k tokens accepted, so that its batch tries it; a row whose batch
-  finds no pass worth running (speculator.py) is new again after `backoff` steps.
+  finds no pass worth running (speculator.py) is new again after `backoff` steps. A row that starts
+  while its drafter's recent proposals, over all rows, are mostly missing starts as a probe instead
+  (one proposal): a drafter that cannot help, such as an unrelated draft model, then costs each
+  request one pass and its rare probes.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
   `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:
@@ -51,6 +54,11 @@ class RowAdaptivity:
 
     def __post_init__(self) -> None:
         self.k = max(1, min(self.k, self.max_k))
+
+    def doubt(self) -> None:
+        """Start as a probe (one proposal, and a miss turns it off) rather than with `MISSES_OFF`
+        tries: for a row whose drafter has lately been missing for other rows too (speculator.py)."""
+        self.misses = self.tries = MISSES_OFF - 1
 
     @property
     def on(self) -> bool:
@@ -104,4 +112,4 @@ class RowAdaptivity:
         self.backoff = min(MAX_BACKOFF, self.backoff * 2)
         # Back on, it probes: one proposal on trust, and one more miss turns it off again.
         self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
-        self.misses = self.tries = MISSES_OFF - 1
+        self.doubt()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 from worker.engines.base import SequenceSpec
-from worker.engines.speculation.adaptive import RowAdaptivity
+from worker.engines.speculation.adaptive import LOW_ACCEPTANCE, SMOOTHING, RowAdaptivity
 from worker.engines.speculation.drafter import Drafter, DraftRow
 from worker.engines.speculation.pass_cost import PassCosts
 
@@ -93,6 +93,7 @@ class Speculator:
         self.max_positions = max_positions
         self._rows: dict[str, _RowState] = {}
         self._logged: set[str] = set()
+        self.track = 0.5  # the drafter's recent acceptance over every row's proposals (adaptive.py's `doubt`)
         self.proposed = 0  # totals since start, for the engine's stats
         self.accepted = 0
         self.steps = 0
@@ -108,7 +109,10 @@ class Speculator:
             if reason is not None and row.spec.speculative and reason not in self._logged:
                 self._logged.add(reason)
                 log.info("speculation: rows with %s do not speculate (logged once)", reason)
-            state = self._rows[row.spec.uid] = _RowState(reason, RowAdaptivity(self.max_k))
+            adaptivity = RowAdaptivity(self.max_k)
+            if self.track < LOW_ACCEPTANCE:
+                adaptivity.doubt()
+            state = self._rows[row.spec.uid] = _RowState(reason, adaptivity)
         return state
 
     def _width_limit(self, slot_count: int) -> int:
@@ -181,6 +185,7 @@ class Speculator:
         adaptivity = self._state(row).adaptivity
         if adaptivity.on:
             adaptivity.record(proposed, accepted)
+            self.track += SMOOTHING * (accepted / max(1, proposed) - self.track)
         else:
             adaptivity.rode(proposed, accepted)
         self.drafter.accepted(row.spec.uid, proposed, accepted)
