@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-positions", type=int, help=(
         "most slots x (1 + k) positions one verification pass runs (MLXQ_SPECULATIVE_MAX_POSITIONS; 64)"))
     p.add_argument("--speculative-pass-cost", type=float, help=(
-        "a verification pass's time over a decode step's, for deciding whether one pays "
-        "(MLXQ_SPECULATIVE_PASS_COST; default 2 on a CPU, 1.75 on CUDA, 1.25 on Metal)"))
+        "a verification pass's time over a decode step's, fixed, for deciding whether one pays "
+        "(MLXQ_SPECULATIVE_PASS_COST; default: measured while serving, per width, from 2 on a CPU, "
+        "1.75 on CUDA, 1.25 on Metal)"))
     p.add_argument("--upcast", action=argparse.BooleanOptionalAction, default=None, help=(
         "CPU: half-precision (bfloat16/float16) tensors become float32 at load (MLXQ_UPCAST; default on)"))
     p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None, help=(

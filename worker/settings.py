@@ -84,8 +84,8 @@ class WorkerSettings(BaseSettings):
     speculative_k: int = 4  # most tokens a row proposes per step
     # Most positions (slots x (1 + k)) one verification pass runs: larger batches propose fewer tokens or none.
     speculative_max_positions: int = 64
-    # A verification pass's time over a decode step's, for deciding whether a pass pays (default: 2 on a
-    # CPU, where a few more positions double a step's matmuls; 1.25 on a GPU or Metal).
+    # A verification pass's time over a decode step's, fixed, for deciding whether a pass pays (default:
+    # measured while serving, from a prior per platform: worker/engines/speculation/pass_cost.py).
     speculative_pass_cost: Optional[float] = None
     # Agents (docs/tools.md): the tool-call format replies are parsed and forced in ("auto": picked from
     # the model's chat template and config; or hermes, llama3_json, mistral, one of mlx-lm's parsers),
