@@ -24,7 +24,7 @@ from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_l
 from worker.engines.compiled import CompiledEngine
 from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
 from worker.engines.speculation import DraftRow, Speculator
-from worker.engines.speculation.adaptive import FIRST_BACKOFF, RowAdaptivity
+from worker.engines.speculation.adaptive import FIRST_BACKOFF, MAX_BACKOFF, RowAdaptivity
 from worker.engines.speculation.pass_cost import FORGET_AFTER
 from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
 from worker.engines.speculation.ngram import NgramDrafter
@@ -449,7 +449,7 @@ class PolicyRow:
         from worker.engines.base import SequenceSpec
 
         self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
-        self.prompt, self.generated, self.constraint = [1, 2], [], None
+        self.prompt, self.generated, self.constraint = [1, 2], [3], None
 
 
 def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
@@ -471,19 +471,28 @@ def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
     assert speculator._state(off).adaptivity.on and speculator.accepted == 3
 
 
-def test_rows_start_as_probes_while_their_drafter_keeps_missing():
+def test_rows_start_off_while_their_drafter_keeps_missing():
     """A new row gets two proposals to show its worth, unless the drafter's recent proposals for other
-    rows mostly missed: then it starts as a probe, and one miss turns it off."""
+    rows mostly missed: then it starts off, waiting as long as the row that last turned off, and then
+    probes once. After MAX_BACKOFF steps without a proposal the drafter gets a new chance."""
     speculator = Speculator(FixedDrafter([5, 6]), max_k=4)
     early = PolicyRow("early")
     speculator.outcome(early, 2, 0)
     assert speculator._state(early).adaptivity.on  # its first miss: one more try
-    for uid in ("a", "b"):
-        speculator.outcome(PolicyRow(uid), 2, 0)
+    speculator.outcome(early, 2, 0)
+    assert speculator._state(early).adaptivity.off_for == FIRST_BACKOFF
+    speculator.outcome(PolicyRow("other"), 2, 0)
     assert speculator.track < 0.2
-    late = PolicyRow("late")
-    speculator.outcome(late, 2, 0)
-    assert not speculator._state(late).adaptivity.on
+    late = speculator._state(PolicyRow("late")).adaptivity
+    assert not late.on and late.off_for == FIRST_BACKOFF
+    for _ in range(FIRST_BACKOFF):
+        late.decoded()
+    assert late.on and late.fresh  # its probe: one miss turns it off for twice as long
+    late.record(2, 0)
+    assert late.off_for == 2 * FIRST_BACKOFF
+    for _ in range(MAX_BACKOFF):
+        speculator.step_began([])
+    assert speculator._state(PolicyRow("much later")).adaptivity.on
 
 
 def test_the_pass_width_follows_the_costs_measured_while_serving():

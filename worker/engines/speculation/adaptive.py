@@ -11,9 +11,9 @@ proposing. Each row keeps its own k and an average of its acceptance:
 - A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
   proposals it is expected to have all its k tokens accepted, so that its batch tries it; a row whose batch
   finds no pass worth running (speculator.py) is new again after `backoff` steps. A row that starts
-  while its drafter's recent proposals, over all rows, are mostly missing starts as a probe instead
-  (one proposal): a drafter that cannot help, such as an unrelated draft model, then costs each
-  request one pass and its rare probes.
+  while its drafter's recent proposals, over all rows, mostly missed starts off instead, for as
+  long as the row that last turned off (speculator.py): a drafter that cannot help, such as an
+  unrelated draft model, then costs a request a probe at most.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
   `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:
@@ -55,10 +55,12 @@ class RowAdaptivity:
     def __post_init__(self) -> None:
         self.k = max(1, min(self.k, self.max_k))
 
-    def doubt(self) -> None:
-        """Start as a probe (one proposal, and a miss turns it off) rather than with `MISSES_OFF`
-        tries: for a row whose drafter has lately been missing for other rows too (speculator.py)."""
+    def doubt(self, wait: int = 0) -> None:
+        """Be a probe: one proposal, and a miss turns it off; first off for `wait` steps (then the
+        next wait is twice as long), as a new row is whose drafter lately missed for other rows too."""
         self.misses = self.tries = MISSES_OFF - 1
+        if wait:
+            self.off_for, self.backoff = wait, min(MAX_BACKOFF, 2 * wait)
 
     @property
     def on(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 from worker.engines.base import SequenceSpec
-from worker.engines.speculation.adaptive import LOW_ACCEPTANCE, SMOOTHING, RowAdaptivity
+from worker.engines.speculation.adaptive import FIRST_BACKOFF, LOW_ACCEPTANCE, MAX_BACKOFF, SMOOTHING, RowAdaptivity
 from worker.engines.speculation.drafter import Drafter, DraftRow
 from worker.engines.speculation.pass_cost import PassCosts
 
@@ -93,7 +93,12 @@ class Speculator:
         self.max_positions = max_positions
         self._rows: dict[str, _RowState] = {}
         self._logged: set[str] = set()
-        self.track = 0.5  # the drafter's recent acceptance over every row's proposals (adaptive.py's `doubt`)
+        # The drafter's recent acceptance over every row's proposals. While it is under LOW_ACCEPTANCE a new
+        # row starts off, for `_wait` steps (the wait of the row that last turned off); after MAX_BACKOFF
+        # steps with no proposal by a row that is on it is reset, so a drafter gets a new chance.
+        self.track = 0.5
+        self._wait = FIRST_BACKOFF
+        self._quiet = 0
         self.proposed = 0  # totals since start, for the engine's stats
         self.accepted = 0
         self.steps = 0
@@ -111,7 +116,7 @@ class Speculator:
                 log.info("speculation: rows with %s do not speculate (logged once)", reason)
             adaptivity = RowAdaptivity(self.max_k)
             if self.track < LOW_ACCEPTANCE:
-                adaptivity.doubt()
+                adaptivity.doubt(self._wait)
             state = self._rows[row.spec.uid] = _RowState(reason, adaptivity)
         return state
 
@@ -148,6 +153,9 @@ class Speculator:
 
     def step_began(self, rows: Sequence[Row]) -> None:
         """Every engine step: rows with speculation off count down to their next probe."""
+        self._quiet += 1
+        if self._quiet >= MAX_BACKOFF:
+            self.track, self._wait, self._quiet = 0.5, FIRST_BACKOFF, 0
         for row in rows:
             self._state(row).adaptivity.decoded()
 
@@ -186,6 +194,9 @@ class Speculator:
         if adaptivity.on:
             adaptivity.record(proposed, accepted)
             self.track += SMOOTHING * (accepted / max(1, proposed) - self.track)
+            self._quiet = 0
+            if not adaptivity.on:
+                self._wait = adaptivity.off_for
         else:
             adaptivity.rode(proposed, accepted)
         self.drafter.accepted(row.spec.uid, proposed, accepted)
