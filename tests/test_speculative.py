@@ -166,6 +166,7 @@ class FixedDrafter:
     """Proposes the same tokens whatever the row holds (deterministic, as verification requires)."""
 
     name = "ngram"
+    judged_as_a_whole = False
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -474,8 +475,12 @@ def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
 def test_rows_start_off_while_their_drafter_keeps_missing():
     """A new row gets two proposals to show its worth, unless the drafter's recent proposals for other
     rows mostly missed: then it starts off, waiting as long as the row that last turned off, and then
-    probes once. After MAX_BACKOFF steps without a proposal the drafter gets a new chance."""
-    speculator = Speculator(FixedDrafter([5, 6]), max_k=4)
+    probes once. After MAX_BACKOFF steps without a proposal the drafter gets a new chance. Prompt
+    lookup is judged per request (a chat that hits nothing says nothing of the next prompt)."""
+    class DraftLike(FixedDrafter):
+        judged_as_a_whole = True  # as a draft model is
+
+    speculator = Speculator(DraftLike([5, 6]), max_k=4)
     early = PolicyRow("early")
     speculator.outcome(early, 2, 0)
     assert speculator._state(early).adaptivity.on  # its first miss: one more try
@@ -485,6 +490,9 @@ def test_rows_start_off_while_their_drafter_keeps_missing():
     assert speculator.track < 0.2
     late = speculator._state(PolicyRow("late")).adaptivity
     assert not late.on and late.off_for == FIRST_BACKOFF
+    lookup = Speculator(NgramDrafter(), max_k=4)  # prompt lookup's hits are each request's own
+    lookup.track = 0.0
+    assert lookup._state(PolicyRow("next")).adaptivity.on
     for _ in range(FIRST_BACKOFF):
         late.decoded()
     assert late.on and late.fresh  # its probe: one miss turns it off for twice as long

@@ -11,9 +11,9 @@ proposing. Each row keeps its own k and an average of its acceptance:
 - A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
   proposals it is expected to have all its k tokens accepted, so that its batch tries it; a row whose batch
   finds no pass worth running (speculator.py) is new again after `backoff` steps. A row that starts
-  while its drafter's recent proposals, over all rows, mostly missed starts off instead, for as
-  long as the row that last turned off (speculator.py): a drafter that cannot help, such as an
-  unrelated draft model, then costs a request a probe at most.
+  while its draft model's recent proposals, over all rows, mostly missed starts off instead, for as
+  long as the row that last turned off (speculator.py): an unrelated draft model then costs a
+  request a probe at most.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
   `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:

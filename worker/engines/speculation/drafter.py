@@ -25,6 +25,10 @@ class Drafter(Protocol):
 
     # "ngram" | "draft": the name results report (GenerationResult.speculation.drafter).
     name: str
+    # Whether how often its proposals are accepted is the drafter's own (a draft model against the
+    # served one) rather than each request's (prompt lookup hits on text that repeats its prompt):
+    # then rows that start while it keeps missing start off (speculator.py).
+    judged_as_a_whole: bool
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """A proposal per row, in order: up to `row.k` tokens that would follow `row.tokens`

@@ -63,6 +63,7 @@ class NgramDrafter:
     """The prompt-lookup drafter (`--speculative ngram`)."""
 
     name = "ngram"
+    judged_as_a_whole = False  # a chat that hits nothing says nothing of the next request's prompt
 
     def __init__(self, max_n: int = MAX_N) -> None:
         self._max_n = max_n

@@ -94,8 +94,9 @@ class Speculator:
         self._rows: dict[str, _RowState] = {}
         self._logged: set[str] = set()
         # The drafter's recent acceptance over every row's proposals. While it is under LOW_ACCEPTANCE a new
-        # row starts off, for `_wait` steps (the wait of the row that last turned off); after MAX_BACKOFF
-        # steps with no proposal by a row that is on it is reset, so a drafter gets a new chance.
+        # row of a drafter judged as a whole (a draft model) starts off, for `_wait` steps (the wait of the
+        # row that last turned off); after MAX_BACKOFF steps with no proposal by a row that is on it is
+        # reset, so a drafter gets a new chance.
         self.track = 0.5
         self._wait = FIRST_BACKOFF
         self._quiet = 0
@@ -115,7 +116,7 @@ class Speculator:
                 self._logged.add(reason)
                 log.info("speculation: rows with %s do not speculate (logged once)", reason)
             adaptivity = RowAdaptivity(self.max_k)
-            if self.track < LOW_ACCEPTANCE:
+            if self.drafter.judged_as_a_whole and self.track < LOW_ACCEPTANCE:
                 adaptivity.doubt(self._wait)
             state = self._rows[row.spec.uid] = _RowState(reason, adaptivity)
         return state
