@@ -94,7 +94,13 @@ def test_mlxq_batch_resumes_after_a_kill_without_running_a_line_twice(
     worker = start_fake_worker(redis_url, "--model", "fake", step_delay_s=0.03)
     try:
         first = _batch(redis_url, tmp_path)
-        wait_for(lambda: len(_lines(tmp_path / "out.jsonl")) >= 10, timeout=60, what="ten output lines")
+        # Killed with jobs submitted whose lines are not written yet (it submits its next window only
+        # after writing the last one's lines, so at ten lines alone every job it had may be written).
+        def midway() -> bool:
+            written = len(_lines(tmp_path / "out.jsonl"))
+            return written >= 10 and len(redis_conn.keys("rq:job:mlxqbatch-*")) > written
+
+        wait_for(midway, timeout=60, interval=0.01, what="ten output lines and jobs in flight")
         first.send_signal(signal.SIGKILL)
         first.wait()
         halfway = len(_lines(tmp_path / "out.jsonl"))
