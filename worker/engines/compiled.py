@@ -348,7 +348,8 @@ class CompiledEngine:
                     return events
         launched = self._launch() if self._table.any_occupied() else None
         # A step's worth of time: one launched and (with overlap) the one before read back, nothing admitted.
-        steady = launched is not None and (previous is not None) == self._overlap and first is None and not prefill_s
+        steady = (launched is not None and (previous is not None) == self._overlap and first is None and not stepping
+                  and not prefill_s)
         events += (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
@@ -358,7 +359,7 @@ class CompiledEngine:
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
-        if self._spec is not None and steady and not stepping:  # what a verification pass is weighed against
+        if self._spec is not None and steady:  # what a verification pass is weighed against
             self._spec.costs.step_took(len(self._table.slots), time.perf_counter() - started)
         if not self._table.any_occupied() and not self._waiting:  # idle: give the buffers' memory back
             self._table.release()

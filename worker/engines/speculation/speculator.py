@@ -86,7 +86,6 @@ class Speculator:
         device); with `measure_cost` only until the engine has measured it (pass_cost.py)."""
         if max_k < 1:
             raise ValueError(f"speculative_k: must be >= 1, got {max_k}")
-        self.pass_cost = pass_cost
         self.costs = PassCosts(pass_cost, measure=measure_cost)
         self.drafter = drafter
         self.max_k = max_k
@@ -103,6 +102,11 @@ class Speculator:
         self.proposed = 0  # totals since start, for the engine's stats
         self.accepted = 0
         self.steps = 0
+
+    @property
+    def pass_cost(self) -> float:
+        """The pass cost it was given: the prior of every width's measured cost (pass_cost.py)."""
+        return self.costs.prior
 
     @property
     def name(self) -> str:
