@@ -129,8 +129,8 @@ class StepSampler:
                 block = mx.concatenate([logits[slot:slot + 1] if row is None else row for _, slot, row in masked])
             block = self._masks.masked_rows([constraint for constraint, _, _ in masked], block)
             processed = _put_rows(processed, slots, block)
-        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
-        tokens = self._draw(logprobs, occupied, rows, slot_count)
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)  # lazy: computed where read
+        tokens = self._draw(processed, logprobs, occupied, rows, slot_count)
         wanting = [i for i, seq in enumerate(occupied) if seq.spec.logprobs or seq.spec.top_logprobs]
         if not wanting:
             return tokens, None, wanting
@@ -145,22 +145,24 @@ class StepSampler:
                                       for spec, slot, keep in zip(specs, slots, raw)])
         return tokens, LogprobGather(distributions, tokens[index], [s.top_logprobs for s in specs]), wanting
 
-    def _draw(self, logprobs: mx.array, occupied: Sequence["DecodingSequence"], rows: list[int], slot_count: int
-              ) -> mx.array:
+    def _draw(self, processed: mx.array, logprobs: mx.array, occupied: Sequence["DecodingSequence"], rows: list[int],
+              slot_count: int) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
-        read); the others sample their own rows, in slot order."""
-        groups: dict[int, tuple[Any, list[int], bool]] = {}
+        read); the others sample their own rows, in slot order. Greedy rows take the argmax of
+        their processed logits: the log-softmax, a row's constant away, is left for the rows that read it."""
+        groups: dict[int, tuple[Any, list[int], bool, bool]] = {}
         for seq, slot in zip(occupied, rows):
-            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded))[1].append(slot)
+            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded, seq.spec.sampling.is_greedy))[1].append(slot)
         base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
-        tokens = (base[0](logprobs) if base is not None else mx.zeros((slot_count,))).astype(mx.uint32)
+        tokens = (base[0](processed if base[3] else logprobs) if base is not None
+                  else mx.zeros((slot_count,))).astype(mx.uint32)
         for group in groups.values():
             if group is base:
                 continue
-            sampler, slots, _ = group
+            sampler, slots, _, is_greedy = group
             index = mx.array(slots, dtype=mx.int32)
-            drawn = sampler(logprobs[index]).astype(mx.uint32)
+            drawn = sampler((processed if is_greedy else logprobs)[index]).astype(mx.uint32)
             tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
         return tokens
 

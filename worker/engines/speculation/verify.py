@@ -82,8 +82,8 @@ class ExtraPositions:
                         row = processor(mx.array([], dtype=mx.int32), row)
                 parts.append(row)
             processed = mx.concatenate(parts)
-        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
-        tokens = self._draw(logprobs, rows)
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)  # lazy: computed where read
+        tokens = self._draw(processed, logprobs, rows)
         wanting = [i for i, r in enumerate(rows) if r.seq.spec.logprobs or r.seq.spec.top_logprobs]
         if not wanting:
             return ExtraSample(tokens, None, wanting)
@@ -94,9 +94,9 @@ class ExtraPositions:
         gather = LogprobGather(distributions, tokens[index], [rows[i].seq.spec.top_logprobs for i in wanting])
         return ExtraSample(tokens, gather, wanting)
 
-    def _draw(self, logprobs: mx.array, rows: Sequence[ExtraRow]) -> mx.array:
-        """Greedy rows' argmax, seeded rows' keyed draws and each unseeded setting's sampler, each
-        group in one call."""
+    def _draw(self, processed: mx.array, logprobs: mx.array, rows: Sequence[ExtraRow]) -> mx.array:
+        """Greedy rows' argmax (of the processed logits, as the step's), seeded rows' keyed draws and
+        each unseeded setting's sampler, each group in one call."""
         groups: dict[Any, list[int]] = {}
         for i, r in enumerate(rows):
             params = r.seq.spec.sampling
@@ -105,15 +105,14 @@ class ExtraPositions:
         tokens = mx.zeros((len(rows),), dtype=mx.uint32)
         for kind, members in groups.items():
             index = mx.array(members, dtype=mx.int32)
-            part = logprobs[index]
             if kind == "greedy":
-                drawn = greedy(part)
+                drawn = greedy(processed[index])
             elif kind == "seeded":
                 specs = [rows[i].seq.spec for i in members]
                 keys = [mix_seed(s.sampling.seed, s.choice_index, rows[i].key_index) for s, i in zip(specs, members)]
-                drawn = draw_with_keys(part, [s.sampling for s in specs], keys)
+                drawn = draw_with_keys(logprobs[index], [s.sampling for s in specs], keys)
             else:
-                drawn = self._sampler(rows[members[0]].seq.spec.sampling)(part)
+                drawn = self._sampler(rows[members[0]].seq.spec.sampling)(logprobs[index])
             tokens = mx.put_along_axis(tokens, index, drawn.astype(mx.uint32), axis=0)
         return tokens
 
