@@ -9,7 +9,7 @@ rows asked for: mlx-lm's order, with the text engine's per-row rules (worker/eng
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -151,20 +151,30 @@ class StepSampler:
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
         read); the others sample their own rows, in slot order. Greedy rows take the argmax of
         their processed logits: the log-softmax, a row's constant away, is left for the rows that read it."""
-        groups: dict[int, tuple[Any, list[int], bool, bool]] = {}
+        groups: dict[int, _SamplerGroup] = {}
         for seq, slot in zip(occupied, rows):
-            groups.setdefault(id(seq.sampler), (seq.sampler, [], seq.seeded, seq.spec.sampling.is_greedy))[1].append(slot)
-        base = next((g for g in groups.values() if getattr(g[0], "shared", False) and not g[2]), None)
-        tokens = (base[0](processed if base[3] else logprobs) if base is not None
+            group = groups.setdefault(id(seq.sampler), _SamplerGroup(seq.sampler, [], seq.seeded,
+                                                                     seq.spec.sampling.is_greedy))
+            group.slots.append(slot)
+        base = next((g for g in groups.values() if getattr(g.sampler, "shared", False) and not g.seeded), None)
+        tokens = (base.sampler(processed if base.greedy else logprobs) if base is not None
                   else mx.zeros((slot_count,))).astype(mx.uint32)
         for group in groups.values():
             if group is base:
                 continue
-            sampler, slots, _, is_greedy = group
-            index = mx.array(slots, dtype=mx.int32)
-            drawn = sampler((processed if is_greedy else logprobs)[index]).astype(mx.uint32)
+            index = mx.array(group.slots, dtype=mx.int32)
+            drawn = group.sampler((processed if group.greedy else logprobs)[index]).astype(mx.uint32)
             tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
         return tokens
+
+
+class _SamplerGroup(NamedTuple):
+    """The rows of a step that share one sampler object."""
+
+    sampler: Any
+    slots: list[int]
+    seeded: bool
+    greedy: bool
 
 
 def _put_rows(logits: mx.array, slots: list[int], rows: mx.array) -> mx.array:
