@@ -167,6 +167,7 @@ class FixedDrafter:
 
     name = "ngram"
     judged_as_a_whole = False
+    guesses_first_token = True  # it proposes at every step, the first one included
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -451,6 +452,22 @@ class PolicyRow:
 
         self.spec = SequenceSpec(uid=uid, prompt_token_ids=[1, 2], max_tokens=50, speculative=speculative)
         self.prompt, self.generated, self.constraint = [1, 2], [3], None
+
+
+def test_prompt_lookup_waits_for_a_rows_first_token_and_a_draft_model_does_not():
+    """A row's first token follows the chat template's assistant header, which prompt lookup can
+    only match against the template's own earlier newlines: such a proposal is a miss that costs a
+    pass and counts against the row. Its rows propose from their first token on; a draft model's
+    rows propose from the start."""
+    lookup, drafting = Speculator(NgramDrafter(), max_k=4), Speculator(FixedDrafter([5, 6]), max_k=4)
+    row = PolicyRow("new")
+    row.prompt, row.generated = [9, 5, 6, 7, 8, 9, 5, 6, 7], []
+    assert lookup.width([row], 1) == 1 and lookup.plan([row], 1) is None
+    assert lookup._state(row).adaptivity.tries == 0  # waiting is not a miss
+    assert drafting.width([row], 1) > 1
+    row.generated = [8]
+    plan = lookup.plan([row], 1)
+    assert plan is not None and plan.rows[0].draft == [9, 5]  # k starts at 2
 
 
 def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():

@@ -92,6 +92,7 @@ class _Asking:
 class DraftModelDrafter:
     name = "draft"
     judged_as_a_whole = True
+    guesses_first_token = True
 
     def __init__(self, model: Any, vocab_size: int, prefill_step: int = PREFILL_STEP) -> None:
         """`vocab_size`: the served model's; the draft model proposes no id at or past it."""

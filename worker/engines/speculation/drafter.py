@@ -29,6 +29,10 @@ class Drafter(Protocol):
     # served one) rather than each request's (prompt lookup hits on text that repeats its prompt):
     # then rows that start while it keeps missing start off (speculator.py).
     judged_as_a_whole: bool
+    # Whether it can guess a row's first token: a draft model can (it continues the prompt as the
+    # served model does); prompt lookup cannot (what follows the chat template's assistant header is
+    # the model's own start, not a repeat of the prompt), so its rows wait for their first token.
+    guesses_first_token: bool
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """A proposal per row, in order: up to `row.k` tokens that would follow `row.tokens`

@@ -129,7 +129,10 @@ class Speculator:
         return min(self.max_k + 1, self.max_positions // max(1, slot_count))
 
     def _room(self, row: Row) -> int:
-        """Tokens it may still propose: the step makes one token of its own, and none past max_tokens."""
+        """Tokens it may still propose: the step makes one token of its own, and none past max_tokens;
+        none before its first token where the drafter cannot guess that one (drafter.py)."""
+        if not row.generated and not self.drafter.guesses_first_token:
+            return 0
         return row.spec.max_tokens - len(row.generated) - 1
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
