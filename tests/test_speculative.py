@@ -559,6 +559,9 @@ def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(ta
     on_cpu = Speculator(NgramDrafter(), max_k=4, max_positions=64, pass_cost=2.0)  # a token per row to pay
     assert on_cpu.wants(lone + [Row("off0", False)], slot_count=2)
     assert not on_cpu.wants(lone + [Row(f"off{i}", False) for i in range(2)], slot_count=3)
+    wide = [Row(f"r{i}", True) for i in range(32)]  # 32 slots: passes of 2 positions, one token a row
+    assert not on_cpu.wants(wide, slot_count=32)  # half a token a row (the prior) does not pay 2 steps
+    assert speculator.wants(wide, slot_count=32)  # but pays 1.25
     on_cpu.outcome(lone[0], 2, 2)
     on_cpu.outcome(lone[0], 3, 0)  # no longer new: its running acceptance (0.455) times its k (2) counts
     assert not on_cpu.wants(lone, slot_count=1)

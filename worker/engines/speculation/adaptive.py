@@ -85,8 +85,10 @@ class RowAdaptivity:
 
     def expected(self, k: int) -> float:
         """Tokens a proposal of `k` is expected to add: a fresh row is given the benefit of the doubt
-        (all of them), so that a batch tries it and learns."""
-        return float(k) if self.fresh else self.acceptance * k
+        (all of them), so that a batch tries it and learns, for proposals of `START_K` or more; a
+        proposal of one token (a batch so large that its pass is two positions wide) adds at most one,
+        and is judged at the row's running acceptance."""
+        return float(k) if self.fresh and k >= START_K else self.acceptance * k
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
