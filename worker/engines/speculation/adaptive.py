@@ -10,8 +10,8 @@ proposing. Each row keeps its own k and an average of its acceptance:
   a step or more (speculator.py).
 - A row is new (fresh) when it starts and when it comes back on: for its first `MISSES_OFF`
   proposals it is expected to have all its k tokens accepted (k of `START_K` or more), so that its
-  batch tries it; a row whose batch
-  finds no pass worth running (speculator.py) is new again after `backoff` steps. A row that starts
+  batch tries it; a row whose batch finds no pass worth running (speculator.py) is new again after
+  `backoff` steps. A row that starts
   while its draft model's recent proposals, over all rows, mostly missed starts off instead, for as
   long as the row that last turned off (speculator.py): an unrelated draft model then costs a
   request a probe at most.
