@@ -312,10 +312,10 @@ def test_a_producers_script_holding_the_server_costs_no_worker_stream_or_request
     assert "ServerBusy" in stack.worker_log, stack.worker_log
     wait_for(lambda: "Redis is back" in stack.worker_log, timeout=30, what="the worker to see Redis back")
     for stream in streams:
+        job_status = getattr(stack.result(stream.job_id), "status", None)
         assert stream.status == 200 and stream.done, (
-            f"job {stream.job_id}: still reading {stream.is_alive()}, {len(stream.text)} characters, "
-            f"finish {stream.finish}, errors {stream.errors}, its result {getattr(stack.result(stream.job_id), 'status', None)}",
-            stack.worker_log)
+            f"job {stream.job_id} ({job_status}): still reading {stream.is_alive()}, {len(stream.text)} "
+            f"characters, finish {stream.finish}, errors {stream.errors}", stack.worker_log)
         if stream.errors:
             assert len(stream.errors) == 1 and f"/v1/jobs/{stream.job_id}" in stream.errors[0]["message"], stream.errors
         else:
