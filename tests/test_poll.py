@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from schemas import keys
+from schemas.redis_busy import ServerBusy
 from worker.poll import Poller
 
 
@@ -84,3 +86,34 @@ def test_a_member_that_stopped_polling_leaves_the_group_and_one_that_stops_leave
     assert redis_conn.hkeys(keys.group_key("g")) == [b"w"]
     alone = Poller(redis_conn, "alone")  # no group: as many as it has room for
     assert len(alone.poll([_queue(redis_conn, "r", ["x", "y"])], 10, "rq:job:", check_cancels=False).taken) == 2
+
+
+class _BusyOnce:
+    """The connection, but its first RPUSH is answered as a server running a script answers (BUSY)."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self._connection, self.refused = connection, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._connection, name)
+
+    def rpush(self, *args):
+        if not self.refused:
+            self.refused = True
+            raise ServerBusy("BUSY Redis is busy running a script")
+        return self._connection.rpush(*args)
+
+
+def test_an_idle_wait_that_meets_busy_after_its_pop_takes_that_job_on_the_next_wait(redis_conn):
+    """With several queues the idle wait pops (BLPOP), then parks the id on the intermediate list: a
+    BUSY reply in between must not lose the job, which is on neither list then."""
+    high, low = _queue(redis_conn, "high", []), _queue(redis_conn, "low", ["l1"])
+    poller = Poller(redis_conn, "w")
+    poller._connection = _BusyOnce(redis_conn)
+    with pytest.raises(ServerBusy):
+        poller.wait([high, low], "rq:job:", 1)
+    assert redis_conn.llen(low[0]) == 0 and redis_conn.llen(low[1]) == 0  # held by the poller alone
+    taken = poller.wait([high, low], "rq:job:", 1)
+    assert taken is not None and (taken.queue_index, taken.raw_id) == (1, b"l1")
+    assert redis_conn.lrange(low[1], 0, -1) == [b"l1"]
+    assert poller.wait([high, low], "rq:job:", 1) is None  # nothing else: it was taken once

@@ -122,6 +122,14 @@ class TakenJob(NamedTuple):
         return self.raw_id.decode(errors="replace")
 
 
+class _Popped(NamedTuple):
+    """A job id the idle wait popped and has not taken yet: on its intermediate list or not."""
+
+    intermediate_key: str
+    raw_id: bytes
+    listed: bool
+
+
 class Poll(NamedTuple):
     taken: list[TakenJob]
     cancelled: set[str]
@@ -143,6 +151,9 @@ class Poller:
         # cancel keys: left to the result writes, 256 jobs that ended in one step stayed in it
         # for the poll right after (written later, in the next step), which scanned them all.
         self._ended: set[str] = set()
+        # An id the idle wait popped whose push onto its intermediate list or read then failed (the
+        # server BUSY, or gone): the next wait takes it first, so the error does not lose the job.
+        self._popped: Optional[_Popped] = None
 
     def stay_in_group(self) -> None:
         """Be counted in the group's shares while idle, blocked in rq's dequeue: a poll that takes
@@ -186,25 +197,36 @@ class Poller:
         """Block up to `timeout_s` for one job (an idle worker). With one queue the id moves to its
         intermediate list atomically (BLMOVE, crash-safe); with several, BLPOP takes it from the first
         that has one and it is put in that queue's intermediate list right after, as rq's own dequeue
-        does. A queue key that is not a list raises redis.ResponseError."""
-        if len(queue_pairs) == 1:
-            queue_key, intermediate_key = queue_pairs[0]
-            raw_id = self._connection.blmove(queue_key, intermediate_key, timeout_s, "LEFT", "RIGHT")
-            index = 0
-        else:
-            popped = self._connection.blpop([queue for queue, _ in queue_pairs], timeout_s)
-            if popped is None:
-                return None
-            queue_key, raw_id = popped
-            index = [queue.encode() for queue, _ in queue_pairs].index(queue_key)
-            intermediate_key = queue_pairs[index][1]
-            self._connection.rpush(intermediate_key, raw_id)
-        if raw_id is None:
-            return None
-        fields = self._read(keys=[intermediate_key], args=[job_key_prefix.encode() + raw_id, self._max_job_bytes,
-                                                           raw_id])
+        does. A queue key that is not a list raises redis.ResponseError. An error after the pop (the
+        server BUSY, or gone) leaves the id with the poller, and the next wait takes it first."""
+        if self._popped is None:
+            if len(queue_pairs) == 1:
+                intermediate_key = queue_pairs[0][1]
+                raw_id = self._connection.blmove(queue_pairs[0][0], intermediate_key, timeout_s, "LEFT", "RIGHT")
+                if raw_id is None:
+                    return None
+                self._popped = _Popped(intermediate_key, raw_id, listed=True)
+            else:
+                popped = self._connection.blpop([queue for queue, _ in queue_pairs], timeout_s)
+                if popped is None:
+                    return None
+                queue_key, raw_id = popped
+                index = [queue.encode() for queue, _ in queue_pairs].index(queue_key)
+                self._popped = _Popped(queue_pairs[index][1], raw_id, listed=False)
+        return self._take_popped(queue_pairs, job_key_prefix)
+
+    def _take_popped(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str) -> Optional[TakenJob]:
+        popped = self._popped
+        assert popped is not None
+        if not popped.listed:
+            self._connection.rpush(popped.intermediate_key, popped.raw_id)
+            popped = self._popped = popped._replace(listed=True)
+        fields = self._read(keys=[popped.intermediate_key],
+                            args=[job_key_prefix.encode() + popped.raw_id, self._max_job_bytes, popped.raw_id])
+        self._popped = None
         taken = as_job_fields(fields)
-        return None if taken is None else TakenJob(index, raw_id, taken)
+        index = next((i for i, (_, intermediate) in enumerate(queue_pairs) if intermediate == popped.intermediate_key), 0)
+        return None if taken is None else TakenJob(index, popped.raw_id, taken)
 
 
 class WorkerQueues:
