@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -375,6 +376,24 @@ def test_a_warm_stop_signal_never_raises_into_the_running_loop(redis_url):
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
+
+
+def test_a_stop_that_races_the_command_thread_does_not_wait_out_its_read(redis_url):
+    """Since redis-py 8.2 rq's unsubscribe waits for its pubsub thread to end. When that thread had
+    already read the unsubscribe reply, it sat in its next 60-s read and the worker's stop waited
+    all of it: three real-worker tests were killed by their 30-s stop in one suite run."""
+    from worker import BatchWorker
+
+    worker = BatchWorker(["stop-test"], connection=redis.Redis.from_url(redis_url), name="stop-race")
+    worker.subscribe()
+    wait_for(lambda: worker.pubsub.subscribed, what="subscribed")
+    worker.pubsub.unsubscribe()  # what rq's unsubscribe sends first; the thread reads the reply
+    wait_for(lambda: not worker.pubsub.subscribed, what="the thread read the unsubscribe reply")
+    time.sleep(0.3)  # the thread is in its next read now
+    stopping = threading.Thread(target=worker.unsubscribe, daemon=True)
+    stopping.start()
+    stopping.join(timeout=10)
+    assert not stopping.is_alive(), "the worker's stop waited out its command thread's read"
 
 
 def test_an_idle_worker_stops_soon_after_a_warm_stop(redis_url):

@@ -20,6 +20,7 @@ import uuid
 from types import FrameType
 from typing import Any, Callable, Optional
 
+import redis
 from rq import Queue, SimpleWorker
 from rq.command import parse_payload
 from rq.exceptions import StopRequested
@@ -51,6 +52,9 @@ from worker.rq_jobs import RQJobs
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
+
+PUBSUB_ROUND_S = 1.0  # how long rq's command thread blocks in one read
+
 
 def default_worker_name() -> str:
     """`<host>.<6 hex digits>`: which machine it runs on, at a glance (rq's default is 32 hex digits)."""
@@ -145,6 +149,24 @@ class BatchWorker(SimpleWorker):
                 self._stop_job_ids.add(payload["job_id"])
             return
         super().handle_payload(message)
+
+    def subscribe(self) -> None:
+        """rq's pubsub thread reads in 60-s rounds, and since redis-py 8.2 rq's unsubscribe waits for
+        the thread to end: a stop that raced the thread's read of the unsubscribe reply waited a full
+        round. One-second rounds bound that wait."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_ROUND_S, daemon=True, exception_handler=self._on_pubsub_error)
+
+    def _on_pubsub_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
+        """As rq does: a lost connection is retried (redis-py resubscribes), anything else ends the thread."""
+        if not isinstance(exc, redis.exceptions.ConnectionError):
+            self.log.warning("Worker %s: pubsub thread exiting on %s", self.name, exc)
+            raise exc
+        self.log.error("Worker %s: pubsub lost Redis (%s), retrying in 2 s", self.name, exc)
+        time.sleep(2.0)
 
     def clean_registries(self) -> None:
         """rq's maintenance, made safe (on the bookkeeping thread): rq's own registry and
