@@ -117,3 +117,15 @@ def test_an_idle_wait_that_meets_busy_after_its_pop_takes_that_job_on_the_next_w
     assert taken is not None and (taken.queue_index, taken.raw_id) == (1, b"l1")
     assert redis_conn.lrange(low[1], 0, -1) == [b"l1"]
     assert poller.wait([high, low], "rq:job:", 1) is None  # nothing else: it was taken once
+
+
+def test_an_id_popped_before_an_error_goes_back_to_its_queue_if_that_queue_is_held_by_the_next_wait(redis_conn):
+    high, low = _queue(redis_conn, "high", []), _queue(redis_conn, "low", ["l1", "l2"])
+    poller = Poller(redis_conn, "w")
+    poller._connection = _BusyOnce(redis_conn)
+    with pytest.raises(ServerBusy):
+        poller.wait([high, low], "rq:job:", 1)
+    assert poller.wait([high], "rq:job:", 0.1) is None  # the low queue is held now
+    assert redis_conn.lrange(low[0], 0, -1) == [b"l1", b"l2"] and redis_conn.llen(low[1]) == 0
+    taken = poller.wait([high, low], "rq:job:", 1)
+    assert taken is not None and (taken.queue_index, taken.raw_id) == (1, b"l1")

@@ -125,6 +125,7 @@ class TakenJob(NamedTuple):
 class _Popped(NamedTuple):
     """A job id the idle wait popped and has not taken yet: on its intermediate list or not."""
 
+    queue_key: str
     intermediate_key: str
     raw_id: bytes
     listed: bool
@@ -198,26 +199,37 @@ class Poller:
         intermediate list atomically (BLMOVE, crash-safe); with several, BLPOP takes it from the first
         that has one and it is put in that queue's intermediate list right after, as rq's own dequeue
         does. A queue key that is not a list raises redis.ResponseError. An error after the pop (the
-        server BUSY, or gone) leaves the id with the poller, and the next wait takes it first."""
+        server BUSY, or gone) leaves the id with the poller, and the next wait takes it first (or, if
+        that queue is not among the pairs then, puts it back at the queue's head)."""
         if self._popped is None:
             if len(queue_pairs) == 1:
                 intermediate_key = queue_pairs[0][1]
                 raw_id = self._connection.blmove(queue_pairs[0][0], intermediate_key, timeout_s, "LEFT", "RIGHT")
                 if raw_id is None:
                     return None
-                self._popped = _Popped(intermediate_key, raw_id, listed=True)
+                self._popped = _Popped(queue_pairs[0][0], intermediate_key, raw_id, listed=True)
             else:
                 popped = self._connection.blpop([queue for queue, _ in queue_pairs], timeout_s)
                 if popped is None:
                     return None
                 queue_key, raw_id = popped
                 index = [queue.encode() for queue, _ in queue_pairs].index(queue_key)
-                self._popped = _Popped(queue_pairs[index][1], raw_id, listed=False)
+                self._popped = _Popped(*queue_pairs[index], raw_id, listed=False)
         return self._take_popped(queue_pairs, job_key_prefix)
 
     def _take_popped(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str) -> Optional[TakenJob]:
         popped = self._popped
         assert popped is not None
+        index = next((i for i, (queue, intermediate) in enumerate(queue_pairs)
+                      if (queue, intermediate) == (popped.queue_key, popped.intermediate_key)), None)
+        if index is None:  # its queue is not waited on now (held): the id goes back to the queue's head
+            with self._connection.pipeline(transaction=True) as pipe:
+                if popped.listed:
+                    pipe.lrem(popped.intermediate_key, 1, popped.raw_id)
+                pipe.lpush(popped.queue_key, popped.raw_id)
+                pipe.execute()
+            self._popped = None
+            return None
         if not popped.listed:
             self._connection.rpush(popped.intermediate_key, popped.raw_id)
             popped = self._popped = popped._replace(listed=True)
@@ -225,7 +237,6 @@ class Poller:
                             args=[job_key_prefix.encode() + popped.raw_id, self._max_job_bytes, popped.raw_id])
         self._popped = None
         taken = as_job_fields(fields)
-        index = next((i for i, (_, intermediate) in enumerate(queue_pairs) if intermediate == popped.intermediate_key), 0)
         return None if taken is None else TakenJob(index, popped.raw_id, taken)
 
 
