@@ -67,6 +67,7 @@ class FakeRQ:
     refused: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    recorded_again: list[str] = field(default_factory=list)
 
     def start_jobs(self, taken: list[TakenJob], weight_version: int = 0) -> tuple[list[StartedJob], list]:
         started = []
@@ -79,8 +80,9 @@ class FakeRQ:
             started.append(StartedJob(inflight, 0.0, self.timeouts.get(job_id), refusal, False))
         return started, []
 
-    def drop_taken(self, taken: list[TakenJob]) -> None:
+    def drop_taken(self, taken: list[TakenJob], running: list[InFlight]) -> None:
         self.dropped += [item.job_id for item in taken]
+        self.recorded_again += [inflight.job.id for inflight in running]
 
     def take_stop_job_ids(self) -> set[str]:
         ids, self.stop_job_ids = self.stop_job_ids, set()
@@ -228,6 +230,7 @@ def test_an_id_taken_again_while_its_job_runs_or_twice_in_a_poll_starts_once_and
     source.waiting = [("twice", request(30))]
     turns(loop, clock, 2)
     assert rq.dropped == ["twice", "twice"] and loop.scheduler.job_ids == ["twice"]
+    assert rq.recorded_again == ["twice"]  # the run here, when a copy came off while it ran (not in its own poll)
     turns(loop, clock, 40)
     assert ending.results["twice"].status == "finished" and loop.scheduler.free_slots == 2
 

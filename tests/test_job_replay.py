@@ -199,3 +199,37 @@ def test_an_id_pushed_again_while_its_job_runs_here_is_not_started_twice_and_cos
     assert worker.returncode == 0, out[-3000:]
     assert "had a result already" not in out and "of dead workers" not in out, out[-3000:]  # no second run
     assert out.count("came off a queue again while it runs here") == 11, out[-3000:]
+
+
+def test_a_job_sent_back_by_a_sweep_while_it_runs_here_and_taken_again_here_is_recorded_as_running(redis_url):
+    """A sweep sends a job back to its queue once its run's records are gone (lost in a failover, or
+    expired while its worker was cut off); the worker still running it takes that copy. It dropped
+    the copy and left the run unrecorded: a worker cut off from Redis since the job started then took
+    its own run for another worker's and dropped it unwritten, and the job was lost (seen in the
+    Sentinel failover test). The run is recorded as running again, and ends once."""
+    conn = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    worker = start_fake_worker(redis_url, name="rerecord", step_delay_s=0.05)
+    log = drain(worker)
+    try:
+        job_id = client.submit({**GOOD, "max_tokens": 80, "ignore_eos": True})
+        wait_for(lambda: client.status(job_id) == "started", timeout=30, what="the job to start")
+        # What a sweep does with a job whose run's records are gone: out of the started registry, queued again.
+        members = [m for m in conn.zrange("rq:wip:mlxq", 0, -1) if m.decode().startswith(job_id)]
+        assert members, conn.zrange("rq:wip:mlxq", 0, -1)
+        with conn.pipeline() as pipe:
+            pipe.zrem("rq:wip:mlxq", *members)
+            pipe.hset(f"rq:job:{job_id}", "status", "queued")
+            pipe.rpush("rq:queue:mlxq", job_id)
+            pipe.execute()
+        wait_for(lambda: any("came off a queue again" in line for line in log), timeout=30, what="the copy taken")
+        assert client.status(job_id) in ("started", "finished")
+        if client.status(job_id) == "started":
+            assert [m for m in conn.zrange("rq:wip:mlxq", 0, -1) if m.decode().startswith(job_id)]
+        result = client.wait(job_id, timeout=60)
+        assert result.status == "finished" and len(result.choices[0].token_ids) == 80, result
+        assert conn.xlen(f"rq:results:{job_id}") == 1  # ended once
+    finally:
+        stop(worker)
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]

@@ -291,13 +291,15 @@ class BatchLoop:
         under one id shared one entry of the loop's and the scheduler's books, and each such run kept a
         slot taken for good. A job this worker sent back to its queue (an abort, a failed step) is taken
         as its next run, even before its old entry leaves the table: dropped, that run was lost."""
-        here = {job_id for job_id, inflight in self._table.items() if not inflight.sent_back}
+        running = {job_id: inflight for job_id, inflight in self._table.items() if not inflight.sent_back}
+        seen: set[str] = set(running)
         once, again = [], []
         for item in taken:
-            (again if item.job_id in here else once).append(item)
-            here.add(item.job_id)
+            (again if item.job_id in seen else once).append(item)
+            seen.add(item.job_id)
         if again:
-            self._rq.drop_taken(again)
+            runs = {item.job_id: running[item.job_id] for item in again if item.job_id in running}
+            self._rq.drop_taken(again, [inflight for inflight in runs.values() if not inflight.ending])
         return once
 
     def _admit(self, item: StartedJob) -> Optional[GenerationResult]:

@@ -88,9 +88,9 @@ class WorkerSide(Protocol):
         newer weight version than `weight_version` go back to their queues."""
         ...
 
-    def drop_taken(self, taken: list[TakenJob]) -> None:
+    def drop_taken(self, taken: list[TakenJob], running: list[InFlight]) -> None:
         """Entries taken off a queue that are not to run (their job runs here already): out of their
-        intermediate lists, logged."""
+        intermediate lists, logged; `running`, those jobs' runs here, recorded as running again."""
         ...
 
     def notice_stop(self) -> None:

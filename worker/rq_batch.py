@@ -53,10 +53,15 @@ def new_execution_id() -> str:
 def create_execution(job: Job, ttl: int, batch: CommandBatch, worker_name: str, registries: Registries) -> Execution:
     """What `Execution.create` writes."""
     execution = Execution(id=new_execution_id(), job_id=job.id, connection=job.connection, worker_name=worker_name)
+    record_execution(job, execution, ttl, batch, registries)
+    return execution
+
+
+def record_execution(job: Job, execution: Execution, ttl: int, batch: CommandBatch, registries: Registries) -> None:
+    """An execution's records: its hash, the job's execution registry and the queue's started registry."""
     execution.save(ttl=ttl, pipeline=batch)
     ExecutionRegistry(job_id=job.id, connection=batch).add(execution=execution, ttl=ttl, pipeline=batch)
     registries.started(job.origin).add_execution(execution, pipeline=batch, ttl=ttl, xx=False)
-    return execution
 
 
 def delete_execution(job: Job, execution: Execution, batch: CommandBatch, registries: Registries) -> None:

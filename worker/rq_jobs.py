@@ -30,7 +30,7 @@ from worker.intake import Unreadable, read_job
 from worker.job_ending import Ending
 from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poller, TakenJob, WorkerQueues
-from worker.rq_batch import Registries, Success, create_execution, delete_execution, end_successes
+from worker.rq_batch import Registries, Success, create_execution, delete_execution, end_successes, record_execution
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -110,13 +110,23 @@ class RQJobs:
         return [self._started(job, queue, callbacks, execution, bool(replies[at]))
                 for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
 
-    def drop_taken(self, taken: list[TakenJob]) -> None:
-        """Entries of jobs running here already, taken again: out of their intermediate lists."""
+    def drop_taken(self, taken: list[TakenJob], running: list[InFlight]) -> None:
+        """Entries of jobs running here already, taken again: out of their intermediate lists. The
+        `running` runs of those jobs (not ending yet) are recorded again: a sweep sends a job back to
+        its queue once its run's records are gone (lost in a failover, or expired while this worker
+        was cut off), and a run without them was later taken for another worker's and dropped
+        unwritten, while the copy that would have run it again had been dropped here: the job was lost."""
         batch = CommandBatch(self._worker.connection)
         for item in taken:
             batch.lrem(self._worker.queues[item.queue_index].intermediate_queue.key, 1, item.raw_id)
             log.warning("job %s came off a queue again while it runs here: that copy was dropped (a job runs once)",
                         item.job_id)
+        ttl = self._settings.heartbeat_ttl_s
+        for inflight in running:
+            record_execution(inflight.job, inflight.execution, ttl, batch, self._registries)
+            inflight.job.prepare_for_execution(self._worker.name, pipeline=batch)
+        if running:
+            batch.sadd(self._poller.running_key, *(inflight.job.id for inflight in running))
         batch.execute()
 
     def _put_back(self, too_new: list[tuple[Job, int]]) -> None:

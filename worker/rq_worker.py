@@ -41,7 +41,7 @@ from worker.intake import Unreadable
 from worker.job_ending import JobEnding
 from worker.liveness import Liveness
 from worker.loading import ModelLoadError
-from worker.loop_interfaces import StartedJob
+from worker.loop_interfaces import InFlight, StartedJob
 from worker.metrics import WorkerMetrics, scheduler_gauges
 from worker.poll import Poller, TakenJob, WorkerQueues
 from worker.presence import PresencePublisher
@@ -310,8 +310,8 @@ class BatchWorker(SimpleWorker):
                    ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
         return self._jobs.start_jobs(taken, weight_version)
 
-    def drop_taken(self, taken: list[TakenJob]) -> None:
-        self._jobs.drop_taken(taken)
+    def drop_taken(self, taken: list[TakenJob], running: list[InFlight]) -> None:
+        self._jobs.drop_taken(taken, running)
 
     # The rest runs on the bookkeeping thread.
     def run_maintenance(self) -> None:
