@@ -45,7 +45,8 @@ class SentinelSet:
         for port in self.sentinel_ports:
             conf = self._dir / f"sentinel-{port}.conf"
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self._dir}\nloglevel warning\n"
+                f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self._dir}\nloglevel notice\n"
+                f"logfile {self._dir / f'sentinel-{port}.log'}\n"
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} {quorum}\n"
                 f"sentinel down-after-milliseconds {SERVICE} {self._down_after_ms}\n"
                 f"sentinel failover-timeout {SERVICE} 10000\nsentinel parallel-syncs {SERVICE} 2\n")
@@ -98,6 +99,16 @@ class SentinelSet:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout} s waiting for {what}")
             time.sleep(0.1)
+
+    def events(self) -> str:
+        """What each sentinel saw and did (instances down, failovers, reconfigurations), for a failing
+        test to print: more than one failover loses writes the first one's primary took."""
+        out = []
+        for port in self.sentinel_ports:
+            path = self._dir / f"sentinel-{port}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            out.append(f"--- sentinel {port}\n" + "\n".join(line for line in lines if " +" in line or " -" in line))
+        return "\n".join(out)
 
     def stop(self) -> None:
         for proc in self._sentinels:

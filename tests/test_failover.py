@@ -148,3 +148,4 @@ def test_a_failover_under_load_loses_no_submitted_job_and_replaces_no_result():
                          and "cleaning registries" not in line]
                 done = len(out.splitlines()) - len(lines)
                 print(f"--- worker w{i} ({done} routine lines left out)\n" + "\n".join(lines[-80:]))
+            print(redis_set.events())
