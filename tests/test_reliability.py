@@ -394,6 +394,7 @@ def test_a_stop_that_races_the_command_thread_does_not_wait_out_its_read(redis_u
     stopping.start()
     stopping.join(timeout=10)
     assert not stopping.is_alive(), "the worker's stop waited out its command thread's read"
+    assert not worker.pubsub_thread.is_alive() and worker.pubsub.connection is None  # closed once, by the thread
 
 
 def test_an_idle_worker_stops_soon_after_a_warm_stop(redis_url):

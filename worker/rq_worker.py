@@ -53,7 +53,8 @@ from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
 from worker.weights import WeightLoader
 
-PUBSUB_ROUND_S = 1.0  # how long rq's command thread blocks in one read
+PUBSUB_ROUND_S = 0.2  # how long rq's command thread blocks in one read
+PUBSUB_STOP_WAIT_S = 5.0
 
 
 def default_worker_name() -> str:
@@ -151,14 +152,24 @@ class BatchWorker(SimpleWorker):
         super().handle_payload(message)
 
     def subscribe(self) -> None:
-        """rq's pubsub thread reads in 60-s rounds, and since redis-py 8.2 rq's unsubscribe waits for
-        the thread to end: a stop that raced the thread's read of the unsubscribe reply waited a full
-        round. One-second rounds bound that wait."""
+        """rq's command thread, in short reads: rq's own reads for 60 s, and since redis-py 8.2 a stop
+        that raced the thread's read of the unsubscribe reply waited out that read."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(
             sleep_time=PUBSUB_ROUND_S, daemon=True, exception_handler=self._on_pubsub_error)
+
+    def unsubscribe(self) -> None:
+        """As rq's, but the thread closes its pub/sub connection itself as it ends: rq closed it from
+        here as well, after waiting a second for the thread, and the two closes raced (AttributeError
+        in redis-py's reset, exit code 1) when the thread ended just then."""
+        if self.pubsub_thread is None:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub.unsubscribe()
+        self.pubsub_thread.stop()
+        self.pubsub_thread.join(timeout=PUBSUB_STOP_WAIT_S)
 
     def _on_pubsub_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
         """As rq does: a lost connection is retried (redis-py resubscribes), anything else ends the thread."""
