@@ -27,6 +27,7 @@ from producer.api.routes_anthropic import is_anthropic_path
 from producer.api.gateway import Gateway
 from producer.api.http_deadlines import STATE_KEY, HttpDeadlines
 from producer.api.settings import GatewaySettings
+from producer.done_listener import stop_reader
 from producer.errors import BrokerError, InvalidRequest
 from producer.openai_responses import error_body
 from schemas.request import field_named_in
@@ -48,9 +49,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:  # the lifespan state reaches uvicorn's connections: the deadlines of DeadlineProtocol
             yield {STATE_KEY: HttpDeadlines(settings.header_timeout_s, settings.body_timeout_s)}
         finally:
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
+            # Cancelled until it ends: a single cancel that redis-py swallowed left the shutdown
+            # waiting on the driver for good, and the driver running on.
+            await stop_reader(driver)
             await gw.close()
 
     app = FastAPI(title="mlxq gateway", version="1", lifespan=lifespan,
