@@ -21,7 +21,10 @@ SERVICE = "mlxq"
 
 
 class SentinelSet:
-    def __init__(self, replicas: int = 2, sentinels: int = 3, down_after_ms: int = 1000) -> None:
+    # Not 1000: that is also the sentinels' ping period, and a primary just promoted, busy taking back
+    # every client, was then marked down before its first reply: a second failover, which lost what
+    # the first primary had taken (docs/operations.md, "Sentinel URLs").
+    def __init__(self, replicas: int = 2, sentinels: int = 3, down_after_ms: int = 3000) -> None:
         # A replica's first sync waits 5 s by default, for more replicas to share it: none here.
         quick = ["--repl-diskless-sync-delay", "0"]
         self.primary = RedisServer(extra_args=quick)

@@ -134,11 +134,27 @@ class FakeEnding:
         self.results: dict[str, Any] = {}
         self.requeued: list[str] = []
         self.requeued_alone: list[str] = []
+        self.held: Optional[list] = None  # endings kept from `done` (being written) while not None
+        self.runs_dropped: set[str] = set()  # endings bookkeeping dropped, taken for another worker's
+        self.claimed: list[str] = []
+        self.marks_forgotten: list[str] = []
 
     def hand_off(self, endings, deltas, stream_ttls, stats) -> None:
         for ending in endings:
             self.results[ending.job_id] = ending.outcome.result()
-            self.done.put(ending)
+            if self.held is None:
+                self.done.put(ending)
+            else:
+                self.held.append(ending)
+
+    def claim_copy(self, job_id: str) -> bool:
+        if job_id in self.runs_dropped:
+            return False
+        self.claimed.append(job_id)
+        return True
+
+    def forget_marks(self, job_id: str) -> None:
+        self.marks_forgotten.append(job_id)
 
     def requeue(self, ending, alone: bool = False) -> None:
         self.requeued.append(ending.job_id)
@@ -233,6 +249,31 @@ def test_an_id_taken_again_while_its_job_runs_or_twice_in_a_poll_starts_once_and
     assert rq.recorded_again == ["twice"]  # the run here, when a copy came off while it ran (not in its own poll)
     turns(loop, clock, 40)
     assert ending.results["twice"].status == "finished" and loop.scheduler.free_slots == 2
+
+
+def test_a_copy_taken_while_the_run_is_ending_is_dropped_unless_that_run_was_dropped_first():
+    """A sweep sends a job back to its queue once its run's records are gone; the worker whose run of it
+    is ending (its result being written) takes that copy. Bookkeeping decides once which stands: the run
+    (the copy is dropped; bookkeeping writes the run's records again), or, if it had already dropped the
+    run for another worker's, the copy, which is then the job's next run here. Dropping both lost the job."""
+    loop, source, rq, ending, clock = make_loop()
+    ending.held = []
+    source.waiting = [("stands", request(3)), ("dropped", request(3))]
+    turns(loop, clock, 6)
+    assert sorted(ending.results) == ["dropped", "stands"] and len(loop.scheduler) == 0
+    first = ending.results["dropped"]
+    ending.runs_dropped = {"dropped"}
+    source.waiting = [("stands", request(3)), ("dropped", request(3))]
+    turns(loop, clock, 1)
+    assert rq.dropped == ["stands"] and ending.claimed == ["stands"] and rq.recorded_again == []
+    assert loop.scheduler.job_ids == ["dropped"]  # the copy runs
+    for record in ending.held:  # the old endings come back: the new run stays
+        ending.done.put(record)
+    ending.held = None
+    turns(loop, clock, 6)
+    assert ending.results["dropped"] is not first and ending.results["dropped"].status == "finished"
+    assert sorted(ending.marks_forgotten) == ["dropped", "dropped", "stands"]
+    assert len(loop.scheduler) == 0 and not loop.running
 
 
 def test_a_job_past_its_deadline_ends_timed_out_and_its_neighbour_goes_on():

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq import Queue, Retry
 
+from mlxq.redis_server import RedisServer
 from producer import Client
 from schemas import keys
 from schemas.serializer import JSON_SERIALIZER
@@ -233,3 +234,33 @@ def test_a_job_sent_back_by_a_sweep_while_it_runs_here_and_taken_again_here_is_r
         stop(worker)
     out = "".join(log)
     assert worker.returncode == 0, out[-3000:]
+
+
+def test_a_result_write_its_replicas_did_not_confirm_is_tried_again_as_its_own():
+    """With durable results a result key is written on the primary before WAIT finds too few replicas;
+    the bookkeeping thread writes it again until one confirms. That retry found the key there and took
+    it for another run's: the job was never ended in RQ (its hash stayed `started`, the worker logged
+    that another run wrote first). The write recognises its own bytes and the job ends once, finished."""
+    with RedisServer() as primary:
+        conn = redis.Redis(port=primary.port)
+        client = Client(primary.url)
+        env = {"MLXQ_DURABLE_RESULTS": "1", "MLXQ_DURABLE_TIMEOUT_MS": "100"}
+        worker = start_fake_worker(primary.url, name="unconfirmed", env=env)
+        log = drain(worker)
+        try:
+            job_id = client.submit({**GOOD, "max_tokens": 10, "ignore_eos": True})
+            wait_for(lambda: sum("NotReplicated" in line for line in log) >= 2, timeout=30,
+                     what="WAIT to fall short twice")
+            assert conn.exists(keys.result_key(job_id)) and conn.hget(f"rq:job:{job_id}", "status") == b"started"
+            with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(primary.port)]):
+                wait_for(lambda: conn.hget(f"rq:job:{job_id}", "status") == b"finished", timeout=60,
+                         what="the job finished in RQ's terms")
+                result = client.wait(job_id, timeout=10)
+                assert result.status == "finished" and len(result.choices[0].token_ids) == 10, result
+        finally:
+            stop(worker)
+            client.close()
+            conn.close()
+    out = "".join(log)
+    assert worker.returncode == 0, out[-3000:]
+    assert "another run of it wrote its result first" not in out, out[-3000:]

@@ -299,6 +299,13 @@ class BatchLoop:
             seen.add(item.job_id)
         if again:
             runs = {item.job_id: running[item.job_id] for item in again if item.job_id in running}
+            for item in list(again):
+                run = runs.get(item.job_id)
+                if run is not None and run.ending and not self._ending.claim_copy(item.job_id):
+                    # Its ending was dropped, taken for another worker's: this copy is the job's next run.
+                    run.sent_back = True
+                    again.remove(item)
+                    once.append(item)
             self._rq.drop_taken(again, [inflight for inflight in runs.values() if not inflight.ending])
         return once
 
@@ -367,6 +374,7 @@ class BatchLoop:
                 ending = self._ending.done.get_nowait()
             except queue.Empty:
                 break
+            self._ending.forget_marks(ending.job_id)
             if self._table.get(ending.job_id) is ending.entry:
                 del self._table[ending.job_id]
                 changed = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -104,6 +105,8 @@ class RQEnds(Protocol):
 
     def requeue(self, ending: Ending, alone: bool) -> None: ...
 
+    def record_again(self, endings: Sequence[Ending]) -> None: ...
+
     def forget(self, ending: Ending) -> None:
         """End this worker's part in a job whose result someone else wrote first: its execution
         goes, the job's hash and rq's registries stay as that first end left them."""
@@ -131,6 +134,13 @@ class JobEnding:
         # Running jobs whose stream key someone turned into another type (bookkeeping thread only):
         # said once in the log, not at every step.
         self._unwritable_streams: set[str] = set()
+        # Whether an ending run stands, decided once under this lock by whichever thread comes first:
+        # the loop, which took a copy of the job from a queue (then the run stands and the copy is
+        # dropped), or this thread, which found the run's records gone (then the run is dropped and
+        # the copy is the job's run). Marks stay until the loop forgets the run (`forget_marks`).
+        self._marks_lock = threading.Lock()
+        self._copy_taken: set[str] = set()
+        self._run_dropped: set[str] = set()
 
     # --- the loop's side: each call queues tasks and returns at once ------------------------
     def hand_off(self, endings: list[Ending], deltas: Sequence[StreamDelta], stream_ttls: dict[str, Optional[int]],
@@ -148,6 +158,23 @@ class JobEnding:
         for ending in endings:
             if ending.outcome.status != "finished":
                 self._bookkeeper.submit(lambda ending=ending: self._end_failed(ending))
+
+    def claim_copy(self, job_id: str) -> bool:
+        """The loop took a copy of a job from a queue while the job's run here is ending: True if that
+        run stands (its result will be written, its records again if they were gone; the copy is
+        dropped), False if it was dropped already as taken by another worker (the copy runs instead:
+        that worker was this one)."""
+        with self._marks_lock:
+            if job_id in self._run_dropped:
+                return False
+            self._copy_taken.add(job_id)
+            return True
+
+    def forget_marks(self, job_id: str) -> None:
+        """The loop is done with the job's ending run."""
+        with self._marks_lock:
+            self._copy_taken.discard(job_id)
+            self._run_dropped.discard(job_id)
 
     def requeue(self, ending: Ending, alone: bool = False) -> None:
         """A job that has not ended back to its queue, to run again: `alone` after it was in the engine
@@ -204,7 +231,8 @@ class JobEnding:
         """The endings still this worker's to write. A job that ran while Redis was away from this worker
         may have been taken meanwhile: its heartbeats lapsed, a live worker's sweep sent it back to its
         queue (or failed it) and its entry left the started registry, where heartbeats never put it back.
-        Such a job is dropped unwritten (the other run's result stands); only those are checked."""
+        Such a job is dropped unwritten (the other run's result stands); only those are checked. When
+        the copy the sweep sent back was taken here (`claim_copy`), the run stands and is recorded again."""
         if self._health is None or self._registries is None:
             return pending
         suspect = [e for e in pending if self._health.lost_since(_started_at(e.job))]
@@ -214,11 +242,20 @@ class JobEnding:
             for ending in suspect:
                 pipe.zscore(self._registries.started(ending.job.origin).key, ending.execution.composite_key)
             scores = pipe.execute()
-        taken = {e.job_id for e, score in zip(suspect, scores) if score is None}
+        gone = {e.job_id for e, score in zip(suspect, scores) if score is None}
+        with self._marks_lock:
+            ours = gone & self._copy_taken
+            taken = gone - ours
+            self._run_dropped |= taken
+        if ours:  # the sweep's copy was taken here: nobody else runs the job
+            self._rq.record_again([e for e in suspect if e.job_id in ours])
         for ending in suspect:
             if ending.job_id in taken:
                 log.warning("job %s (%s) was taken by another worker while this one was cut off from Redis: "
                             "dropped without writing", ending.job_id, _function(ending.job))
+            elif ending.job_id in ours:
+                log.warning("job %s: its run's records were gone and this worker took the job from its queue again "
+                            "meanwhile: the run stands, its records written again", ending.job_id)
         self._superseded |= taken
         return [e for e in pending if e.job_id not in taken]
 

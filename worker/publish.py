@@ -45,7 +45,8 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
     the nudges go out only once that many replicas have the results (NotReplicated, a connection error
     that the bookkeeping thread retries, if they do not confirm in time). A key someone changed to
     another type (a stream turned into a string) costs only its own job's write, logged. Returns the
-    jobs whose result key was there already: another run of the job wrote first."""
+    jobs whose result key held something else already: another run of the job wrote first (a key
+    holding these very bytes is this write's own, tried again after its replicas did not confirm it)."""
     if not publications:
         return set()
     batch = CommandBatch(connection)
@@ -55,14 +56,16 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
         owners += [stats.key, stats.key]
-    sets: list[tuple[str, int]] = []
+    sets: list[tuple[str, bytes, int]] = []
     for item in publications:
         if not item.write_key:
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
-        batch.set(keys.result_key(job_id), encoded, ex=item.ttl, nx=True)
-        sets.append((job_id, len(batch) - 1))
+        # GET: a write tried again (its replicas did not confirm) finds its own bytes, not another run's.
+        expiry = ("EX", item.ttl) if item.ttl else ()
+        batch.execute_command("SET", keys.result_key(job_id), encoded, *expiry, "NX", "GET")
+        sets.append((job_id, encoded.encode(), len(batch) - 1))
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
@@ -76,7 +79,7 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         nudges.execute()
     for owner, error in failed_writes(replies, owners).items():
         log.warning("%s: %s: not written (a key changed by someone else); the other jobs' writes were", owner, error)
-    return {job_id for job_id, at in sets if at < len(replies) and replies[at] is None}
+    return {job_id for job_id, encoded, at in sets if at < len(replies) and replies[at] not in (None, encoded)}
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> dict[str, str]:

@@ -121,13 +121,23 @@ class RQJobs:
             batch.lrem(self._worker.queues[item.queue_index].intermediate_queue.key, 1, item.raw_id)
             log.warning("job %s came off a queue again while it runs here: that copy was dropped (a job runs once)",
                         item.job_id)
-        ttl = self._settings.heartbeat_ttl_s
-        for inflight in running:
-            record_execution(inflight.job, inflight.execution, ttl, batch, self._registries)
-            inflight.job.prepare_for_execution(self._worker.name, pipeline=batch)
-        if running:
-            batch.sadd(self._poller.running_key, *(inflight.job.id for inflight in running))
+        self._record_runs(batch, [(inflight.job, inflight.execution) for inflight in running])
         batch.execute()
+
+    def record_again(self, endings: Sequence[Ending]) -> None:
+        """The records of ending runs whose records were gone, written again (the bookkeeping thread's
+        side of `drop_taken`, for runs that ended while their copy was taken here)."""
+        batch = CommandBatch(self._worker.connection)
+        self._record_runs(batch, [(ending.job, ending.execution) for ending in endings])
+        batch.execute()
+
+    def _record_runs(self, batch: CommandBatch, runs: list[tuple[Job, Execution]]) -> None:
+        ttl = self._settings.heartbeat_ttl_s
+        for job, execution in runs:
+            record_execution(job, execution, ttl, batch, self._registries)
+            job.prepare_for_execution(self._worker.name, pipeline=batch)
+        if runs:
+            batch.sadd(self._poller.running_key, *(job.id for job, _ in runs))
 
     def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
         """Jobs for newer weights back to the head of their queues, in their order."""
