@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import redis
 import redis.asyncio as aioredis
@@ -44,8 +44,11 @@ class AsyncScript:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
-    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = (),
+                       client: Optional[aioredis.Redis] = None) -> Any:
+        """`client`: another connection to run it on (one whose own writes a WAIT will count)."""
+        connection = client if client is not None else self._connection
         try:
-            return await self._connection.evalsha(self.sha, len(keys), *keys, *args)
+            return await connection.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self._connection.eval(self.text, len(keys), *keys, *args)
+            return await connection.eval(self.text, len(keys), *keys, *args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -28,6 +28,7 @@ from producer.lean_results import parse_result_lean
 from producer.wire import JobState
 from schemas import keys
 from schemas.command_batch import RUN_COMMANDS, CommandBatch
+from schemas.durability import Durability, NotReplicated
 from schemas.scripts import AsyncScript
 
 __all__ = ["Admission", "SettlingReader"]
@@ -110,12 +111,15 @@ return replies
 
 
 class Admission:
-    def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int) -> None:
+    def __init__(self, connection: aioredis.Redis, tenant_cap: int, max_queue_depth: int,
+                 durability: Optional[Durability] = None) -> None:
         self._connection = connection
+        self._durability = durability
         self._script = AsyncScript(connection, _ADMIT)
         self._each_script = AsyncScript(connection, _ADMIT_EACH)
         # Single jobs admitted in one turn of the event loop (concurrent requests) share one call.
-        self._admit_each: Coalescer[tuple[Tenant, str, str, bytes], int | bytes] = Coalescer(self._admit_many)
+        self._admit_each: Coalescer[tuple[Tenant, str, str, bytes], int | bytes | NotReplicated] = Coalescer(
+            self._admit_many)
         self._settle_script = AsyncScript(connection, _SETTLE)
         self._settle: Coalescer[tuple[Tenant, str], tuple[bytes | None, bytes | None]] = Coalescer(self._settle_many)
         self.tenant_cap = tenant_cap
@@ -130,9 +134,12 @@ class Admission:
 
     async def admit_one(self, tenant: Tenant, job_id: str, queue: str, enqueue: CommandBatch | None = None) -> None:
         """Admit one job, and enqueue it with `enqueue`, or answer 429 (and enqueue nothing). Jobs
-        admitted by concurrent requests in one turn of the event loop share one Redis call."""
+        admitted by concurrent requests in one turn of the event loop share one Redis call. With a
+        durability, NotReplicated if fewer replicas than it asks confirmed the job in time."""
         commands = enqueue.take()[1] if enqueue is not None and len(enqueue) else b""
         admitted = await self._admit_each((tenant, job_id, queue, commands))
+        if isinstance(admitted, NotReplicated):  # enqueued, but fewer replicas than asked have it
+            raise admitted
         if isinstance(admitted, bytes):
             raise ResponseError(admitted.decode(errors="replace"))
         if admitted == -1:
@@ -142,13 +149,23 @@ class Admission:
             raise ApiError(429, f"This tenant has {self.tenant_cap} jobs in flight, its limit; retry later",
                            "rate_limit_exceeded", code="too_many_jobs_in_flight", headers={"Retry-After": "1"})
 
-    async def _admit_many(self, jobs: Sequence[tuple[Tenant, str, str, bytes]]) -> list[int | bytes]:
+    async def _admit_many(self, jobs: Sequence[tuple[Tenant, str, str, bytes]]
+                          ) -> list[int | bytes | NotReplicated]:
         script_keys = [key for tenant, _, queue, _ in jobs
                        for key in (api_keys.in_flight(tenant.tag), f"{Queue.redis_queue_namespace_prefix}{queue}")]
         args: list[Any] = [self.tenant_cap, self.max_queue_depth, time.time(), SET_TTL_S, GRACE_S]
         for _, job_id, _, commands in jobs:
             args += [job_id, commands]
-        return list(await self._each_script(keys=script_keys, args=args))
+        if self._durability is None:
+            return list(await self._each_script(keys=script_keys, args=args))
+        async with self._connection.client() as single:  # WAIT counts one connection's own writes
+            replies: list[int | bytes | NotReplicated] = list(
+                await self._each_script(keys=script_keys, args=args, client=single))
+            try:
+                self._durability.check(await single.wait(self._durability.replicas, self._durability.timeout_ms))
+            except NotReplicated as exc:  # the jobs enqueued are named in their answers; refused ones keep theirs
+                return [exc if reply == 1 else reply for reply in replies]
+        return replies
 
     async def release(self, tenant: Tenant, job_ids: Sequence[str]) -> None:
         if job_ids:

@@ -25,6 +25,7 @@ from producer.api.settings import GatewaySettings
 from producer.errors import InvalidRequest, WaitTimeout, broker_errors
 from producer.wire import target_queue
 from schemas import GenerationRequest, GenerationResult
+from schemas.durability import NotReplicated
 
 __all__ = ["Gateway", "current_tenant", "gateway", "wait_unless_disconnected"]
 
@@ -47,7 +48,7 @@ class Gateway:
         connection = client.connection
         files = FileStore(connection, settings)
         return cls(settings, client, Authenticator(settings), Fleet(connection, settings.presence_cache_s, settings.models),
-                   Admission(connection, settings.tenant_max_in_flight, settings.max_queue_depth),
+                   Admission(connection, settings.tenant_max_in_flight, settings.max_queue_depth, settings.durability),
                    files, BatchStore(connection, files))
 
     async def close(self) -> None:
@@ -75,8 +76,24 @@ class Gateway:
             request, job_id=job_id or self.new_job_id(tenant), priority=priority, result_ttl=self.settings.result_ttl,
             timeout=self.settings.job_timeout_s, validated=validated)
         with broker_errors():
-            await self.admission.admit_one(tenant, job_id, queue, enqueue)
+            try:
+                await self.admission.admit_one(tenant, job_id, queue, enqueue)
+            except NotReplicated as exc:
+                raise await self._not_durable(job_id, exc, kept=asynchronous) from None
         return job_id
+
+    async def _not_durable(self, job_id: str, exc: NotReplicated, kept: bool) -> ApiError:
+        """503 for a job that too few replicas confirmed in time (MLXQ_API_DURABLE_REPLICAS): kept when
+        submitted asynchronously, named so that it can be looked up; else cancelled, as nobody would
+        read its answer."""
+        if kept:
+            what = f"it runs unless the primary fails before a replica has it (GET /v1/jobs/{job_id} tells)"
+        else:
+            await self.cancel_quietly(job_id)
+            what = "it was cancelled; try again"
+        return ApiError(503, f"The job {job_id} was enqueued, but {exc.confirmed} of the {exc.wanted} replica(s) asked "
+                        f"for confirmed it within {self.settings.durable_timeout_ms} ms: {what}", "server_error",
+                        code="not_durable")
 
     async def run_blocking(self, tenant: Tenant, requests: list[GenerationRequest], priority: Optional[str],
                            request: Request) -> tuple[list[str], Optional[list[GenerationResult]]]:
@@ -95,7 +112,7 @@ class Gateway:
                 for job_id, generation in zip(job_ids, requests):
                     await self.submit(tenant, generation, priority, job_id, validated=True)
                 results = await wait_unless_disconnected(request, wait())
-            except WaitTimeout:
+            except (WaitTimeout, ApiError):  # an answer without results: no job of it runs for nobody
                 for job_id in job_ids:
                     await self.cancel_quietly(job_id)
                 raise

@@ -17,6 +17,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from schemas import RequestLimits, keys
+from schemas.durability import Durability
 
 __all__ = ["ApiKey", "GatewaySettings"]
 
@@ -44,6 +45,10 @@ class GatewaySettings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(300.0, gt=0)
     max_queue_depth: int = Field(10_000, ge=0)  # 429 when the target queue is this deep; 0: no limit
+    # A job is answered only once this many replicas have it (Redis's WAIT; 0: at once), else 503
+    # `not_durable` naming it: what a failover of the primary can lose (docs/operations.md).
+    durable_replicas: int = Field(0, ge=0)
+    durable_timeout_ms: int = Field(2000, ge=1)
     tenant_max_in_flight: int = Field(1024, ge=1)  # a tenant's jobs submitted and not ended, at most
     # Tenants that may drive the control plane (/v1/control: weights, pause, abort; docs/rl.md), comma-separated.
     admin_tenants: Annotated[tuple[str, ...], NoDecode] = ()
@@ -108,6 +113,10 @@ class GatewaySettings(BaseSettings):
         """The RQ timeout of the gateway's jobs: as long as a blocking request waits (RQ's own default,
         180 s, would end a long generation, or one of a large batch decoding together, mid-way)."""
         return math.ceil(self.request_timeout_s)
+
+    @property
+    def durability(self) -> Optional[Durability]:
+        return Durability(self.durable_replicas, self.durable_timeout_ms) if self.durable_replicas else None
 
     @property
     def limits(self) -> RequestLimits:
