@@ -112,7 +112,7 @@ class Gateway:
                 for job_id, generation in zip(job_ids, requests):
                     await self.submit(tenant, generation, priority, job_id, validated=True)
                 results = await wait_unless_disconnected(request, wait())
-            except (WaitTimeout, ApiError):  # an answer without results: no job of it runs for nobody
+            except (WaitTimeout, ApiError):  # answered without results: its jobs are cancelled, not run for nobody
                 for job_id in job_ids:
                     await self.cancel_quietly(job_id)
                 raise
