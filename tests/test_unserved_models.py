@@ -109,13 +109,16 @@ def test_the_gateway_ages_empty_queues_nobody_serves_out_of_the_registry(served:
     job = http.post("/v1/jobs", json={"model": "fake", "prompt": "x", "max_tokens": 2}).json()["id"]
     wait_for(lambda: http.get(f"/v1/jobs/{job}").json()["status"] == "finished", what="the job")
     junk = [f"mlxq:junk-{i}" for i in range(3000)]
-    conn.sadd(QUEUES, *[f"rq:queue:{name}" for name in junk])
-    conn.sadd(QUEUES, "rq:queue:mlxq:waiting", "rq:queue:mlxq:retrying", "rq:queue:mlxq:taken")
-    conn.rpush("rq:queue:mlxq:waiting", "some-job")  # jobs still to run keep their queue registered
-    conn.zadd(ScheduledJobRegistry.key_template.format("mlxq:retrying"), {"a-retry": time.time() + 3600})
-    conn.zadd(StartedJobRegistry.key_template.format("mlxq:taken"), {"a-job": time.time() + 3600})
-    conn.zadd(FailedJobRegistry.key_template.format("mlxq:junk-0"), {"old": time.time() - 1, "new": time.time() + 99})
-    conn.zadd(CanceledJobRegistry.key_template.format("mlxq:junk-1"), {"gone": time.time() - 1})
+    # In one transaction: the gateway's upkeep, running meanwhile, must see each queue with its registries.
+    with conn.pipeline() as pipe:
+        pipe.sadd(QUEUES, *[f"rq:queue:{name}" for name in junk])
+        pipe.sadd(QUEUES, "rq:queue:mlxq:waiting", "rq:queue:mlxq:retrying", "rq:queue:mlxq:taken")
+        pipe.rpush("rq:queue:mlxq:waiting", "some-job")  # jobs still to run keep their queue registered
+        pipe.zadd(ScheduledJobRegistry.key_template.format("mlxq:retrying"), {"a-retry": time.time() + 3600})
+        pipe.zadd(StartedJobRegistry.key_template.format("mlxq:taken"), {"a-job": time.time() + 3600})
+        pipe.zadd(FailedJobRegistry.key_template.format("mlxq:junk-0"), {"old": time.time() - 1, "new": time.time() + 99})
+        pipe.zadd(CanceledJobRegistry.key_template.format("mlxq:junk-1"), {"gone": time.time() - 1})
+        pipe.execute()
     wait_for(lambda: not _registered(conn) & set(junk), timeout=60, what="the junk queues aged out")
     left = _registered(conn)
     assert {"mlxq:waiting", "mlxq:retrying", "mlxq:taken"} <= left
