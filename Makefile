@@ -24,12 +24,20 @@ VALKEY_TESTS := tests/test_producer.py tests/test_producer_streams.py tests/test
 	tests/test_rq_bookkeeping.py tests/test_command_batch.py tests/test_priorities.py tests/test_broker.py \
 	tests/test_live_workers.py tests/test_failover.py
 
+# Files run in TEST_WORKERS processes (pytest-xdist), each file in one of them. schemathesis gives all its
+# cases one node id, which pytest-xdist runs once: that file runs on its own.
+TEST_WORKERS ?= 2
+ONE_PROCESS_TESTS := tests/test_gateway_schema.py
+
 test: setup
-	$(PY) -m pytest -q $(ARGS)
 ifeq ($(ARGS),)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=$(ONE_PROCESS_TESTS)
+	$(PY) -m pytest -q $(ONE_PROCESS_TESTS)
 	@if command -v valkey-server >/dev/null; then \
-		MLXQ_REDIS_SERVER=valkey-server $(PY) -m pytest -q $(VALKEY_TESTS); \
+		MLXQ_REDIS_SERVER=valkey-server $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(VALKEY_TESTS); \
 	else echo "warning: no valkey-server: the Valkey run of the Redis-level tests was skipped"; fi
+else
+	$(PY) -m pytest -q $(ARGS)
 endif
 
 setup: system-deps $(VENV)/.installed
