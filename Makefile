@@ -19,7 +19,7 @@ endif
 demo: setup
 	$(VENV)/bin/mlxq demo $(ARGS)
 
-# The Redis-level tests (no model) run a second time on Valkey, with the Sentinel failover: ~2 minutes.
+# The Redis-level tests (no model) run a second time on Valkey, with the Sentinel failover: about a minute.
 VALKEY_TESTS := tests/test_producer.py tests/test_producer_streams.py tests/test_stream_hub.py tests/test_poll.py \
 	tests/test_rq_bookkeeping.py tests/test_command_batch.py tests/test_priorities.py tests/test_broker.py \
 	tests/test_live_workers.py tests/test_failover.py
