@@ -56,7 +56,7 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         batch.hset(stats.key, mapping={name: str(value) for name, value in stats.counters.items()})
         batch.expire(stats.key, STATS_TTL_S)
         owners += [stats.key, stats.key]
-    sets: list[tuple[str, bytes, int]] = []
+    sets: list[tuple[str, str, int]] = []
     for item in publications:
         if not item.write_key:
             continue
@@ -65,7 +65,7 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         # GET: a write tried again (its replicas did not confirm) finds its own bytes, not another run's.
         expiry = ("EX", item.ttl) if item.ttl else ()
         batch.execute_command("SET", keys.result_key(job_id), encoded, *expiry, "NX", "GET")
-        sets.append((job_id, encoded.encode(), len(batch) - 1))
+        sets.append((job_id, encoded, len(batch) - 1))
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
@@ -79,7 +79,8 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
         nudges.execute()
     for owner, error in failed_writes(replies, owners).items():
         log.warning("%s: %s: not written (a key changed by someone else); the other jobs' writes were", owner, error)
-    return {job_id for job_id, encoded, at in sets if at < len(replies) and replies[at] not in (None, encoded)}
+    return {job_id for job_id, encoded, at in sets
+            if at < len(replies) and replies[at] is not None and replies[at] != encoded.encode()}
 
 
 def publish_stream_deltas(connection: redis.Redis, deltas: list[Any], ttls: dict[str, Optional[int]]) -> dict[str, str]:
