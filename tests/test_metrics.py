@@ -34,8 +34,12 @@ def test_a_worker_serves_vllm_named_metrics_labelled_with_worker_and_model(redis
         bad = client.submit({"prompt_token_ids": [5, 300], "max_tokens": 7})  # outside the fake vocabulary
         results = client.wait_many([*ok, bad], timeout=60)
         long = client.submit({"prompt_token_ids": [9], "max_tokens": 500, "ignore_eos": True})
-        wait_for(lambda: client.status(long) == "started", what="a running job")
+        # RQ marks a job started before the engine has it: the gauge is waited for, not the status.
+        wait_for(lambda: value(scrape(port)["vllm:num_requests_running"], "vllm:num_requests_running",
+                               worker="metered", model_name="fake") == 1, timeout=30, interval=0.1,
+                 what="the running job in the engine's gauge")
         metrics = scrape(port)
+        assert client.status(long) == "started"
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
