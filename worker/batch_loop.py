@@ -290,8 +290,12 @@ class BatchLoop:
         it onto a queue again), or twice in one poll, leaves its intermediate list unstarted. Two runs
         under one id shared one entry of the loop's and the scheduler's books, and each such run kept a
         slot taken for good. A job this worker sent back to its queue (an abort, a failed step) is taken
-        as its next run, even before its old entry leaves the table: dropped, that run was lost."""
+        as its next run, even before its old entry leaves the table: dropped, that run was lost. So is
+        a job whose ending here was dropped, taken for another worker's (JobEnding.claim_copy)."""
         running = {job_id: inflight for job_id, inflight in self._table.items() if not inflight.sent_back}
+        for job_id in {item.job_id for item in taken} & running.keys():
+            if running[job_id].ending and not self._ending.claim_copy(job_id):
+                running.pop(job_id).sent_back = True
         seen: set[str] = set(running)
         once, again = [], []
         for item in taken:
@@ -299,13 +303,6 @@ class BatchLoop:
             seen.add(item.job_id)
         if again:
             runs = {item.job_id: running[item.job_id] for item in again if item.job_id in running}
-            for item in list(again):
-                run = runs.get(item.job_id)
-                if run is not None and run.ending and not self._ending.claim_copy(item.job_id):
-                    # Its ending was dropped, taken for another worker's: this copy is the job's next run.
-                    run.sent_back = True
-                    again.remove(item)
-                    once.append(item)
             self._rq.drop_taken(again, [inflight for inflight in runs.values() if not inflight.ending])
         return once
 
