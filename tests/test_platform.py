@@ -161,6 +161,24 @@ def test_cuda_kernels_launch_directly_on_linux_unless_the_variable_is_set():
     assert not plat.launch_cuda_kernels_directly(on_mac, platform="darwin") and on_mac == {}
 
 
+def test_float32_matmuls_stay_float32_unless_the_variable_is_set():
+    environ: dict[str, str] = {}
+    assert plat.keep_float32_matmuls_in_float32(environ) and environ == {"MLX_ENABLE_TF32": "0"}
+    assert not plat.float32_matmuls_round(environ)
+    chosen = {"MLX_ENABLE_TF32": "1"}
+    assert not plat.keep_float32_matmuls_in_float32(chosen) and chosen == {"MLX_ENABLE_TF32": "1"}
+    assert plat.float32_matmuls_round(chosen) and plat.float32_matmuls_round({})
+
+
+def test_importing_the_worker_keeps_float32_matmuls_in_float32_before_mlx():
+    import os
+
+    code = "import os, worker, mlx.core; print(os.environ.get('MLX_ENABLE_TF32'))"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+
+
 def test_importing_the_worker_sets_direct_cuda_launches_before_mlx():
     import os
 

@@ -351,27 +351,62 @@ def test_adaptivity_turns_a_row_off_after_misses_and_grows_k_on_full_acceptance(
     assert not row.on and row.off_for == FIRST_BACKOFF
     for _ in range(FIRST_BACKOFF):
         row.decoded()
-    assert row.on  # a probe: one miss turns it off again, for twice as long
+    assert row.probe_due and not row.on  # a probe: one miss turns it off again, for twice as long
     row.record(0, 0)
     assert row.off_for == 2 * FIRST_BACKOFF
+    for _ in range(2 * FIRST_BACKOFF):
+        row.decoded()
+    row.record(2, 2)  # a probe accepted whole: on, and the backoff starts over
+    assert row.on and row.backoff == FIRST_BACKOFF
 
 
 class WrongDrafter(FixedDrafter):
     """Proposes a token that the row's model never makes next (a logit bias of -100 keeps it out)."""
 
 
-def test_a_drafter_that_always_misses_costs_few_verification_steps(target):
-    """Open-ended output where every proposal is rejected: the row stops proposing after two misses
-    and probes again ever more rarely, so a 120-token answer takes few verification passes."""
+def test_a_drafter_that_always_misses_costs_two_verification_steps(target):
+    """Open-ended output where every proposal is rejected: the row stops proposing after two misses,
+    and its probes, ever rarer, are checked against the tokens it makes, with no pass: a 120-token
+    answer takes two verification passes."""
     model, tokenizer = target
     request = {"prompt_token_ids": looping_prompt(4, 20), "max_tokens": 120, "temperature": 0, "ignore_eos": True,
                "logit_bias": {"7": -100.0}}
     without, _ = run(model, tokenizer, {"open": request})
     got, engine = run(model, tokenizer, {"open": request}, Speculator(WrongDrafter([7, 7, 7])))
     assert_same(got, without)
-    steps = engine.stats().counters["speculative_steps"]
+    counters = engine.stats().counters
     assert got["open"].speculation.accepted == 0
-    assert 0 < steps <= 5  # two misses at the start, then one probe after 16, 32 and 64 more steps
+    assert counters["speculative_steps"] == 2  # the two misses at the start
+    # Then a probe of 2 tokens after 16, 32 and 64 more steps, each missed.
+    assert counters["speculative_probed"] == 6 and counters["speculative_probes_accepted"] == 0
+
+
+def test_a_probe_is_decided_by_the_tokens_the_row_makes():
+    """A row that is off probes when its wait is over: the drafter guesses from the tokens the row
+    has, no pass runs, and the tokens the row makes next decide. A guess they bear out whole turns
+    the row back on; a miss, known at the first token that differs, turns it off for twice as long."""
+    speculator = Speculator(FixedDrafter([5, 6]), max_k=4)
+    row = PolicyRow("row")
+    speculator.outcome(row, 2, 0)
+    speculator.outcome(row, 2, 0)
+    adaptivity = speculator._state(row).adaptivity
+    for _ in range(FIRST_BACKOFF):
+        speculator.step_began([row], slot_count=1)
+    assert adaptivity.probe_due and speculator.width([row], 1) == 1  # a probe runs no pass
+    row.generated.append(5)  # the probe (made at the last step) guessed 5, 6: one token bears it out so far
+    speculator.step_began([row], slot_count=1)
+    assert adaptivity.probe_due and speculator.probed == 0
+    row.generated.append(6)
+    speculator.step_began([row], slot_count=1)
+    assert adaptivity.on and (speculator.probed, speculator.probes_accepted) == (2, 2)
+    assert speculator.proposed == 4 and speculator.width([row], 1) > 1  # (probes are not verified proposals)
+    speculator.outcome(row, 3, 0)
+    speculator.outcome(row, 3, 0)
+    for _ in range(FIRST_BACKOFF):
+        speculator.step_began([row], slot_count=1)
+    row.generated += [7, 5]  # the probe's guess was 5, 6: missed at its first token
+    speculator.step_began([row], slot_count=1)
+    assert adaptivity.off_for == 2 * FIRST_BACKOFF and (speculator.probed, speculator.probes_accepted) == (4, 2)
 
 
 def test_the_ngram_drafter_proposes_what_followed_the_latest_match():
@@ -512,11 +547,11 @@ def test_rows_start_off_while_their_drafter_keeps_missing():
     assert lookup._state(PolicyRow("next")).adaptivity.on
     for _ in range(FIRST_BACKOFF):
         late.decoded()
-    assert late.on and late.fresh  # its probe: one miss turns it off for twice as long
+    assert late.probe_due  # its probe: one miss turns it off for twice as long
     late.record(2, 0)
     assert late.off_for == 2 * FIRST_BACKOFF
     for _ in range(MAX_BACKOFF):
-        speculator.step_began([])
+        speculator.step_began([], slot_count=1)
     assert speculator._state(PolicyRow("much later")).adaptivity.on
 
 

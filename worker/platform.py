@@ -1,5 +1,5 @@
 """The only platform-specific code in the worker: a fast BLAS for Linux CPU, direct kernel launches
-for CUDA, Metal memory limits for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
+for CUDA, float32 matrix products in float32 (CUDA, M5-class Macs), Metal memory limits for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,6 +79,25 @@ def launch_cuda_kernels_directly(environ: MutableMapping[str, str] = os.environ,
         return False
     environ["MLX_USE_CUDA_GRAPHS"] = "0"
     return True
+
+
+def keep_float32_matmuls_in_float32(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Have MLX run float32 matrix products in float32 (MLX_ENABLE_TF32=0) unless MLX_ENABLE_TF32
+    is set. MLX's default lets CUDA (and M5-class Macs) run them in TF32, whose roundings
+    depend on the batch's shape: on the H200 the real model's float32 copy then gave next-token
+    log-probabilities 0.038 apart batched and alone, so the compiled engine refused it, and
+    greedy tokens under speculative decoding could differ from those without
+    (docs/engine.md#the-probe). Half-precision weights do not use TF32 and are not affected. It must
+    run before MLX first multiplies matrices. Returns whether it set the variable."""
+    if "MLX_ENABLE_TF32" in environ:
+        return False
+    environ["MLX_ENABLE_TF32"] = "0"
+    return True
+
+
+def float32_matmuls_round(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether MLX may run float32 matrix products in TF32 (MLX_ENABLE_TF32 unset or not 0)."""
+    return environ.get("MLX_ENABLE_TF32", "1").strip() != "0"
 
 
 def limit_blas_threads(threads: int, choice: BlasChoice) -> Optional[str]:

@@ -327,7 +327,7 @@ class CompiledEngine:
         events = refused
         if self._spec is not None:
             occupied = self._table.occupied()
-            self._spec.step_began(occupied)
+            self._spec.step_began(occupied, len(self._table.slots))
             # Until the verification pass's kernels are built a pass would stall the batch for seconds.
             verify_ready = self._prebuild is None or self._prebuild.verify_ready
             if verify_ready and self._spec.wants(occupied, len(self._table.slots)):

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker.engines.slot_cache import KVLayout, SlotBuffers
+from worker.platform import float32_matmuls_round
 from worker.weight_prep import current_platform
 
 log = logging.getLogger("mlxq.engine")
@@ -98,11 +99,12 @@ def _probe(model: Any) -> Optional[str]:
 def rounds_below_float32(model: Any, platform: str) -> bool:
     """Whether the model's arithmetic rounds below float32: any of its floating-point weights is
     bfloat16 or float16 (its activations are rounded even where its logits come out in float32, as
-    with a GGUF file's float32 norms), or it runs on CUDA, whose float32 matmuls measured 0.038
-    apart batched against alone on the real model (docs/engine.md#the-probe)."""
+    with a GGUF file's float32 norms), or it runs on CUDA with float32 matmuls allowed in TF32
+    (MLX_ENABLE_TF32, worker/platform.py), which measured 0.038 apart batched against alone on
+    the real model (docs/engine.md#the-probe)."""
     from mlx.utils import tree_flatten
 
-    if platform == "cuda":
+    if platform == "cuda" and float32_matmuls_round():
         return True
     return any(v.dtype in (mx.bfloat16, mx.float16) for _, v in tree_flatten(model.parameters()))
 

@@ -17,13 +17,14 @@ proposing. Each row keeps its own k and an average of its acceptance:
   request a probe at most.
 - A row turns speculation off after `MISSES_OFF` proposals in a row with nothing accepted (a step
   where it found nothing to propose counts as one) or once its average acceptance falls under
-  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes again (one proposal:
-  a miss turns it off again). The backoff
-  starts at `FIRST_BACKOFF` steps and doubles each time a probe fails, up to `MAX_BACKOFF`; a
-  proposal accepted whole resets it.
+  `LOW_ACCEPTANCE`; it stays off for `backoff` of its decode steps, then probes (`probing`): one
+  proposal, checked against the tokens the row then makes anyway, with no verification pass
+  (speculator.py); a miss turns it off again. The backoff starts at `FIRST_BACKOFF` steps and
+  doubles each time a probe fails, up to `MAX_BACKOFF`; a proposal accepted whole resets it.
 
-So open-ended text, where proposals rarely match, pays a few verification steps per
-`MAX_BACKOFF` decode steps; text that repeats its prompt keeps k at the maximum.
+So open-ended text, where proposals rarely match, pays the verification passes of its first
+`MISSES_OFF` proposals and nothing more but the drafter's guesses; text that repeats its prompt
+keeps k at the maximum.
 
 A row that is off still proposes in a pass that runs for other rows (speculator.py): every slot of
 the pass runs its full width anyway, so its proposal costs nothing. Such a ride never extends its
@@ -52,20 +53,29 @@ class RowAdaptivity:
     backoff: int = FIRST_BACKOFF
     tries: int = 0  # proposals since it started or came back on
     idle: int = 0  # decode steps on, without a proposal (the batch did not find a pass worth it)
+    probing: bool = False  # its next proposal is a probe, made once `off_for` runs out
 
     def __post_init__(self) -> None:
         self.k = max(1, min(self.k, self.max_k))
 
     def doubt(self, wait: int = 0) -> None:
-        """Be a probe: one proposal, and a miss turns it off; first off for `wait` steps (then the
-        next wait is twice as long), as a new row is whose drafter lately missed for other rows too."""
+        """Probe: one proposal, checked without a pass, and a miss turns it off; first off for `wait`
+        steps (then the next wait is twice as long), as a new row is whose drafter lately missed for
+        other rows too."""
         self.misses = self.tries = MISSES_OFF - 1
+        self.probing = True
         if wait:
             self.off_for, self.backoff = wait, min(MAX_BACKOFF, 2 * wait)
 
     @property
     def on(self) -> bool:
-        return self.off_for == 0
+        """Whether it proposes for verification passes (an off row only rides along in them)."""
+        return self.off_for == 0 and not self.probing
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether its wait is over and its probe is to be made."""
+        return self.probing and self.off_for == 0
 
     def decoded(self) -> None:
         """A decode step began: an off row is one step nearer its probe; a row left waiting while on
@@ -93,7 +103,7 @@ class RowAdaptivity:
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of one attempt: `proposed` tokens (0: it found nothing to propose), `accepted` of them."""
-        self.tries, self.idle = self.tries + 1, 0
+        self.tries, self.idle, self.probing = self.tries + 1, 0, False
         if proposed:
             self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
         self.misses = 0 if accepted else self.misses + 1
@@ -110,11 +120,12 @@ class RowAdaptivity:
         accepted whole, of at least `START_K` tokens, counts, and turns the row back on, new."""
         if proposed >= START_K and accepted == proposed:
             self.off_for, self.backoff, self.misses, self.tries, self.idle = 0, FIRST_BACKOFF, 0, 0, 0
+            self.probing = False
             self.acceptance, self.k = 0.5, min(self.max_k, proposed)
 
     def _turn_off(self) -> None:
         self.off_for = self.backoff
         self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-        # Back on, it probes: one proposal on trust, and one more miss turns it off again.
+        # Back on, it probes: one proposal, and one more miss turns it off again.
         self.acceptance, self.k = 0.5, max(1, min(self.max_k, START_K))
         self.doubt()

@@ -5,6 +5,11 @@ processing depends on the tokens before each position), its adaptivity (adaptive
 drafter's state. Per step: the rows that propose and their proposals, and the width of the
 verification pass, capped so that slots x width stays within `max_positions` (a large batch is
 already compute-bound: extra positions there cost about what they could save).
+
+A row that is off probes without a pass: its drafter proposes from the tokens the row has, and the
+tokens the row then makes decide the probe. Verification would accept the same tokens: a position's
+proposal is kept when the token drawn there equals it, and the decode step draws that very token
+(verify.py). So a probe costs the drafter's guess alone.
 """
 
 from __future__ import annotations
@@ -79,6 +84,14 @@ class _RowState:
     adaptivity: RowAdaptivity
 
 
+@dataclass
+class _Probe:
+    """A probe in progress: `draft` guesses the row's tokens from its `start`-th generated token on."""
+
+    start: int
+    draft: list[int]
+
+
 class Speculator:
     def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS,
                  pass_cost: float = DEFAULT_PASS_COST["metal"], measure_cost: bool = False) -> None:
@@ -91,6 +104,7 @@ class Speculator:
         self.max_k = max_k
         self.max_positions = max_positions
         self._rows: dict[str, _RowState] = {}
+        self._probes: dict[str, _Probe] = {}
         self._logged: set[str] = set()
         # The drafter's recent acceptance over every row's proposals. While it is under LOW_ACCEPTANCE a new
         # row of a drafter judged as a whole (a draft model) starts off, for `_wait` steps (the wait of the
@@ -102,6 +116,8 @@ class Speculator:
         self.proposed = 0  # totals since start, for the engine's stats
         self.accepted = 0
         self.steps = 0
+        self.probed = 0  # tokens proposed in probes, and those the row then made
+        self.probes_accepted = 0
 
     @property
     def pass_cost(self) -> float:
@@ -159,13 +175,46 @@ class Speculator:
         first: a proposal continues each row's latest token)."""
         return self.width(rows, slot_count) > 1
 
-    def step_began(self, rows: Sequence[Row]) -> None:
-        """Every engine step: rows with speculation off count down to their next probe."""
+    def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
+        """Every engine step (each row's tokens are those read back so far): rows with speculation
+        off count down to their next probe; probes whose tokens are made are settled, and rows whose
+        wait is over make theirs."""
         self._quiet += 1
         if self._quiet >= MAX_BACKOFF:
             self.track, self._wait, self._quiet = 0.5, FIRST_BACKOFF, 0
         for row in rows:
             self._state(row).adaptivity.decoded()
+        self._settle_probes(rows)
+        if self._width_limit(slot_count) > 1:
+            self._start_probes(rows)
+
+    def _start_probes(self, rows: Sequence[Row]) -> None:
+        due = [(row, min(state.adaptivity.k, room)) for row in rows if row.spec.uid not in self._probes
+               and (state := self._state(row)).refusal is None and state.adaptivity.probe_due
+               and (room := self._room(row)) > 0]
+        if not due:
+            return
+        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in due])
+        for (row, k), draft in zip(due, drafts):
+            draft = [int(t) for t in draft[:k]]
+            if draft:
+                self._probes[row.spec.uid] = _Probe(len(row.generated), draft)
+            else:
+                self._learn(row, 0, 0)  # nothing to propose: a miss, as for a row that is on
+
+    def _settle_probes(self, rows: Sequence[Row]) -> None:
+        for row in rows:
+            probe = self._probes.get(row.spec.uid)
+            if probe is None:
+                continue
+            made = row.generated[probe.start:probe.start + len(probe.draft)]
+            kept = next((i for i, (a, b) in enumerate(zip(made, probe.draft)) if a != b), len(made))
+            if kept == len(probe.draft) or kept < len(made):
+                del self._probes[row.spec.uid]
+                if self._state(row).adaptivity.probing:  # (a ride may have turned it on meanwhile)
+                    self.probed += len(probe.draft)
+                    self.probes_accepted += kept
+                    self._learn(row, len(probe.draft), kept)
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """The proposals of this step's rows (each row's tokens are up to date), or None when no pass
@@ -187,9 +236,9 @@ class Speculator:
         drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, _, k in asking])
         drafts = [[int(t) for t in draft[:k]] for draft, (_, _, k) in zip(drafts, asking)]
         longest = max(len(draft) for draft in drafts[: len(on)])
-        for (_, state, _), draft in zip(on, drafts):
+        for (row, _, _), draft in zip(on, drafts):
             if not draft:
-                state.adaptivity.record(0, 0)
+                self._learn(row, 0, 0)
         if not longest:
             return None
         plan = StepPlan(width=1 + longest)
@@ -197,28 +246,37 @@ class Speculator:
         return plan
 
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
-        """`accepted` of the `proposed` tokens of `row`'s proposal were accepted."""
+        """`accepted` of the `proposed` tokens of `row`'s proposal were accepted by a verification pass."""
         adaptivity = self._state(row).adaptivity
         if adaptivity.on:
-            adaptivity.record(proposed, accepted)
-            self.track += SMOOTHING * (accepted / max(1, proposed) - self.track)
-            self._quiet = 0
-            if not adaptivity.on:
-                self._wait = adaptivity.off_for
+            self._learn(row, proposed, accepted)
         else:
             adaptivity.rode(proposed, accepted)
-        self.drafter.accepted(row.spec.uid, proposed, accepted)
+            self.drafter.accepted(row.spec.uid, proposed, accepted)
         self.proposed += proposed
         self.accepted += accepted
 
+    def _learn(self, row: Row, proposed: int, accepted: int) -> None:
+        """What a proposal of a row that is on, or a probe, says of the row and of the drafter."""
+        adaptivity = self._state(row).adaptivity
+        adaptivity.record(proposed, accepted)
+        if proposed:
+            self.track += SMOOTHING * (accepted / proposed - self.track)
+            self._quiet = 0
+        if not adaptivity.on:
+            self._wait = adaptivity.off_for
+        self.drafter.accepted(row.spec.uid, proposed, accepted)
+
     def forget(self, uid: str) -> None:
         self._rows.pop(uid, None)
+        self._probes.pop(uid, None)
         self.drafter.forget(uid)
 
     def reset(self) -> None:
         """Every row starts over (after a failed step, or a weight swap: what was learnt of the old
         weights' acceptance, and a draft model's caches, no longer hold)."""
         self._rows.clear()
+        self._probes.clear()
         self.drafter.reset()
 
     @property
@@ -228,4 +286,5 @@ class Speculator:
 
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,
-                "speculative_accepted": self.accepted}
+                "speculative_accepted": self.accepted, "speculative_probed": self.probed,
+                "speculative_probes_accepted": self.probes_accepted}
