@@ -62,10 +62,12 @@ def publish_results(connection: redis.Redis, publications: list[Publication],
             continue
         job_id = item.result.id
         encoded = item.encoded if item.encoded is not None else item.result.model_dump_json()
-        # GET: a write tried again (its replicas did not confirm) finds its own bytes, not another run's.
-        expiry = ("EX", item.ttl) if item.ttl else ()
-        batch.execute_command("SET", keys.result_key(job_id), encoded, *expiry, "NX", "GET")
+        # GET first: a write tried again (its replicas did not confirm) finds its own bytes, not another
+        # run's. (The batch is atomic; `SET ... NX GET` would say the same, but only from Redis 7.0 on.)
+        batch.execute_command("GET", keys.result_key(job_id))
         sets.append((job_id, encoded, len(batch) - 1))
+        expiry = ("EX", item.ttl) if item.ttl else ()
+        batch.execute_command("SET", keys.result_key(job_id), encoded, *expiry, "NX")
         if item.ends_stream:
             end = EndStreamEvent(status=item.result.status,
                                  finish_reasons=[c.finish_reason for c in item.result.choices])
