@@ -40,6 +40,9 @@ def job_data(request: dict) -> str:
 def hostile(redis_url):
     """A connection as the documented producer ACL user."""
     admin = redis.Redis.from_url(redis_url)
+    if int(admin.info("server")["redis_version"].split(".")[0]) < 7:
+        # Read-only key patterns (%R~) in the producer's ACL arrived in Redis 7 (as in test_security).
+        pytest.skip("the test Redis is older than Redis 7: install redis-server 7 (apt / brew) to run this test")
     name, *rules = PRODUCER_ACL.split()
     password = next(rule for rule in rules if rule.startswith(">"))
     admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
