@@ -119,10 +119,11 @@ class RQJobs:
         batch = CommandBatch(self._worker.connection)
         for item in taken:
             batch.lrem(self._worker.queues[item.queue_index].intermediate_queue.key, 1, item.raw_id)
-            log.warning("job %s came off a queue again while it runs here: that copy was dropped (a job runs once)",
-                        item.job_id)
         self._record_runs(batch, [(inflight.job, inflight.execution) for inflight in running])
         batch.execute()
+        for item in taken:  # (after the writes: a reader of the log finds the run recorded again)
+            log.warning("job %s came off a queue again while it runs here: that copy was dropped (a job runs once)",
+                        item.job_id)
 
     def record_again(self, endings: Sequence[Ending]) -> None:
         """The records of ending runs whose records were gone, written again (the bookkeeping thread's
