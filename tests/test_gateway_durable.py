@@ -36,7 +36,8 @@ def test_a_durable_gateway_answers_a_job_once_a_replica_has_it_and_names_one_tha
         worker = start_fake_worker(primary.url, "--model", "fake", name="durable", step_delay_s=0.01)
         try:
             wait_live(conn, "durable")
-            with running_gateway(primary.url, durable_replicas=1, durable_timeout_ms=100) as base, \
+            # The default wait: a replica under CPU load once took longer than 100 ms to confirm.
+            with running_gateway(primary.url, durable_replicas=1, durable_timeout_ms=2000) as base, \
                     httpx.Client(base_url=base, timeout=30) as http:
                 reply = http.post("/jobs", json=JOB)
                 assert reply.status_code == 503
