@@ -58,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
               f"pass --insecure to listen on {args.host} anyway", file=sys.stderr)
         return 2
     uvicorn.run("producer.api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
-                log_level=args.log_level, proxy_headers=False, **uvicorn_options())
+                log_level=args.log_level, proxy_headers=False, timeout_graceful_shutdown=settings.shutdown_grace_s,
+                **uvicorn_options())
     return 0
 
 

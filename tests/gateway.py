@@ -30,12 +30,13 @@ def key_entry(tenant: str, key: str) -> str:
 @contextmanager
 def running_gateway(redis_url: str, **settings: Any) -> Iterator[str]:
     """Serve a gateway on a free port for the block; yields its base URL (`http://127.0.0.1:P/v1`)."""
-    config = GatewaySettings(redis_url=redis_url, **settings)
-    port = free_port()
     # Open streams are cut after 5 s at the end of the block: a server left running keeps its upkeep tasks
     # (the queue-registry pruner among them) working on a Redis later tests share.
+    config = GatewaySettings(redis_url=redis_url, **{"shutdown_grace_s": 5, **settings})
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=5, **uvicorn_options()))
+                                           lifespan="on", timeout_graceful_shutdown=config.shutdown_grace_s,
+                                           **uvicorn_options()))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -14,6 +14,9 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer import Client
+from producer.api.app import create_app
+from producer.api.settings import GatewaySettings
+from producer.done_listener import stop_reader
 from producer.fleet_history import HistorySampler, read_history
 from schemas import keys
 from tests.gateway import key_entry, running_gateway, wait_live
@@ -109,3 +112,36 @@ def test_one_history_sample_per_interval_whatever_the_number_of_gateways(redis_u
     assert history[0].tokens_per_s == {} and history[0].ttft_jobs == 0
     raw = redis.Redis.from_url(redis_url).xrange(keys.HISTORY_KEY)
     assert all(json.loads(fields[b"data"])["queued"] == 0 for _, fields in raw)
+
+
+def test_the_gateway_stops_when_a_cancel_of_its_upkeep_turns_into_a_redis_error(redis_url, monkeypatch):
+    """On Python 3.11 a cancel that lands as a Redis read's own timeout fires comes out of redis-py as
+    a TimeoutError, which the history sampler reads on after. The gateway's shutdown (SIGTERM to `mlxq
+    api`) then waited on that task for good; each upkeep task is cancelled until it ends."""
+    turned: list[bool] = []
+
+    async def sample_once(self: HistorySampler) -> bool:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if not turned:
+                turned.append(True)
+                raise redis.TimeoutError("Timeout reading from socket") from None
+            raise
+        return True
+
+    monkeypatch.setattr(HistorySampler, "sample_once", sample_once)
+
+    async def start_and_stop() -> None:
+        app = create_app(GatewaySettings(redis_url=redis_url))
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0.2)
+
+    async def stopped_within(seconds: float) -> bool:
+        serving = asyncio.create_task(start_and_stop())
+        done, _ = await asyncio.wait({serving}, timeout=seconds)
+        await stop_reader(serving)  # a second cancel, from here, ends a shutdown that hung
+        return bool(done)
+
+    assert asyncio.run(stopped_within(10)), "the gateway's lifespan did not end within 10 s"
+    assert turned == [True]

@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from mlxq.redis_server import RedisServer, free_port
+from producer import Client
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
 from tests.test_security import PRODUCER_ACL
@@ -88,8 +89,15 @@ class ChatStream(threading.Thread):
         self.job_id, self.text, self.finish, self.errors, self.done = "", "", None, [], False
         self.opened = threading.Event()
         self.status = 0
+        self.broken: str | None = None  # how the connection broke before the stream's end, if it did
 
     def run(self) -> None:
+        try:
+            self._read()
+        except httpx.HTTPError as exc:
+            self.broken = repr(exc)
+
+    def _read(self) -> None:
         with httpx.stream("POST", f"{self.stack.base}/chat/completions", headers=self.stack.headers(self.tenant),
                           json=self.body, timeout=60) as response:
             self.job_id = response.headers.get("x-mlxq-job-id", "")
@@ -456,16 +464,21 @@ def test_slow_clients_are_cut_off_and_responses_are_not(stack: Stack) -> None:
 
 def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
     """`mlxq api` as a process, configured by the environment as docs/configuration.md writes it:
-    `MLXQ_API_ADMIN_TENANTS=ops` lets ops (only) drive the control plane, and the header deadline
-    cuts off a silent client."""
-    keys_ = {"ops": "sk-ops-1", "acme": "sk-acme-1"}
+    `MLXQ_API_ADMIN_TENANTS=ops` lets ops (only) drive the control plane, the header deadline cuts off a
+    silent client, and on SIGTERM the streams open get `MLXQ_API_SHUTDOWN_GRACE_S`: one that ends within
+    it ends whole, one cut after it leaves its job running."""
+    keys_ = {"ops": "sk-ops-1", "acme": KEYS["acme"]}
     port = free_port()
     env = {**os.environ, "MLXQ_REDIS_URL": stack.url, "MLXQ_API_ADMIN_TENANTS": "ops",
            "MLXQ_API_KEYS": ",".join(key_entry(tenant, key) for tenant, key in keys_.items()),
-           "MLXQ_API_HEADER_TIMEOUT_S": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "api", "--port", str(port), "--log-level", "warning"],
+           "MLXQ_API_HEADER_TIMEOUT_S": "1", "MLXQ_API_SHUTDOWN_GRACE_S": "5"}
+    # At info, uvicorn logs each step of its shutdown: a shutdown that hangs shows where.
+    proc = subprocess.Popen([sys.executable, "-m", "mlxq", "api", "--port", str(port), "--log-level", "info"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/v1"
+    this_api = Stack(stack.url, base, stack.conn, stack.worker, stack.worker_lines)
+    short, long = (ChatStream(this_api, "acme", prompt, max_tokens=tokens)
+                   for prompt, tokens in (("ends-in-grace", 20), ("cut-at-shutdown", 3000)))
     try:
         wait_for(lambda: proc.poll() is not None or _answers(base), timeout=60, what="mlxq api to listen")
         assert proc.poll() is None, proc.communicate()[0]
@@ -475,11 +488,24 @@ def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
         silent = socket.create_connection(("127.0.0.1", port))
         closed, sent = _closed_within(silent, 15)
         silent.close()
+        for stream in (long, short):
+            stream.start()
+            wait_for(lambda: stream.text, timeout=30, what=f"the first token of {stream.body}")
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=30)[0]
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"mlxq api did not exit within 30 s of SIGTERM:\n{proc.communicate()[0]}") from None
+    for stream in (short, long):
+        stream.join(timeout=30)
+    long_status = rq_status(stack.url, long.job_id)
+    Client(stack.url).cancel(long.job_id)  # its 3,000 tokens would hold the worker for a minute
     assert answers == {"ops": 200, "acme": 403}, out
     assert closed and sent.startswith(b"HTTP/1.1 408"), out
+    assert short.done and short.finish == "length" and short.text == _alone(stack, "acme", "ends-in-grace", 20), out
+    assert long.broken and not long.done and long.text and long_status == "started", (long_status, out)
 
 
 def _answers(base: str) -> bool:

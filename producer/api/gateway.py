@@ -5,15 +5,15 @@ another replica would need: everything that matters is in Redis."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import anyio
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sse_starlette import EventSourceResponse
 
 from producer.aio import AsyncClient
 from producer.api.admission import Admission
@@ -22,12 +22,13 @@ from producer.api.batches import BatchStore
 from producer.api.files import FileStore
 from producer.api.fleet import Fleet
 from producer.api.settings import GatewaySettings
+from producer.done_listener import stop_reader
 from producer.errors import InvalidRequest, WaitTimeout, broker_errors
 from producer.wire import target_queue
 from schemas import GenerationRequest, GenerationResult
 from schemas.durability import NotReplicated
 
-__all__ = ["Gateway", "current_tenant", "gateway", "wait_unless_disconnected"]
+__all__ = ["Gateway", "current_tenant", "event_stream", "gateway", "wait_unless_disconnected"]
 
 T = TypeVar("T")
 
@@ -134,6 +135,16 @@ class Gateway:
                 pass
 
 
+def event_stream(gw: Gateway, events: Callable[[anyio.Event], AsyncIterator[Any]],
+                 headers: Optional[dict[str, str]] = None) -> EventSourceResponse:
+    """An SSE response of `events(shutdown)`. On SIGTERM `shutdown` is set and the stream gets the
+    gateway's shutdown grace to end; one cut after it leaves its job running (its generator sees
+    `shutdown` set where a disconnect would have cancelled the job)."""
+    shutdown = anyio.Event()
+    return EventSourceResponse(events(shutdown), headers=headers, ping=15, shutdown_event=shutdown,
+                               shutdown_grace_period=gw.settings.shutdown_grace_s)
+
+
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
@@ -165,8 +176,5 @@ async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> Opti
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_reader(task)
     return task.result() if task in done else None

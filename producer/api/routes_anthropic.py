@@ -15,12 +15,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
 
 from producer.anthropic_messages import (MESSAGES_PATH, MessagesRequest, MessageStreamWriter, anthropic_error,
                                          build_message, to_generation_request)
 from producer.api.auth import ApiError, Tenant
-from producer.api.gateway import Gateway, gateway, invalid
+from producer.api.gateway import Gateway, event_stream, gateway, invalid
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
 from producer.openai_responses import merge_token_events, result_error
 
@@ -92,7 +91,8 @@ async def messages(body: MessagesRequest, request: Request, tenant: Tenant = Dep
         raise invalid(exc) from None
     if body.stream:
         job_id = await gw.submit(tenant, generation, None, validated=True)
-        return EventSourceResponse(_events(gw, tenant, body, job_id), headers={"x-mlxq-job-id": job_id}, ping=15)
+        return event_stream(gw, lambda shutdown: _events(gw, tenant, body, job_id, shutdown),
+                            headers={"x-mlxq-job-id": job_id})
     try:
         job_ids, results = await gw.run_blocking(tenant, [generation], None, request)
     except WaitTimeout:
@@ -108,8 +108,9 @@ async def messages(body: MessagesRequest, request: Request, tenant: Tenant = Dep
     return JSONResponse(build_message(body, job_ids[0], results[0]), headers=headers)
 
 
-async def _events(gw: Gateway, tenant: Tenant, body: MessagesRequest, job_id: str) -> AsyncIterator[dict[str, Any]]:
-    """The SSE events of one streamed Message; a disconnect cancels the job."""
+async def _events(gw: Gateway, tenant: Tenant, body: MessagesRequest, job_id: str,
+                  shutdown: anyio.Event) -> AsyncIterator[dict[str, Any]]:
+    """The SSE events of one streamed Message; a disconnect cancels the job, the gateway's shutdown does not."""
     writer = MessageStreamWriter(body, job_id)
     ended = False
     try:
@@ -139,7 +140,8 @@ async def _events(gw: Gateway, tenant: Tenant, body: MessagesRequest, job_id: st
         except MlxqError as exc:
             yield {"event": "error", "data": json.dumps(anthropic_error(500, f"{type(exc).__name__}: {exc}"))}
     finally:
-        if not ended:
+        if not ended and not shutdown.is_set():
             await gw.cancel_quietly(job_id)
-        with anyio.CancelScope(shield=True):
-            await gw.admission.release(tenant, [job_id])
+        if ended or not shutdown.is_set():  # cut at shutdown, the job runs on, holding its slot until its
+            with anyio.CancelScope(shield=True):  # result exists (admission's sweep then frees it)
+                await gw.admission.release(tenant, [job_id])

@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from producer.api.gateway import gateway
 from producer.api.routes_metrics import ops_access
+from producer.done_listener import stop_reader
 from producer.fleet_history import HistorySampler, history_json, read_history
 from producer.fleet_queues import QueuePruner
 from producer.fleet_stats import aread_snapshot
@@ -42,11 +43,8 @@ async def _fleet_upkeep(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in tasks:  # each cancelled until it ends: a cancel redis-py turned into an error was read on
+            await stop_reader(task)
 
 
 router = APIRouter(lifespan=_fleet_upkeep)

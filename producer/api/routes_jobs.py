@@ -12,10 +12,10 @@ from typing import Any, Literal, Optional
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from producer.api.auth import ERRORS, Tenant, not_found
-from producer.api.gateway import current_tenant, gateway
+from producer.api.gateway import current_tenant, event_stream, gateway
 from producer.api.stored_results import HEAD_BYTES, open_result
 from producer.aio_stream import AsyncJobStream
 from producer.errors import InvalidRequest, JobNotFound, MlxqError, broker_errors
@@ -105,7 +105,7 @@ async def job_events(job_id: str, request: Request, tenant: Tenant = Depends(cur
     except InvalidRequest as exc:
         message = str(exc).replace("last_event_id", "Last-Event-ID", 1)
         return JSONResponse(error_body(message, param="Last-Event-ID"), status_code=400)
-    return EventSourceResponse(_events(stream), ping=15)
+    return event_stream(gw, lambda _shutdown: _events(stream))
 
 
 async def _events(stream: AsyncJobStream) -> AsyncIterator[ServerSentEvent]:

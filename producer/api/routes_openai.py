@@ -14,10 +14,9 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
 
 from producer.api.auth import ERRORS, Tenant
-from producer.api.gateway import Gateway, current_tenant, gateway, invalid
+from producer.api.gateway import Gateway, current_tenant, event_stream, gateway, invalid
 from producer.errors import InvalidRequest, MlxqError, WaitTimeout
 from producer.lean_results import parse_result_lean
 from producer.openai_requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_generation_requests
@@ -85,8 +84,8 @@ async def _serve(gw: Gateway, tenant: Tenant, body: OpenAIRequest, request: Requ
     created = int(time.time())
     if body.stream:
         job_id = await gw.submit(tenant, generations[0], body.priority, validated=True)
-        return EventSourceResponse(_chunks(gw, tenant, body, job_id, created), headers={"x-mlxq-job-id": job_id},
-                                   ping=15)
+        return event_stream(gw, lambda shutdown: _chunks(gw, tenant, body, job_id, created, shutdown),
+                            headers={"x-mlxq-job-id": job_id})
     return await _blocking(gw, tenant, body, generations, request, created)
 
 
@@ -116,10 +115,11 @@ async def _blocking(gw: Gateway, tenant: Tenant, body: OpenAIRequest, generation
     return StreamingResponse(pieces, media_type="application/json", headers=headers)
 
 
-async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int) -> AsyncIterator[bytes]:
+async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str, created: int,
+                  shutdown: anyio.Event) -> AsyncIterator[bytes]:
     """The SSE messages of one streamed response. Cancelling the iteration (a disconnect) or running out
-    of time cancels the job; a failed read of its stream does not. The events read together go out in
-    one write, each choice's tokens in one chunk."""
+    of time cancels the job; a failed read of its stream, or the gateway's shutdown, does not. The
+    events read together go out in one write, each choice's tokens in one chunk."""
     writer = ChunkWriter(body, job_id, created)
     ended = runs_on = False
     try:
@@ -154,6 +154,7 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                                   "server_error", code=type(exc).__name__))
         yield b"data: [DONE]\r\n\r\n"
     finally:
+        runs_on = runs_on or shutdown.is_set()
         if not ended and not runs_on:
             await gw.cancel_quietly(job_id)
         if not runs_on:
