@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import redis
 import redis.asyncio as aioredis
@@ -119,7 +119,7 @@ class DoneListener:
             await pubsub.aclose()
 
 
-async def stop_reader(task: Optional[asyncio.Task[None]]) -> None:
+async def stop_reader(task: Optional["asyncio.Future[Any]"]) -> None:
     """Cancel a task that reads Redis and wait until it has ended. redis-py can swallow a cancel
     that lands while a command starts, so it is cancelled again until it ends; what it raised is
     dropped (its readers were told already)."""
