@@ -323,7 +323,7 @@ def test_a_producers_script_holding_the_server_costs_no_worker_stream_or_request
         job_status = getattr(stack.result(stream.job_id), "status", None)
         assert stream.status == 200 and stream.done, (
             f"job {stream.job_id} ({job_status}): still reading {stream.is_alive()}, {len(stream.text)} "
-            f"characters, finish {stream.finish}, errors {stream.errors}",
+            f"characters, finish {stream.finish}, errors {stream.errors}, connection broken: {stream.broken}",
             "".join(line for line in stack.worker_log.splitlines(keepends=True) if "cleaning registries" not in line))
         if stream.errors:
             assert len(stream.errors) == 1 and f"/v1/jobs/{stream.job_id}" in stream.errors[0]["message"], stream.errors
