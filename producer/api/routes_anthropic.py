@@ -140,8 +140,11 @@ async def _events(gw: Gateway, tenant: Tenant, body: MessagesRequest, job_id: st
         except MlxqError as exc:
             yield {"event": "error", "data": json.dumps(anthropic_error(500, f"{type(exc).__name__}: {exc}"))}
     finally:
-        if not ended and not shutdown.is_set():
+        # Cut at shutdown, the job runs on, holding its slot until its result exists (admission's sweep
+        # then frees it).
+        runs_on = not ended and shutdown.is_set()
+        if not ended and not runs_on:
             await gw.cancel_quietly(job_id)
-        if ended or not shutdown.is_set():  # cut at shutdown, the job runs on, holding its slot until its
-            with anyio.CancelScope(shield=True):  # result exists (admission's sweep then frees it)
+        if not runs_on:
+            with anyio.CancelScope(shield=True):
                 await gw.admission.release(tenant, [job_id])
