@@ -115,9 +115,9 @@ def test_one_history_sample_per_interval_whatever_the_number_of_gateways(redis_u
 
 
 def test_the_gateway_stops_when_a_cancel_of_its_upkeep_turns_into_a_redis_error(redis_url, monkeypatch):
-    """On Python 3.11 a cancel that lands as a Redis read's own timeout fires comes out of redis-py as
-    a TimeoutError, which the history sampler reads on after. The gateway's shutdown (SIGTERM to `mlxq
-    api`) then waited on that task for good; each upkeep task is cancelled until it ends."""
+    """An upkeep task whose cancel comes out of a Redis call as a Redis error (the history sampler logs
+    those and reads on) still ends: the gateway's shutdown cancels each upkeep task until it ends. A
+    single cancel left the shutdown waiting on it for good, as it once did on the batch driver."""
     turned: list[bool] = []
 
     async def sample_once(self: HistorySampler) -> bool:
