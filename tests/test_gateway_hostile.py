@@ -118,6 +118,32 @@ class ChatStream(threading.Thread):
                     self.finish = choice["finish_reason"] or self.finish
 
 
+class MessagesStream(threading.Thread):
+    """A streamed Anthropic Messages request read in a thread: its job id, text, whether it ended
+    (`message_stop`), how its connection broke if it did."""
+
+    def __init__(self, stack: Stack, tenant: str, prompt: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.headers = stack.base.removesuffix("/v1") + "/v1/messages", stack.headers(tenant)
+        self.body = {"model": "fake", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                     "stream": True}
+        self.job_id, self.text, self.done = "", "", False
+        self.broken: str | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, headers=self.headers, json=self.body, timeout=60) as response:
+                self.job_id = response.headers.get("x-mlxq-job-id", "")
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    self.text += event.get("delta", {}).get("text", "") if event["type"] == "content_block_delta" else ""
+                    self.done = self.done or event["type"] == "message_stop"
+        except httpx.HTTPError as exc:
+            self.broken = repr(exc)
+
+
 def _alone(stack: Stack, tenant: str, prompt: str, max_tokens: int = TOKENS) -> str:
     """The same request's text, blocking, with nothing else going on."""
     response = httpx.post(f"{stack.base}/chat/completions", headers=stack.headers(tenant), timeout=60,
@@ -479,6 +505,7 @@ def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
     this_api = Stack(stack.url, base, stack.conn, stack.worker, stack.worker_lines)
     short, long = (ChatStream(this_api, "acme", prompt, max_tokens=tokens)
                    for prompt, tokens in (("ends-in-grace", 20), ("cut-at-shutdown", 3000)))
+    long_message = MessagesStream(this_api, "acme", "a-message-cut-at-shutdown", 3000)
     try:
         wait_for(lambda: proc.poll() is not None or _answers(base), timeout=60, what="mlxq api to listen")
         assert proc.poll() is None, proc.communicate()[0]
@@ -488,7 +515,7 @@ def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
         silent = socket.create_connection(("127.0.0.1", port))
         closed, sent = _closed_within(silent, 15)
         silent.close()
-        for stream in (long, short):
+        for stream in (long, long_message, short):
             stream.start()
             wait_for(lambda: stream.text, timeout=30, what=f"the first token of {stream.body}")
     finally:
@@ -498,14 +525,16 @@ def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             raise AssertionError(f"mlxq api did not exit within 30 s of SIGTERM:\n{proc.communicate()[0]}") from None
-    for stream in (short, long):
+    for stream in (short, long, long_message):
         stream.join(timeout=30)
-    long_status = rq_status(stack.url, long.job_id)
-    Client(stack.url).cancel(long.job_id)  # its 3,000 tokens would hold the worker for a minute
+    long_status, message_status = (rq_status(stack.url, cut.job_id) for cut in (long, long_message))
+    for stream in (long, long_message):
+        Client(stack.url).cancel(stream.job_id)  # its 3,000 tokens would hold the worker for a minute
     assert answers == {"ops": 200, "acme": 403}, out
     assert closed and sent.startswith(b"HTTP/1.1 408"), out
     assert short.done and short.finish == "length" and short.text == _alone(stack, "acme", "ends-in-grace", 20), out
     assert long.broken and not long.done and long.text and long_status == "started", (long_status, out)
+    assert long_message.broken and not long_message.done and message_status == "started", (message_status, out)
 
 
 def _answers(base: str) -> bool:

@@ -31,6 +31,7 @@ from schemas.durability import NotReplicated
 __all__ = ["Gateway", "current_tenant", "event_stream", "gateway", "wait_unless_disconnected"]
 
 T = TypeVar("T")
+SSE_CUT_AFTER_S = 2.0  # past the shutdown grace (event_stream)
 
 
 @dataclass
@@ -141,8 +142,10 @@ def event_stream(gw: Gateway, events: Callable[[anyio.Event], AsyncIterator[Any]
     gateway's shutdown grace to end; one cut after it leaves its job running (its generator sees
     `shutdown` set where a disconnect would have cancelled the job)."""
     shutdown = anyio.Event()
+    # sse-starlette's own cut comes after uvicorn's: uvicorn's breaks the connection, so a client sees
+    # an error, where sse-starlette's would end the stream as if the answer were whole.
     return EventSourceResponse(events(shutdown), headers=headers, ping=15, shutdown_event=shutdown,
-                               shutdown_grace_period=gw.settings.shutdown_grace_s)
+                               shutdown_grace_period=gw.settings.shutdown_grace_s + SSE_CUT_AFTER_S)
 
 
 def gateway(request: Request) -> Gateway:
