@@ -46,7 +46,7 @@ class GatewaySettings(BaseSettings):
     body_timeout_s: float = Field(300.0, gt=0)
     # On SIGTERM, requests in flight (streams too) get this long to end before they are cut; their jobs
     # run on, and a cut stream resumes with Last-Event-ID.
-    shutdown_grace_s: float = Field(30.0, gt=0)
+    shutdown_grace_s: float = Field(25.0, gt=0)
     max_queue_depth: int = Field(10_000, ge=0)  # 429 when the target queue is this deep; 0: no limit
     # A job is answered only once this many replicas have it (Redis's WAIT; 0: at once), else 503
     # `not_durable` naming it: what a failover of the primary can lose (docs/operations.md).
