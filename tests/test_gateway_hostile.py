@@ -25,6 +25,7 @@ import redis
 
 from mlxq.redis_server import RedisServer, free_port
 from producer import Client
+from producer.api import keys as api_keys
 from schemas import GenerationResult, keys
 from tests.gateway import announce, key_entry, running_gateway, wait_live
 from tests.test_security import PRODUCER_ACL
@@ -138,7 +139,8 @@ class MessagesStream(threading.Thread):
                     if not line.startswith("data: "):
                         continue
                     event = json.loads(line[6:])
-                    self.text += event.get("delta", {}).get("text", "") if event["type"] == "content_block_delta" else ""
+                    if event["type"] == "content_block_delta":
+                        self.text += event["delta"].get("text", "")
                     self.done = self.done or event["type"] == "message_stop"
         except httpx.HTTPError as exc:
             self.broken = repr(exc)
@@ -533,6 +535,8 @@ def test_mlxq_api_takes_its_settings_as_documented(stack: Stack) -> None:
     assert answers == {"ops": 200, "acme": 403}, out
     assert closed and sent.startswith(b"HTTP/1.1 408"), out
     assert short.done and short.finish == "length" and short.text == _alone(stack, "acme", "ends-in-grace", 20), out
+    tenant_tag = short.job_id.rsplit("-", 1)[0]  # a job id names its tenant
+    assert stack.conn.zscore(api_keys.in_flight(tenant_tag), short.job_id) is None, "the whole stream kept its slot"
     assert long.broken and not long.done and long.text and long_status == "started", (long_status, out)
     assert long_message.broken and not long_message.done and message_status == "started", (message_status, out)
 

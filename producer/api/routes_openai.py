@@ -154,7 +154,7 @@ async def _chunks(gw: Gateway, tenant: Tenant, body: OpenAIRequest, job_id: str,
                                   "server_error", code=type(exc).__name__))
         yield b"data: [DONE]\r\n\r\n"
     finally:
-        runs_on = runs_on or shutdown.is_set()
+        runs_on = runs_on or (not ended and shutdown.is_set())  # cut at shutdown: as a failed read
         if not ended and not runs_on:
             await gw.cancel_quietly(job_id)
         if not runs_on:

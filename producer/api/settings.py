@@ -45,7 +45,7 @@ class GatewaySettings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(300.0, gt=0)
     # On SIGTERM, requests in flight (streams too) get this long to end before they are cut; their jobs
-    # run on, and a cut stream resumes with Last-Event-ID.
+    # run on, their results at /v1/jobs/{id}.
     shutdown_grace_s: float = Field(25.0, gt=0)
     max_queue_depth: int = Field(10_000, ge=0)  # 429 when the target queue is this deep; 0: no limit
     # A job is answered only once this many replicas have it (Redis's WAIT; 0: at once), else 503
