@@ -23,6 +23,7 @@ from mlx_lm import load
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits
 from worker.engines.compiled import CompiledEngine
 from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
+from worker.engines.slot_cache import KVLayout, SlotBuffers
 from worker.engines.speculation import DraftRow, Speculator
 from worker.engines.speculation.adaptive import FIRST_BACKOFF, MAX_BACKOFF, RowAdaptivity
 from worker.engines.speculation.pass_cost import FORGET_AFTER
@@ -681,6 +682,28 @@ def test_the_batched_draft_model_proposes_each_rows_greedy_continuation_alone(un
     for uid in list(tokens):
         drafter.forget(uid)
     assert not drafter.rows
+
+
+def test_a_new_row_caught_up_at_the_end_of_its_buffer_writes_nothing_past_it(unrelated):
+    """A new row's prompt runs through the gathered prefill, then its last token through the catch-up
+    call. Where a row wider than the catch-up's width asked too, that call was still as wide as the
+    longest row had been before the prefill, so a new row of 126 tokens with k = 2 wrote position
+    128 of a 128-position buffer: past it, which MLX's scatter does not check (a worker crashed in
+    malloc). The buffers now refuse such a write, and the proposals are the rows' own."""
+    vocab = unrelated.args.vocab_size
+    rng = np.random.default_rng(5)
+    for lengths, ks in (((126,), (2,)), ((127,), (1,)), ((126, 3), (2, 3)), ((125, 40), (3, 1))):
+        drafter = DraftModelDrafter(unrelated, vocab)
+        rows = [DraftRow(f"r{i}", rng.integers(3, vocab, size=n).tolist(), k) for i, (n, k) in enumerate(zip(lengths, ks))]
+        for row, proposal in zip(rows, drafter.propose(rows)):
+            assert proposal == draft_greedy_alone(unrelated, row.tokens, row.k, vocab), (lengths, row.uid)
+
+
+def test_slot_buffers_refuse_a_write_past_their_end():
+    buffers = SlotBuffers.allocate(KVLayout([(2, 4)], [(2, 4)], mx.float32), 2, 16)
+    buffers.check_room([15, 3], 1)
+    with pytest.raises(RuntimeError, match="write up to position 17 of a buffer of 16"):
+        buffers.check_room([3, 15], 2)
 
 
 def test_a_draft_model_with_sliding_window_caches_is_refused(tmp_path, target):

@@ -552,6 +552,7 @@ class CompiledEngine:
             positions[seq.slot] = seq.position
             adapter_slots[seq.slot] = seq.adapter_slot
         inputs = table.inputs
+        table.buffers.check_room(positions, 1)
         with self._lora.rows(adapter_slots):
             logits = self._decode(inputs, mx.array(positions, dtype=mx.int32), table.buffers)
         tokens, gather, wanting = self._sampling.sample(logits, inputs, occupied, len(table.slots))

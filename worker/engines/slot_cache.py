@@ -97,6 +97,14 @@ class SlotBuffers:
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
 
+    def check_room(self, positions: Sequence[int], width: int) -> None:
+        """Refuse a call that would write `width` positions from a slot's position past the buffers:
+        MLX's scatter does not check its indices, so such a write would corrupt memory instead."""
+        top = max(positions, default=0) + width
+        if top > self.length:
+            raise RuntimeError(f"slot buffers: a call would write up to position {top} of a buffer of {self.length} "
+                               f"(positions {list(positions)}, width {width})")
+
     def layer_caches(self, positions: mx.array, grouped_mask: bool = False) -> list[SlotLayerCache]:
         return [SlotLayerCache(k, v, positions, grouped_mask) for k, v in zip(self.keys, self.values)]
 

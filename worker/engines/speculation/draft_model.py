@@ -88,6 +88,12 @@ class _Asking:
     k: int
     rest: list[int]
 
+    @property
+    def catch_up(self) -> int:
+        """The tokens it runs in the catch-up call: all it has to run, or, where the gathered prefill
+        runs those first, its last one."""
+        return 1 if len(self.rest) > CATCH_UP_WIDTH else len(self.rest)
+
 
 class DraftModelDrafter:
     name = "draft"
@@ -118,7 +124,7 @@ class DraftModelDrafter:
         if not asking:
             return proposals
         long = [a for a in asking.values() if len(a.rest) > CATCH_UP_WIDTH]
-        width = max(min(len(a.rest), CATCH_UP_WIDTH) for a in asking.values())
+        width = max(a.catch_up for a in asking.values())
         self._fit(list(asking.values()), width)
         if long:
             self._prefill(long)
@@ -148,11 +154,12 @@ class DraftModelDrafter:
 
     def _fit(self, asking: list[_Asking], width: int) -> None:
         """Size the buffers for every position this proposal writes in them: each slot's catch-up
-        call (`width` from its position) and each asking row's fed guesses. (The gathered prefill's
-        padding may reach further: it is cut off before it is scattered back.)"""
+        call (`width` from its position once the prefill has run) and each asking row's fed guesses.
+        (The gathered prefill's padding may reach further: it is cut off before it is scattered back.)"""
         mine = {id(a.state) for a in asking}
-        # An asking row feeds k - 1 guesses after its tokens, then padding at the next position.
-        ends = [max(a.state.position + width, len(a.tokens) + a.k) for a in asking]
+        # An asking row's catch-up runs its last `catch_up` tokens and padding up to `width`; it then
+        # feeds k - 1 guesses after its tokens, then padding at the next position.
+        ends = [max(len(a.tokens) - a.catch_up + width, len(a.tokens) + a.k) for a in asking]
         ends += [s.position + width for s in self._table.occupied() if id(s) not in mine]
         top = max(s.position for s in self._table.occupied()) + 1
         self._table.fit(waiting=False, ahead=max(ends) - top)
@@ -211,6 +218,7 @@ class DraftModelDrafter:
         positions = [0] * buffers.slots
         for state in self._table.occupied():
             positions[state.slot] = state.position
+        buffers.check_room(positions, tokens.shape[1])
         caches = buffers.layer_caches(mx.array(positions, dtype=mx.int32), self._layout.grouped_mask)
         logits = self.model(tokens, cache=caches)
         buffers.absorb(caches)  # (the old arrays are then the graph's alone: updated in place)

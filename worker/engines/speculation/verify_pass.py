@@ -58,6 +58,7 @@ class VerificationPass:
             adapter_slots[seq.slot] = seq.adapter_slot
         inputs = table.inputs
         tokens = mx.concatenate([inputs[:, None].astype(mx.uint32), mx.array(padded, dtype=mx.uint32)], axis=1)
+        table.buffers.check_room(positions, plan.width)
         sampling.begin(occupied, inputs)
         with self._lora.rows(adapter_slots):
             logits = self._verify(tokens, mx.array(positions, dtype=mx.int32), table.buffers)
