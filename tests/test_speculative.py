@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import worker  # noqa: F401  (OpenBLAS before MLX)
@@ -697,6 +699,29 @@ def test_a_new_row_caught_up_at_the_end_of_its_buffer_writes_nothing_past_it(unr
         rows = [DraftRow(f"r{i}", rng.integers(3, vocab, size=n).tolist(), k) for i, (n, k) in enumerate(zip(lengths, ks))]
         for row, proposal in zip(rows, drafter.propose(rows)):
             assert proposal == draft_greedy_alone(unrelated, row.tokens, row.k, vocab), (lengths, row.uid)
+
+
+_draft_rows = st.lists(st.tuples(st.one_of(st.integers(1, 12), st.integers(116, 130)), st.integers(0, 4)),
+                      min_size=1, max_size=4)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=_draft_rows, grown=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 4)), min_size=4, max_size=4))
+def test_draft_rows_of_any_length_near_a_buffer_end_propose_their_own_continuation(unrelated, first, grown):
+    """Rows of lengths around the first length bucket's end (128), asking for 0 to 4 tokens, then
+    grown by a few tokens of their own and asking again: every proposal is the row's greedy
+    continuation alone, and no call writes past the buffers (they refuse it)."""
+    vocab = unrelated.args.vocab_size
+    rng = np.random.default_rng(len(first))
+    drafter = DraftModelDrafter(unrelated, vocab)
+    tokens = {f"r{i}": rng.integers(3, vocab, size=n).tolist() for i, (n, _) in enumerate(first)}
+    for round_ in range(2):
+        ks = [k for _, k in first] if round_ == 0 else [k for _, k in grown[: len(first)]]
+        rows = [DraftRow(uid, list(t), k) for (uid, t), k in zip(tokens.items(), ks)]
+        for row, proposal in zip(rows, drafter.propose(rows)):
+            assert proposal == draft_greedy_alone(unrelated, row.tokens, row.k, vocab), (round_, row.uid, len(row.tokens))
+        for (uid, t), (extra, _) in zip(tokens.items(), grown):
+            t += rng.integers(3, vocab, size=extra).tolist()
 
 
 def test_slot_buffers_refuse_a_write_past_their_end():
