@@ -688,10 +688,10 @@ def test_the_batched_draft_model_proposes_each_rows_greedy_continuation_alone(un
 
 def test_a_new_row_caught_up_at_the_end_of_its_buffer_writes_nothing_past_it(unrelated):
     """A new row's prompt runs through the gathered prefill, then its last token through the catch-up
-    call. Where a row wider than the catch-up's width asked too, that call was still as wide as the
-    longest row had been before the prefill, so a new row of 126 tokens with k = 2 wrote position
-    128 of a 128-position buffer: past it, which MLX's scatter does not check (a worker crashed in
-    malloc). The buffers now refuse such a write, and the proposals are the rows' own."""
+    call. That call used to keep the width the row's run had before the prefill (4), padding the last
+    token 3 positions past the row's end, while the buffers were sized for k more: a new row of 126
+    tokens with k = 2 wrote position 128 of a 128-position buffer, which MLX's scatter does not check
+    (a process crashed in malloc). The buffers now refuse such a write, and the proposals are the rows' own."""
     vocab = unrelated.args.vocab_size
     rng = np.random.default_rng(5)
     for lengths, ks in (((126,), (2,)), ((127,), (1,)), ((126, 3), (2, 3)), ((125, 40), (3, 1))):
