@@ -89,10 +89,15 @@ class _Asking:
     rest: list[int]
 
     @property
+    def prefills(self) -> bool:
+        """Whether it has more to run than the catch-up call takes: all but its last token go through
+        the gathered prefill first."""
+        return len(self.rest) > CATCH_UP_WIDTH
+
+    @property
     def catch_up(self) -> int:
-        """The tokens it runs in the catch-up call: all it has to run, or, where the gathered prefill
-        runs those first, its last one."""
-        return 1 if len(self.rest) > CATCH_UP_WIDTH else len(self.rest)
+        """The tokens it runs in the catch-up call: all it has to run, or, after the prefill, its last one."""
+        return 1 if self.prefills else len(self.rest)
 
 
 class DraftModelDrafter:
@@ -123,7 +128,7 @@ class DraftModelDrafter:
         asking = {i: self._asking(row) for i, row in enumerate(rows) if row.k > 0}
         if not asking:
             return proposals
-        long = [a for a in asking.values() if len(a.rest) > CATCH_UP_WIDTH]
+        long = [a for a in asking.values() if a.prefills]
         width = max(a.catch_up for a in asking.values())
         self._fit(list(asking.values()), width)
         if long:

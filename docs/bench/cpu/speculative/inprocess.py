@@ -22,7 +22,7 @@ import worker  # noqa: F401  (the worker's platform settings before MLX)
 from mlxq.bench.scenario_speculative import random_draft
 from mlxq.bench.spec_workloads import spec_prompts
 from tests.reference import run_all
-from worker.loading import build_scheduler, load_model
+from worker.loading import build_scheduler
 from worker.settings import WorkerSettings
 
 
@@ -82,12 +82,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
     assert arms[0] == "off", "--arms: off comes first (every ratio is off / arm)"
-    _, tokenizer = load_model(WorkerSettings(model=args.model))
     report: dict[str, Any] = {"arms": arms, "repeats": args.repeats, "tokens": args.tokens, "runs": {}}
     for rows in (int(r) for r in args.rows.split(",")):
         common = {"MLXQ_MAX_NUM_SEQS": str(rows), "MLXQ_DECODE_WARMUP": "blocking", "MLXQ_PREFIX_CACHE_MB": "0"}
         schedulers = {arm: build_scheduler(WorkerSettings.from_env({**common, **arm_settings(arm, args.model, out)},
                                                                    model=args.model)) for arm in arms}
+        tokenizer = schedulers["off"].engine.tokenizer
         for kind in args.workloads.split(","):
             requests = {str(i): {"prompt_token_ids": list(p.ids), "max_tokens": args.tokens, "temperature": 0.0}
                         for i, p in enumerate(spec_prompts(tokenizer, kind, rows))}
