@@ -77,19 +77,22 @@ def main() -> None:
     parser.add_argument("--workloads", default="grounded,chat")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64, help="most new tokens a request makes (ending at EOS)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every request makes --tokens tokens")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
     assert arms[0] == "off", "--arms: off comes first (every ratio is off / arm)"
-    report: dict[str, Any] = {"arms": arms, "repeats": args.repeats, "tokens": args.tokens, "runs": {}}
+    report: dict[str, Any] = {"arms": arms, "repeats": args.repeats, "tokens": args.tokens,
+                              "ignore_eos": args.ignore_eos, "runs": {}}
     for rows in (int(r) for r in args.rows.split(",")):
         common = {"MLXQ_MAX_NUM_SEQS": str(rows), "MLXQ_DECODE_WARMUP": "blocking", "MLXQ_PREFIX_CACHE_MB": "0"}
         schedulers = {arm: build_scheduler(WorkerSettings.from_env({**common, **arm_settings(arm, args.model, out)},
                                                                    model=args.model)) for arm in arms}
         tokenizer = schedulers["off"].engine.tokenizer
         for kind in args.workloads.split(","):
-            requests = {str(i): {"prompt_token_ids": list(p.ids), "max_tokens": args.tokens, "temperature": 0.0}
+            requests = {str(i): {"prompt_token_ids": list(p.ids), "max_tokens": args.tokens, "temperature": 0.0,
+                                 "ignore_eos": args.ignore_eos}
                         for i, p in enumerate(spec_prompts(tokenizer, kind, rows))}
             run = report["runs"][f"{kind}-{rows}"] = measure(schedulers, requests, args.repeats)
             for arm, r in run.items():
