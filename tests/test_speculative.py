@@ -790,6 +790,25 @@ def test_the_prebuild_process_builds_the_verification_pass_after_the_first_two_s
     assert reader._verify_built
 
 
+@pytest.mark.parametrize("platform,tf32,dtype,warned", [
+    ("cpu", "1", mx.float32, False), ("cuda", "0", mx.float32, False),  # float32 stays exact
+    ("cuda", "1", mx.float32, True),  # TF32 matmuls round below float32
+    ("cpu", "0", mx.bfloat16, True), ("metal", "0", mx.float16, True), ("cuda", "0", mx.bfloat16, True)])
+def test_speculation_below_float32_warns_that_greedy_text_may_differ(tiny_model_dir, monkeypatch, caplog, platform,
+                                                                     tf32, dtype, warned):
+    import worker.loading
+    from worker.loading import build_speculator
+    from worker.settings import WorkerSettings
+
+    monkeypatch.setattr(worker.loading, "current_platform", lambda: platform)
+    monkeypatch.setenv("MLX_ENABLE_TF32", tf32)
+    model, tokenizer = load(str(tiny_model_dir))
+    model.set_dtype(dtype)
+    with caplog.at_level(logging.WARNING, logger="mlxq.worker"):
+        build_speculator(WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram"}, model="unused"), model, tokenizer)
+    assert any("rounds below float32" in r.getMessage() for r in caplog.records) == warned, caplog.text
+
+
 @pytest.mark.parametrize("platform,cost", [("cpu", 2.0), ("cuda", 1.75), ("metal", 1.25)])
 def test_the_pass_cost_starts_at_the_platforms_and_a_setting_fixes_it(target, monkeypatch, platform, cost):
     import worker.loading

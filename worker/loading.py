@@ -186,6 +186,14 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
             drafter = DraftModelDrafter(draft, model_vocab_size(model, tokenizer))
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
+    from worker.engines.decode_path import rounds_below_float32
+
+    if rounds_below_float32(model, current_platform()):
+        log.warning("speculation: this model's arithmetic rounds below float32 (half-precision weights, or TF32 "
+                    "matmuls on CUDA): a verification pass rounds its logits another way than a decode step, so a "
+                    "greedy row may take the other side of a near-tie and write other text than without speculation; "
+                    "where bitwise-equal tokens matter, serve float32 weights or send speculative: false "
+                    "(docs/speculative.md)")
     measured = settings.speculative_pass_cost is None
     cost = settings.speculative_pass_cost or DEFAULT_PASS_COST[current_platform()]
     log.info("speculation: %s, up to %d tokens a row, at most %d positions a verification pass, a pass costing "
