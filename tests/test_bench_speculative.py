@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.bench.scenario_speculative import all_equal_baseline, compare, metrics, speculation_of
+from mlxq.bench.scenario_speculative import all_equal_baseline, compare, fetch_speculation, metrics, speculation_of
 from mlxq.bench.spec_workloads import PASSAGES, grounded_messages, misspell, spec_prompts
 from mlxq.bench.workloads import RequestRecord
 
@@ -57,7 +57,8 @@ def test_metrics_count_every_finished_token_and_the_speculation_fields(redis_con
     assert (m["tokens"], m["wall_s"], m["completed"], m["failed"]) == (40, 4.0, 2, 1) and m["tokens_per_s"] == 10.0
     redis_conn.set(keys.result_key("a"), json.dumps({"speculation": {"drafter": "ngram", "proposed": 12, "accepted": 9}}))
     redis_conn.set(keys.result_key("b"), json.dumps({"speculation": None}))
-    spec = speculation_of(redis_conn, records)
+    fetch_speculation(redis_conn, records)
+    spec = speculation_of(records)
     assert spec == {"proposed": 12, "accepted": 9, "results_reporting": 1, "acceptance": 0.75}
     assert records[0].extra["speculation"]["drafter"] == "ngram" and "speculation" not in records[1].extra
 
@@ -89,16 +90,19 @@ def test_a_random_draft_shares_the_models_tokenizer_and_vocabulary(tiny_model_di
 
 
 @pytest.mark.slow
-def test_the_speculative_scenario_reports_each_drafter_against_off(tiny_model_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_process", [False, True], ids=["workers", "in-process"])
+def test_the_speculative_scenario_reports_each_drafter_against_off(tiny_model_dir: str, tmp_path: Path,
+                                                                   in_process: bool) -> None:
     out = tmp_path / "bench"
     argv = [sys.executable, "-m", "mlxq", "bench", "--model", tiny_model_dir, "--out", str(out),
             "--scenario", "speculative", "--spec-rows", "1", "--spec-new-tokens", "6", "--warmup-tokens", "2",
-            "--spec-workloads", "grounded,chat", "--max-num-seqs", "4"]
+            "--spec-workloads", "grounded,chat", "--max-num-seqs", "4", *(["--spec-in-process"] if in_process else [])]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     spec = report["scenarios"]["speculative"]
     assert "error" not in spec, spec
+    assert spec["in_process"] is in_process and ("in the bench's process" in spec["method"]) is in_process
     assert set(spec["arms"]) == {"off", "ngram", "draft-self", "draft-random"}
     assert spec["arms"]["draft-self"]["env"]["MLXQ_DRAFT_MODEL"] == tiny_model_dir
     assert spec["arms"]["draft-random"]["env"]["MLXQ_DRAFT_MODEL"] == spec["random_draft"]

@@ -168,6 +168,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--spec-ignore-eos", action="store_true",
                    help="speculative: every request makes --spec-new-tokens tokens (default: it ends at EOS)")
     g.add_argument("--spec-draft-model", help="speculative: the draft model of the `draft` drafter")
+    g.add_argument("--spec-in-process", action="store_true",
+                   help="speculative: each arm is its worker's scheduler and engine in this process, not a worker "
+                        "process: no spread between processes, no queue (default: workers)")
     p.set_defaults(func=_run)
 
 
@@ -204,7 +207,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         spec_drafters=args.spec_drafters, spec_workloads=args.spec_workloads, spec_sampling=args.spec_sampling,
         spec_rows=args.spec_rows, spec_new_tokens=args.spec_new_tokens, spec_k=args.spec_k,
         spec_temperature=args.spec_temperature, spec_ignore_eos=args.spec_ignore_eos,
-        spec_draft_model=args.spec_draft_model,
+        spec_draft_model=args.spec_draft_model, spec_in_process=args.spec_in_process,
     )
 
 

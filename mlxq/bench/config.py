@@ -110,6 +110,7 @@ class BenchConfig:
     spec_temperature: float = 0.7
     spec_ignore_eos: bool = False
     spec_draft_model: Optional[str] = None  # the `draft` drafter's model
+    spec_in_process: bool = False  # each arm an engine in the bench's process instead of a worker
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:

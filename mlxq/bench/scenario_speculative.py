@@ -22,6 +22,10 @@ caches are off, so every repeat prefills as the first did. Acceptance is the acc
 proposed tokens the results report (their `speculation` field), summed over the run. Every greedy
 arm's tokens must equal `off`'s, request by request (`text_identity`). Interrupted (Ctrl-C, SIGTERM),
 the scenario stops its workers and reports the runs it made, marked `interrupted`.
+
+With --spec-in-process each arm is its worker's scheduler and engine in the bench's own process
+instead (spec_engines.py), built from the same settings, so the spread between worker processes does
+not enter the ratios; the queue around the engine, the same in every arm, is left out.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, Callable, Optional
 
 from mlxq.bench.arm_mlxq import MlxqCluster, drive
 from mlxq.bench.config import BenchConfig
+from mlxq.bench.spec_engines import EngineArm
 from mlxq.bench.spec_workloads import spec_prompts
 from mlxq.bench.stats import distribution, median, ratio
 from mlxq.bench.text_check import TextCheck
@@ -80,10 +85,8 @@ def payload(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
     return body
 
 
-def speculation_of(conn: Any, records: list[RequestRecord]) -> dict[str, Any]:
-    """The proposed and accepted draft tokens the results of `records` report, summed; each record
-    keeps its own in extra["speculation"]."""
-    proposed = accepted = reporting = 0
+def fetch_speculation(conn: Any, records: list[RequestRecord]) -> None:
+    """Each record's result's `speculation` field, read from its result key into extra["speculation"]."""
     ids = [r.extra["job_id"] for r in records if "job_id" in r.extra]
     by_id = {r.extra["job_id"]: r for r in records if "job_id" in r.extra}
     for job_id, raw in zip(ids, conn.mget([keys.result_key(j) for j in ids]) if ids else []):
@@ -94,10 +97,14 @@ def speculation_of(conn: Any, records: list[RequestRecord]) -> dict[str, Any]:
                                                 if c.get("speculation")), None)
         if spec:
             by_id[job_id].extra["speculation"] = spec
-            proposed += int(spec.get("proposed", 0))
-            accepted += int(spec.get("accepted", 0))
-            reporting += 1
-    return {"proposed": proposed, "accepted": accepted, "results_reporting": reporting,
+
+
+def speculation_of(records: list[RequestRecord]) -> dict[str, Any]:
+    """The proposed and accepted draft tokens the results of `records` report (extra["speculation"]), summed."""
+    reported = [r.extra["speculation"] for r in records if r.extra.get("speculation")]
+    proposed = sum(int(spec.get("proposed", 0)) for spec in reported)
+    accepted = sum(int(spec.get("accepted", 0)) for spec in reported)
+    return {"proposed": proposed, "accepted": accepted, "results_reporting": len(reported),
             "acceptance": accepted / proposed if proposed else None}
 
 
@@ -154,7 +161,7 @@ class SpeculativeRun:
         self.runs: list[dict[str, Any]] = []
         eos = {int(t) for t in getattr(tokenizer, "eos_token_ids", ())}
         self.text_check = TextCheck(tokenizer, {}, eos)
-        self.clusters: dict[str, MlxqCluster] = {}
+        self.clusters: dict[str, Any] = {}  # an MlxqCluster per arm, or an EngineArm (--spec-in-process)
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -165,9 +172,11 @@ class SpeculativeRun:
         interrupted = False
         try:
             for arm in self.arms:
-                print(f"   starting the {arm} worker ({', '.join(f'{k}={v}' for k, v in envs[arm].items())})",
+                where = "engine in this process" if cfg.spec_in_process else "worker"
+                print(f"   starting the {arm} {where} ({', '.join(f'{k}={v}' for k, v in envs[arm].items())})",
                       flush=True)
-                cluster = self.make_cluster(1, self.rows, envs[arm])
+                cluster = (EngineArm(envs[arm], self.model_path, self.rows) if cfg.spec_in_process
+                           else self.make_cluster(1, self.rows, envs[arm]))
                 self.clusters[arm] = cluster
                 cluster.start()
             for arm, cluster in self.clusters.items():
@@ -186,19 +195,25 @@ class SpeculativeRun:
         section = self.section(envs, random_path)
         return {**section, "interrupted": True} if interrupted else section
 
-    def _settle(self, arm: str, cluster: MlxqCluster) -> None:
-        """Until the worker's background kernel build has ended, then one warm-up per row count with the
-        first workload's prompts: they make the drafters propose, so the verification pass's shapes
-        are traced before the timed runs (random prompts left that to the first repeat)."""
+    def _settle(self, arm: str, cluster: Any) -> None:
+        """Until the worker's background kernel build has ended (an engine in this process compiled its
+        shapes when it was built), then one warm-up per row count with the first workload's prompts:
+        they make the drafters propose, so the verification pass's shapes are traced before the timed
+        runs (random prompts left that to the first repeat)."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         tick = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
-        while cluster.worker_stats("engine_").get("kernels_prebuilding") == "1" and time.monotonic() < deadline:
+        while (isinstance(cluster, MlxqCluster) and cluster.worker_stats("engine_").get("kernels_prebuilding") == "1"
+               and time.monotonic() < deadline):
             time.sleep(2.0)
             cluster.results([cluster.client.submit(tick, queue=cluster.queue)], 120.0)  # type: ignore[union-attr]
         for n in self.cfg.spec_rows:
             prompts = self.prompts[self.cfg.spec_workloads[0]][:n]
-            cluster.warm(all_at_once([BenchRequest(i, p, self.cfg.warmup_tokens) for i, p in enumerate(prompts)],
-                                     f"warm-{n}"))
+            warm_up = all_at_once([BenchRequest(i, p, self.cfg.warmup_tokens) for i, p in enumerate(prompts)],
+                                  f"warm-{n}")
+            if isinstance(cluster, MlxqCluster):
+                cluster.warm(warm_up)
+            else:
+                cluster.warm(warm_up, lambda r: payload(r, True))
         print(f"   {arm}: warmed up at {', '.join(map(str, self.cfg.spec_rows))} rows", flush=True)
 
     def _one(self, arm: str, kind: str, sampling: str, n: int, repeat: int) -> None:
@@ -207,16 +222,23 @@ class SpeculativeRun:
         requests = [BenchRequest(i, self.prompts[kind][i], cfg.spec_new_tokens, client=i, temperature=temperature,
                                  seed=cfg.seed + i if sampling == "sampled" else None) for i in range(n)]
         workload: Workload = all_at_once(requests, f"{kind}-{sampling}-{n}")
-        before, cpu_before = cluster.time_counters(), worker_cpu_s(cluster)
-        records = drive(cluster, workload, cfg.request_timeout_s,
-                        make_payload=lambda r: payload(r, cfg.spec_ignore_eos))
-        after, cpu_after = cluster.time_counters(), worker_cpu_s(cluster)
-        assert cluster.conn is not None
+        make_payload: Callable[[BenchRequest], dict[str, Any]] = lambda r: payload(r, cfg.spec_ignore_eos)
+        in_process = not isinstance(cluster, MlxqCluster)
+        cpu_s = cluster.cpu_s if in_process else (lambda: worker_cpu_s(cluster))
+        before, cpu_before = cluster.time_counters(), cpu_s()
+        if in_process:
+            records = cluster.drive(workload, make_payload)
+        else:
+            records = drive(cluster, workload, cfg.request_timeout_s, make_payload=make_payload)
+        after, cpu_after = cluster.time_counters(), cpu_s()
+        if not in_process:
+            assert cluster.conn is not None
+            fetch_speculation(cluster.conn, records)
         engine = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
         entry = {"arm": arm, "workload": kind, "sampling": sampling, "rows": n, "repeat": repeat,
                  **metrics(records), "decode_tokens_per_s": decode_rate(engine),
                  "worker_cpu_s": cpu_after - cpu_before,
-                 "speculation": speculation_of(cluster.conn, records), "engine": engine}
+                 "speculation": speculation_of(records), "engine": engine}
         first = min(records, key=lambda r: r.index)
         if repeat == 0 and first.extra.get("token_ids") is not None:  # what the model wrote, for the reader
             entry["first_text"] = self.tokenizer.decode(first.extra["token_ids"])[:400]
@@ -240,7 +262,10 @@ class SpeculativeRun:
             "runs": self.runs,
             "comparisons": compare(self.runs, self.arms),
             "text_identity": {**identity, "all_equal_off": all_equal_baseline(identity)},
-            "method": "one worker per arm, all started first; each workload's requests sent at once to one arm "
+            "in_process": cfg.spec_in_process,
+            "method": ("one engine per arm in the bench's process (the worker's scheduler and engine, built from "
+                       "its settings; no queue), all built first" if cfg.spec_in_process else
+                       "one worker per arm, all started first") + "; each workload's requests sent at once to one arm "
                       "after the other, the order reversed every other repeat; ratio = drafter tok/s / off tok/s "
                       "within a repeat, median over repeats (decode ratio: of the workers' decode-step tokens/s; "
                       "CPU-time ratio: off's worker CPU seconds over the drafter's); acceptance = accepted / proposed draft tokens "
@@ -303,10 +328,11 @@ def _f(value: Optional[float], digits: int = 1) -> str:
 def speculative_lines(s: dict[str, Any]) -> str:
     """The scenario's summary line and its table (markdown)."""
     same = {None: "not compared", True: "yes", False: "NO"}[s["text_identity"].get("all_equal_off")]
+    arms = "engines in one process" if s.get("in_process") else "workers"
     lines = [f"- speculative decoding (rows {', '.join(map(str, s['rows']))}; up to {s['new_tokens']} new tokens"
              f"{', EOS ignored' if s['ignore_eos'] else ', ending at EOS'}; {s['repeats']} repeat(s), arms "
-             f"interleaved; ratio = drafter / off tok/s end to end, median of the repeats' own; decode ratio: the "
-             f"same of the workers' decode-step tokens/s, prefill left out; CPU-time ratio: off's worker CPU seconds "
+             f"({arms}) interleaved; ratio = drafter / off tok/s end to end, median of the repeats' own; decode "
+             f"ratio: the same of the decode steps' tokens/s, prefill left out; CPU-time ratio: off's CPU seconds "
              f"over the drafter's for the same requests; every greedy request's tokens "
              f"= off's: {same})", "",
              "| workload | sampling | rows | off tok/s | drafter | tok/s | ratio | each repeat | decode ratio "

@@ -1,0 +1,86 @@
+"""The speculative scenario's arms as engines in the bench's own process (`--spec-in-process`).
+
+Each arm's scheduler and engine are built from the MLXQ_* settings its worker would get
+(worker/loading.py), every shape compiled before the first run, and driven as SchedulerArm drives
+its own (arm_local.py): no Redis, RQ or worker loop. Two worker processes without speculation differ
+by more than the margins that matter here (the `control` arm, docs/performance.md#in-one-process);
+engines in one process share one Python, one allocator and the same cores, so a pair of them
+differs less. What a queue adds around the engine is the same with and without speculation.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Callable
+
+from mlxq.bench.workloads import BenchRequest, RequestRecord, Workload
+
+
+class EngineArm:
+    """One arm's BatchScheduler and engine in this process, with the calls the scenario makes of a
+    worker cluster: start, warm, drive, its time counters and CPU seconds, stop."""
+
+    def __init__(self, env: dict[str, str], model_path: str, max_num_seqs: int) -> None:
+        self.env = {**env, "MLXQ_MAX_NUM_SEQS": str(max_num_seqs), "MLXQ_DECODE_WARMUP": "blocking"}
+        self.model_path = model_path
+        self.scheduler: Any = None
+
+    def start(self) -> None:
+        from worker.loading import build_scheduler
+        from worker.settings import WorkerSettings
+
+        self.scheduler = build_scheduler(WorkerSettings.from_env(self.env, model=self.model_path))
+
+    def stop(self) -> None:
+        if self.scheduler is None:
+            return
+        import mlx.core as mx
+
+        close = getattr(self.scheduler.engine, "close", None)  # (the compiled engine's background build)
+        if close is not None:
+            close()
+        self.scheduler = None
+        gc.collect()
+        mx.clear_cache()
+
+    def warm(self, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]) -> None:
+        self.drive(workload, make_payload)
+
+    def drive(self, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]
+              ) -> list[RequestRecord]:
+        """Every request of `workload` admitted at once and stepped to its end; each record holds its
+        token ids and the speculation its result reports (extra["token_ids"], extra["speculation"])."""
+        from mlxq.bench.arm_mlxq import fill_from_result
+
+        scheduler = self.scheduler
+        live: dict[str, RequestRecord] = {}
+        records: list[RequestRecord] = []
+        t0_wall, t0 = time.time(), time.perf_counter()
+
+        def end(job_id: str, result: Any) -> None:
+            record = live.pop(job_id)
+            record.finished = time.perf_counter() - t0
+            fill_from_result(record, result, t0_wall)
+            if result.speculation is not None:
+                record.extra["speculation"] = result.speculation.model_dump()
+            records.append(record)
+
+        for request in workload.requests:
+            job_id = f"{workload.label}-{request.index}"
+            live[job_id] = RequestRecord(request.index, 0.0)
+            refused = scheduler.admit(job_id, make_payload(request))
+            if refused is not None:
+                end(job_id, refused)
+        while len(scheduler):
+            for job in scheduler.step():
+                end(job.id, job.result())
+        return sorted(records, key=lambda r: r.index)
+
+    def time_counters(self) -> dict[str, float]:
+        """The engine's time counters, named as a worker publishes them (`engine_*`)."""
+        return {f"engine_{name}": float(value) for name, value in self.scheduler.engine.time_stats().items()}
+
+    def cpu_s(self) -> float:
+        """This process's CPU seconds: one arm runs at a time, so a run's difference is its own."""
+        return time.process_time()
