@@ -208,12 +208,8 @@ class SpeculativeRun:
             cluster.results([cluster.client.submit(tick, queue=cluster.queue)], 120.0)  # type: ignore[union-attr]
         for n in self.cfg.spec_rows:
             prompts = self.prompts[self.cfg.spec_workloads[0]][:n]
-            warm_up = all_at_once([BenchRequest(i, p, self.cfg.warmup_tokens) for i, p in enumerate(prompts)],
-                                  f"warm-{n}")
-            if isinstance(cluster, MlxqCluster):
-                cluster.warm(warm_up)
-            else:
-                cluster.warm(warm_up, lambda r: payload(r, True))
+            cluster.warm(all_at_once([BenchRequest(i, p, self.cfg.warmup_tokens) for i, p in enumerate(prompts)],
+                                     f"warm-{n}"))
         print(f"   {arm}: warmed up at {', '.join(map(str, self.cfg.spec_rows))} rows", flush=True)
 
     def _one(self, arm: str, kind: str, sampling: str, n: int, repeat: int) -> None:

@@ -44,8 +44,11 @@ class EngineArm:
         gc.collect()
         mx.clear_cache()
 
-    def warm(self, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]) -> None:
-        self.drive(workload, make_payload)
+    def warm(self, workload: Workload) -> None:
+        """Run `workload` as a worker cluster's warm-up does (arm_mlxq.payload: EOS ignored)."""
+        from mlxq.bench.arm_mlxq import payload
+
+        self.drive(workload, payload)
 
     def drive(self, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]
               ) -> list[RequestRecord]:
