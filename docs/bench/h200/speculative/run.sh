@@ -17,6 +17,7 @@ NEW_TOKENS=${NEW_TOKENS:-128}
 DRAFTERS=${DRAFTERS:-ngram,draft-self}
 SAMPLING=${SAMPLING:-greedy,sampled}
 IGNORE_EOS=${IGNORE_EOS:-}  # non-empty: every request makes NEW_TOKENS tokens (--spec-ignore-eos)
+IN_PROCESS=${IN_PROCESS:-}  # non-empty: the arms as engines in the bench's process (--spec-in-process)
 CPUS=${CPUS:-}  # e.g. 0-3: the bench and its workers on these cores alone (taskset), the same for every arm
 BF16=/tmp/real-bf16  # made by real-model/run.sh prepare, as is /tmp/real-f32
 MODEL=${MODEL:-$BF16}
@@ -30,7 +31,7 @@ speculative() {
   rm -rf $RUN
   (cd /tmp && timeout ${SPEC_TIMEOUT:-300} ${CPUS:+taskset -c $CPUS} $PYTHON -m mlxq bench --model "$MODEL" \
     --scenario speculative --spec-drafters "$DRAFTERS" --spec-workloads grounded,chat --spec-sampling "$SAMPLING" \
-    --spec-rows "$ROWS" --spec-new-tokens "$NEW_TOKENS" ${IGNORE_EOS:+--spec-ignore-eos} --repeats "$REPEATS" \
+    --spec-rows "$ROWS" --spec-new-tokens "$NEW_TOKENS" ${IGNORE_EOS:+--spec-ignore-eos} ${IN_PROCESS:+--spec-in-process} --repeats "$REPEATS" \
     --warmup-tokens 32 --max-num-seqs 32 --out $RUN > "$OUT/speculative.log" 2>&1)
   echo "exit $?" >> "$OUT/speculative.log"
   cp $RUN/table.md "$OUT/speculative-table.md" 2>/dev/null
