@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxq.bench.scenario_speculative import all_equal_baseline, compare, fetch_speculation, metrics, speculation_of
+from mlxq.bench.scenario_speculative import all_equal_baseline, compare, metrics, speculation_of
 from mlxq.bench.spec_workloads import PASSAGES, grounded_messages, misspell, spec_prompts
 from mlxq.bench.workloads import RequestRecord
 
@@ -47,17 +47,20 @@ def test_comparisons_pair_each_repeat_and_sum_acceptance() -> None:
     assert (c["proposed"], c["accepted"]) == (160, 100) and c["acceptance"] == 100 / 160
 
 
-def test_metrics_count_every_finished_token_and_the_speculation_fields(redis_conn) -> None:
-    from schemas import keys
+def test_metrics_count_every_finished_token_and_the_speculation_fields() -> None:
+    from mlxq.bench.arm_mlxq import fill_from_result
+    from schemas.result import GenerationResult
 
     records = [RequestRecord(0, 0.0, started=0.1, first_token=0.5, finished=2.0, tokens=30, extra={"job_id": "a"}),
                RequestRecord(1, 0.0, started=0.1, first_token=0.6, finished=4.0, tokens=10, extra={"job_id": "b"}),
                RequestRecord(2, 0.0, finished=1.0, error="failed: boom", extra={"job_id": "c"})]
     m = metrics(records)
     assert (m["tokens"], m["wall_s"], m["completed"], m["failed"]) == (40, 4.0, 2, 1) and m["tokens_per_s"] == 10.0
-    redis_conn.set(keys.result_key("a"), json.dumps({"speculation": {"drafter": "ngram", "proposed": 12, "accepted": 9}}))
-    redis_conn.set(keys.result_key("b"), json.dumps({"speculation": None}))
-    fetch_speculation(redis_conn, records)
+    reported = [RequestRecord(0, 0.0), RequestRecord(1, 0.0)]
+    fill_from_result(reported[0], GenerationResult.model_validate(
+        {"id": "a", "status": "finished", "speculation": {"drafter": "ngram", "proposed": 12, "accepted": 9}}), 0.0)
+    fill_from_result(reported[1], GenerationResult.model_validate({"id": "b", "status": "finished"}), 0.0)
+    records = reported + records[2:]
     spec = speculation_of(records)
     assert spec == {"proposed": 12, "accepted": 9, "results_reporting": 1, "acceptance": 0.75}
     assert records[0].extra["speculation"]["drafter"] == "ngram" and "speculation" not in records[1].extra

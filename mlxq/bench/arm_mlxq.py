@@ -240,8 +240,8 @@ def _fill_from_results(conn: redis.Redis, ended: dict[str, RequestRecord], t0_wa
 
 
 def fill_from_result(record: RequestRecord, result: GenerationResult, t0_wall: float) -> None:
-    """A request's start, first token, tokens and error from its result (times on the wall clock,
-    made relative to `t0_wall`)."""
+    """A request's start, first token, tokens, error and speculation from its result (times on the
+    wall clock, made relative to `t0_wall`)."""
     timings = result.timings
     if timings.started_at is not None:
         record.started = timings.started_at - t0_wall
@@ -250,6 +250,8 @@ def fill_from_result(record: RequestRecord, result: GenerationResult, t0_wall: f
     record.tokens = result.usage.completion_tokens
     if result.choices:
         record.extra["token_ids"] = result.choices[0].token_ids
+    if result.speculation is not None:
+        record.extra["speculation"] = result.speculation.model_dump()
     if result.status != "finished":
         error = result.error
         record.error = f"{result.status}: {error.type}: {error.message}" if error else result.status

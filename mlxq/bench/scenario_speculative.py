@@ -30,7 +30,6 @@ not enter the ratios; the queue around the engine, the same in every arm, is lef
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -42,7 +41,6 @@ from mlxq.bench.spec_workloads import spec_prompts
 from mlxq.bench.stats import distribution, median, ratio
 from mlxq.bench.text_check import TextCheck
 from mlxq.bench.workloads import BenchRequest, RequestRecord, Tokenizer, Workload, all_at_once
-from schemas import keys
 
 SPEC_DRAFTERS = ("ngram", "draft-self", "draft-random", "draft", "control")
 SAMPLINGS = ("greedy", "sampled")
@@ -85,22 +83,9 @@ def payload(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
     return body
 
 
-def fetch_speculation(conn: Any, records: list[RequestRecord]) -> None:
-    """Each record's result's `speculation` field, read from its result key into extra["speculation"]."""
-    ids = [r.extra["job_id"] for r in records if "job_id" in r.extra]
-    by_id = {r.extra["job_id"]: r for r in records if "job_id" in r.extra}
-    for job_id, raw in zip(ids, conn.mget([keys.result_key(j) for j in ids]) if ids else []):
-        if raw is None:
-            continue
-        data = json.loads(raw)
-        spec = data.get("speculation") or next((c.get("speculation") for c in data.get("choices") or []
-                                                if c.get("speculation")), None)
-        if spec:
-            by_id[job_id].extra["speculation"] = spec
-
-
 def speculation_of(records: list[RequestRecord]) -> dict[str, Any]:
-    """The proposed and accepted draft tokens the results of `records` report (extra["speculation"]), summed."""
+    """The proposed and accepted draft tokens the results of `records` report (extra["speculation"],
+    arm_mlxq.fill_from_result), summed."""
     reported = [r.extra["speculation"] for r in records if r.extra.get("speculation")]
     proposed = sum(int(spec.get("proposed", 0)) for spec in reported)
     accepted = sum(int(spec.get("accepted", 0)) for spec in reported)
@@ -227,9 +212,6 @@ class SpeculativeRun:
         else:
             records = drive(cluster, workload, cfg.request_timeout_s, make_payload=make_payload)
         after, cpu_after = cluster.time_counters(), cpu_s()
-        if not in_process:
-            assert cluster.conn is not None
-            fetch_speculation(cluster.conn, records)
         engine = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
         entry = {"arm": arm, "workload": kind, "sampling": sampling, "rows": n, "repeat": repeat,
                  **metrics(records), "decode_tokens_per_s": decode_rate(engine),

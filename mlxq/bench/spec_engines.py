@@ -37,10 +37,7 @@ class EngineArm:
             return
         import mlx.core as mx
 
-        close = getattr(self.scheduler.engine, "close", None)  # (the compiled engine's background build)
-        if close is not None:
-            close()
-        self.scheduler = None
+        self.scheduler = None  # (blocking warm-up: no background kernel build to stop)
         gc.collect()
         mx.clear_cache()
 
@@ -65,8 +62,6 @@ class EngineArm:
             record = live.pop(job_id)
             record.finished = time.perf_counter() - t0
             fill_from_result(record, result, t0_wall)
-            if result.speculation is not None:
-                record.extra["speculation"] = result.speculation.model_dump()
             records.append(record)
 
         for request in workload.requests:
