@@ -7,7 +7,8 @@ The next step is built and handed to the device (`mx.async_eval`) before the tok
 flight are read back, so the host's work for step k+1 runs while the device computes step k; a
 step's tokens are therefore returned by the following `step()` call.
 
-Prompts are prefilled a prefill batch at a time into their slots (worker/engines/slot_prefill.py).
+Prompts are prefilled a prefill batch at a time into their slots (worker/engines/compiled_admission.py,
+worker/engines/slot_prefill.py).
 On CUDA the prefill takes every prompt token and the first generated token is sampled from its
 logits at the last one (as mlx-lm's BatchGenerator does), so a sequence joining a decoding batch
 needs no decode step before its first token. Elsewhere, and for prompts with nothing to prefill but
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,15 +36,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import GenerationRequest
-from worker.adapters import AdapterCatalog, AdapterError
+from worker.adapters import AdapterCatalog
 from worker.engines.base import EngineStats, Prompt, SequenceSpec, TokenEvent
 from worker.engines.constraints import ConstraintCompiler, finish_token
 from worker.engines.prompt_scores import PromptScorer
 from worker.engines.counters import EngineCounters
-from worker.engines.compiled_rows import DecodingSequence, LaunchedStep, WaitingPrompt
+from worker.engines.compiled_admission import Admission
+from worker.engines.compiled_rows import DecodingSequence, LaunchedStep
 from worker.engines.decode_step import MIN_LENGTH_BUCKET, CompileRecord, DecodeStep, ladder
 from worker.engines.lora import LoraBank
-from worker.engines.prefix_cache import PrefixCache, plan_starts, unsupported_reason
+from worker.engines.prefix_cache import PrefixCache, unsupported_reason
 from worker.engines.step_sampling import StepSampler
 from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
@@ -74,10 +75,6 @@ def first_token_from_prefill_by_default() -> bool:
     return bool(cuda is not None and cuda.is_available())
 
 
-# That prefill's logits (every position of its chunk: the model returns them all) may take at most
-# this many bytes; a bigger prefill batch (a wave) leaves its first tokens to a decode step.
-FIRST_TOKEN_LOGITS_MAX_BYTES = 256 << 20
-
 class CompiledEngine:
     def __init__(
         self,
@@ -99,8 +96,6 @@ class CompiledEngine:
         speculator: Optional[Speculator] = None,
     ) -> None:
         self.model = model
-        self._first_at_prefill = (first_token_from_prefill_by_default() if first_token_from_prefill is None
-                                  else first_token_from_prefill)
         # LoRA adapters per row (worker/engines/lora.py): its state is an input of the compiled step.
         self._lora = LoraBank(model, adapters or AdapterCatalog(), adapter_memory_bytes)
         self._overlap = overlap  # False: every step is read back in the call that launched it
@@ -108,8 +103,6 @@ class CompiledEngine:
         self._vocab_size = model_vocab_size(model, tokenizer)
         self._eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self._max_slots = max_num_seqs
-        self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
-        self._prefill_step_size = prefill_step_size
         self._layout = KVLayout.of(model)
         self._decode = DecodeStep(model, self._layout.grouped_mask, extra_inputs=self._lora.state)
         self._prefill = SlotPrefill(model, self._lora, self._layout.grouped_mask, prefill_step_size)
@@ -121,13 +114,16 @@ class CompiledEngine:
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
         self._table: SlotTable[DecodingSequence] = SlotTable(self._layout, max_num_seqs, kv_budget_bytes)
-        self._waiting: deque[WaitingPrompt] = deque()
         self._by_uid: dict[str, DecodingSequence] = {}
         self._in_flight: Optional[LaunchedStep] = None
         self._eager_allowance = float(EAGER_MAX)
-        # Events that need no step: sequences whose adapter could not be had when added, prompts only scored.
-        self._refused: list[TokenEvent] = []
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
+        self._admission = Admission(
+            self._table, self._prefill, self._lora, self._prefix, self._scorer, self._counters,
+            logits_bytes_per_token=self._vocab_size * self._layout.dtype.size,
+            prefill_batch_size=min(prefill_batch_size, max_num_seqs), prefill_step_size=prefill_step_size,
+            first_at_prefill=(first_token_from_prefill_by_default() if first_token_from_prefill is None
+                              else first_token_from_prefill))
         self._prebuild: Optional[Any] = None  # a KernelPrebuild (prebuild_kernels)
         # Speculative decoding (docs/speculative.md): the policy, and the verification pass over its proposals.
         self._spec = speculator
@@ -173,10 +169,7 @@ class CompiledEngine:
         self._prefix.clear()  # its caches hold the old weights' keys and values
         if self._spec is not None:
             self._spec.reset()  # acceptance learnt under the old weights, and draft caches, start over
-        # Prompts not prefilled yet that start from a cached prefix are prefilled whole, on the new
-        # weights: their first token must not read keys and values the old weights wrote.
-        for entry in self._waiting:
-            entry.cache, entry.cached = None, 0
+        self._admission.prefill_whole()
 
     def reset_prefix_cache(self) -> None:
         self._prefix.clear()
@@ -290,14 +283,8 @@ class CompiledEngine:
         one prefill of the prompt but its last token. With the prefix cache on, every prompt first
         takes the longest cached prefix, and prompts of one `add` share their common prefixes'
         prefills; with it off, nothing is shared across requests."""
-        if self._prefix.enabled:
-            self._add(specs)
-        else:
-            by_request: dict[str, list[SequenceSpec]] = {}
-            for spec in specs:
-                by_request.setdefault(spec.request_id, []).append(spec)
-            for request_specs in by_request.values():
-                self._add(request_specs)
+        for seq in self._admission.add(specs, self._sequence):
+            self._by_uid[seq.spec.uid] = seq
 
     def step(self) -> list[TokenEvent]:
         """One step (`_step`); a scored prompt's scores go on its sequence's first event."""
@@ -315,14 +302,15 @@ class CompiledEngine:
         nothing was decoding) and the call returns without launching another; the next call
         launches and returns nothing of its own."""
         started = time.perf_counter()
-        refused, self._refused = self._refused, []
+        refused = self._admission.take_refused()
         decoding = self._table.any_occupied()
-        prefill_s, first, stepping = self._admit()
-        if first is not None and not stepping and not self._waiting:
+        prefill_s, first, stepping = self._admission.admit(self._sampling, self._version)
+        waiting = self._admission.waiting
+        if first is not None and not stepping and not waiting:
             events = refused + self._collect(first)
             self._count(events, started, prefill_s)
             return events
-        self._table.fit(waiting=bool(self._waiting))
+        self._table.fit(waiting=bool(waiting))
         previous, self._in_flight = self._in_flight, None
         events = refused
         if self._spec is not None:
@@ -342,7 +330,7 @@ class CompiledEngine:
                     assert self._verification is not None
                     if not self._verification.traced:
                         self._spec.costs.pass_took(slots, plan.width, time.perf_counter() - began)
-                    if not self._table.any_occupied() and not self._waiting:
+                    if not self._table.any_occupied() and not waiting:
                         self._table.release()
                     self._count(events, started, prefill_s)
                     return events
@@ -361,7 +349,7 @@ class CompiledEngine:
         self._in_flight = launched
         if self._spec is not None and steady:  # what a verification pass is weighed against
             self._spec.costs.step_took(len(self._table.slots), time.perf_counter() - started)
-        if not self._table.any_occupied() and not self._waiting:  # idle: give the buffers' memory back
+        if not self._table.any_occupied() and not waiting:  # idle: give the buffers' memory back
             self._table.release()
         self._count(events, started, prefill_s)
         return events
@@ -379,76 +367,22 @@ class CompiledEngine:
                 gone.add(id(seq))
                 self._end(seq)
         if gone:
-            self._waiting = deque(w for w in self._waiting if id(w.seq) not in gone)
+            self._admission.drop(gone)
 
     def reset(self) -> None:
         self._table.release()
-        self._waiting.clear()
+        self._admission.clear()
         self._by_uid.clear()
         self._in_flight = None
         self._prefix.clear()  # after a failed step nothing it made is trusted
         self._lora.unpin_all()
-        self._refused = []
         self._scorer.clear()
         self._sampling = StepSampler(self._vocab_size, self._max_slots)
         if self._spec is not None:
             self._spec.reset()
         repair_random_state()
 
-    # --- admission and prefill ------------------------------------------------------------
-    def _add(self, specs: list[SequenceSpec]) -> None:
-        by_adapter: dict[Optional[str], list[SequenceSpec]] = {}
-        for spec in specs:
-            by_adapter.setdefault(spec.adapter, []).append(spec)
-        for adapter, adapter_specs in by_adapter.items():
-            if adapter is None:
-                self._add_group(adapter_specs, self._prefix, 0)
-                continue
-            try:
-                key, slot = self._lora.pin(adapter)
-            except AdapterError as exc:
-                self._refused += [TokenEvent(uid=s.uid, token=-1, index=s.choice_index, error=str(exc))
-                                  for s in adapter_specs]
-                continue
-            for _ in adapter_specs[1:]:
-                self._lora.pin(adapter)  # one hold per sequence
-            # The prefix cache holds the base model's keys and values only: an adapter's sequences
-            # share their own prefills (a request's n choices), nothing across requests.
-            self._add_group(adapter_specs, PrefixCache(0), slot, key)
-
-    def _add_group(self, specs: list[SequenceSpec], prefix: PrefixCache, slot: int,
-                   adapter: Optional[str] = None) -> None:
-        specs = self._score_prompts(specs, slot, adapter)
-        groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
-        for spec in specs:
-            groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
-        starts = plan_starts(prefix, {prompt: len(group) for prompt, group in groups.items()},
-                             lambda tokens, cache: self._prefill_alone(tokens, cache, slot))
-        for prompt, group in groups.items():
-            cache, cached, _owned = starts[prompt]  # only read here: ownership does not matter
-            for spec in group:
-                seq = self._sequence(spec)
-                seq.adapter, seq.adapter_slot = adapter, slot
-                self._by_uid[spec.uid] = seq
-                self._waiting.append(WaitingPrompt(seq, cache, cached))
-
-    def _score_prompts(self, specs: list[SequenceSpec], slot: int, adapter: Optional[str]) -> list[SequenceSpec]:
-        """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
-        those that only asked that end now, the others wait for a slot holding the scoring's cache
-        (all but their last token); the rest are returned for the ordinary path."""
-        taken = self._scorer.take(specs, slot)
-        self._refused += taken.ended
-        if adapter is not None:
-            for _ in taken.ended:
-                self._lora.unpin(adapter)  # the hold `_add` took for each
-        for group in taken.going_on:
-            for spec in group.specs:
-                seq = self._sequence(spec)
-                seq.adapter, seq.adapter_slot = adapter, slot
-                self._by_uid[spec.uid] = seq
-                self._waiting.append(WaitingPrompt(seq, group.cache, group.cached))
-        return taken.rest
-
+    # --- a sequence's own state ---------------------------------------------------------------
     def _sequence(self, spec: SequenceSpec) -> DecodingSequence:
         """A sequence's own sampler and logits processors (worker/engines/step_sampling.py)."""
         row = self._sampling.row(spec)
@@ -456,89 +390,6 @@ class CompiledEngine:
                                 row.seeded_row,
                                 spec=spec, prompt=list(spec.prompt_token_ids), version=self._version,
                                 context=mx.array(spec.prompt_token_ids) if row.custom else None)
-
-    def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None, adapter_slot: int = 0
-                       ) -> list[Any]:
-        """Run `tokens` through the model (under the adapter in `adapter_slot`) on top of `cache`
-        (mlx-lm caches; fresh ones if None), in place: a prefix several sequences start from."""
-        started = time.perf_counter()
-        cache, _ = self._prefill.on_own_cache(tokens, cache, adapter_slot)
-        mx.eval([c.state for c in cache])
-        self._counters.add_own_prefill(len(tokens), time.perf_counter() - started)
-        return cache
-
-    def _admit(self) -> tuple[float, Optional[LaunchedStep], int]:
-        """Move waiting sequences into free slots, in order: those with nothing left to prefill,
-        and up to a prefill batch of the others (at least one, at most prefill_step_size tokens
-        beyond the first). Returns the seconds spent prefilling, the first tokens the prefill
-        sampled (lazy; None if it sampled none), and how many admitted sequences take their first
-        token from a decode step instead (nothing to prefill but the last token, or on the CPU)."""
-        room = self._table.free
-        taken: list[WaitingPrompt] = []
-        prefills = budget = 0
-        while self._waiting and len(taken) < room:
-            entry = self._waiting[0]
-            rest = len(entry.rest)
-            if rest:
-                if prefills >= self._prefill_batch_size or (prefills and budget + rest > self._prefill_step_size):
-                    break
-                prefills += 1
-                budget += rest
-            taken.append(self._waiting.popleft())
-        if not taken:
-            return 0.0, None, 0
-        started = time.perf_counter()
-        prefilling = [e for e in taken if e.rest]
-        width = min(max((len(e.rest) for e in prefilling), default=0) + 1, self._prefill_step_size)
-        logits_bytes = len(prefilling) * width * self._vocab_size * self._layout.dtype.size
-        with_last = self._first_at_prefill and logits_bytes <= FIRST_TOKEN_LOGITS_MAX_BYTES
-        span = max(e.cached for e in taken) + max(len(e.to_prefill(with_last)) for e in taken)
-        table = self._table
-        table.reserve(len(taken), max(span, max(len(e.seq.prompt) for e in taken)))
-        assert table.buffers is not None and table.inputs is not None
-        for entry in taken:
-            table.place(entry.seq)
-            entry.seq.position = entry.cached + len(entry.to_prefill(with_last))
-        by_cache: dict[int, list[WaitingPrompt]] = {}
-        for entry in taken:
-            if entry.cache is not None:
-                by_cache.setdefault(id(entry.cache), []).append(entry)
-        for entries in by_cache.values():
-            table.buffers.write_prefix([e.seq.slot for e in entries], entries[0].cache, entries[0].cached)
-        last_logits = None
-        if len(prefilling) == 1 and not prefilling[0].cached:
-            last_logits = self._prefill.alone_into_slot(table.buffers, prefilling[0], with_last)
-        elif prefilling:
-            last_logits = self._prefill.batch(table.buffers, prefilling, with_last)
-        stepping = [e for e in taken if not (with_last and e.rest)]
-        if stepping:
-            slots = mx.array([e.seq.slot for e in stepping], dtype=mx.int32)
-            table.inputs[slots] = mx.array([e.seq.prompt[-1] for e in stepping], dtype=table.inputs.dtype)
-        first: Optional[LaunchedStep] = None
-        if last_logits is not None:
-            first = self._sample_first([e.seq for e in prefilling], last_logits)
-            slots = mx.array([e.seq.slot for e in prefilling], dtype=mx.int32)
-            table.inputs[slots] = first.tokens.astype(table.inputs.dtype)
-        if not prefilling:
-            return 0.0, None, len(stepping)
-        if first is None:
-            mx.eval(table.buffers.arrays())
-        # else reading the first tokens waits for the prefill, and the next launch writes the buffers
-        seconds = time.perf_counter() - started
-        self._counters.add_own_prefill(sum(len(e.to_prefill(with_last)) for e in prefilling), seconds)
-        return seconds, first, len(stepping)
-
-    def _sample_first(self, seqs: list[DecodingSequence], logits: mx.array) -> LaunchedStep:
-        """The first tokens of `seqs`, from their prefill's logits at each last prompt position
-        (row i of `logits` is seqs[i]'s), as a step that sampled them."""
-        rows = list(range(len(seqs)))
-        inputs = mx.array([seq.prompt[-1] for seq in seqs], dtype=mx.uint32)
-        self._sampling.begin(seqs, inputs)
-        tokens, gather, wanting = self._sampling.sample(logits, inputs, seqs, len(seqs), rows=rows)
-        errors = [seq.error for seq in seqs]
-        for seq in seqs:
-            seq.launches += 1  # its next input, the token sampled now, joins its context
-        return LaunchedStep(tokens, list(zip(rows, seqs)), errors, gather, wanting, self._version)
 
     # --- decoding -------------------------------------------------------------------------
     def _launch(self) -> LaunchedStep:
@@ -613,7 +464,7 @@ class CompiledEngine:
     def _verify_plan(self, plan: StepPlan) -> list[TokenEvent]:
         """One verification pass over every slot (worker/engines/speculation/verify_pass.py), read back at once."""
         assert self._verification is not None
-        self._table.fit(waiting=bool(self._waiting), ahead=plan.width - 1)
+        self._table.fit(waiting=bool(self._admission.waiting), ahead=plan.width - 1)
         self._counters.decode_steps += 1
         return self._verification.run(plan, self._table, self._sampling, self._version, self._emit, self._end)
 
