@@ -119,7 +119,7 @@ class CompiledEngine:
         self._eager_allowance = float(EAGER_MAX)
         self._scorer = PromptScorer(model, self._vocab_size, prefill_step_size, self._lora.rows, self._counters)
         self._admission = Admission(
-            self._table, self._prefill, self._lora, self._prefix, self._scorer, self._counters,
+            self._table, self._prefill, self._lora, self._prefix, self._scorer, self._counters, self._sequence,
             logits_bytes_per_token=self._vocab_size * self._layout.dtype.size,
             prefill_batch_size=min(prefill_batch_size, max_num_seqs), prefill_step_size=prefill_step_size,
             first_at_prefill=(first_token_from_prefill_by_default() if first_token_from_prefill is None
@@ -283,7 +283,7 @@ class CompiledEngine:
         one prefill of the prompt but its last token. With the prefix cache on, every prompt first
         takes the longest cached prefix, and prompts of one `add` share their common prefixes'
         prefills; with it off, nothing is shared across requests."""
-        for seq in self._admission.add(specs, self._sequence):
+        for seq in self._admission.add(specs):
             self._by_uid[seq.spec.uid] = seq
 
     def step(self) -> list[TokenEvent]:

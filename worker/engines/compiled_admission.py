@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -37,9 +38,11 @@ MakeSequence = Callable[[SequenceSpec], DecodingSequence]
 
 class Admission:
     def __init__(self, table: SlotTable[DecodingSequence], prefill: SlotPrefill, lora: LoraBank, prefix: PrefixCache,
-                 scorer: PromptScorer, counters: EngineCounters, *, logits_bytes_per_token: int,
-                 prefill_batch_size: int, prefill_step_size: int, first_at_prefill: bool) -> None:
-        """`first_at_prefill`: the prefill takes every prompt token and samples the first token
+                 scorer: PromptScorer, counters: EngineCounters, make_sequence: MakeSequence, *,
+                 logits_bytes_per_token: int, prefill_batch_size: int, prefill_step_size: int,
+                 first_at_prefill: bool) -> None:
+        """`make_sequence`: a spec's decoding sequence (its sampler and processors: the engine's);
+        `first_at_prefill`: the prefill takes every prompt token and samples the first token
         (compiled.py says where); `logits_bytes_per_token`: one position's logits, to bound that prefill's."""
         self._table = table
         self._prefill = prefill
@@ -47,6 +50,7 @@ class Admission:
         self._prefix = prefix
         self._scorer = scorer
         self._counters = counters
+        self._make_sequence = make_sequence
         self._logits_bytes_per_token = logits_bytes_per_token
         self._prefill_batch_size = prefill_batch_size
         self._prefill_step_size = prefill_step_size
@@ -55,18 +59,18 @@ class Admission:
         # Events that need no step: sequences whose adapter could not be had when added, prompts only scored.
         self._refused: list[TokenEvent] = []
 
-    def add(self, specs: list[SequenceSpec], make_sequence: MakeSequence) -> list[DecodingSequence]:
+    def add(self, specs: list[SequenceSpec]) -> list[DecodingSequence]:
         """Queue sequences, in order (compiled.py's `add` says what they share); the sequences made."""
-        made: list[DecodingSequence] = []
+        before = len(self.waiting)
         if self._prefix.enabled:
-            self._add(specs, make_sequence, made)
+            self._add(specs)
         else:
             by_request: dict[str, list[SequenceSpec]] = {}
             for spec in specs:
                 by_request.setdefault(spec.request_id, []).append(spec)
             for request_specs in by_request.values():
-                self._add(request_specs, make_sequence, made)
-        return made
+                self._add(request_specs)
+        return [entry.seq for entry in islice(self.waiting, before, None)]
 
     def take_refused(self) -> list[TokenEvent]:
         """The events of sequences that ended when added (the next step returns them)."""
@@ -87,13 +91,13 @@ class Admission:
         self.waiting.clear()
         self._refused = []
 
-    def _add(self, specs: list[SequenceSpec], make_sequence: MakeSequence, made: list[DecodingSequence]) -> None:
+    def _add(self, specs: list[SequenceSpec]) -> None:
         by_adapter: dict[Optional[str], list[SequenceSpec]] = {}
         for spec in specs:
             by_adapter.setdefault(spec.adapter, []).append(spec)
         for adapter, adapter_specs in by_adapter.items():
             if adapter is None:
-                self._add_group(adapter_specs, self._prefix, 0, None, make_sequence, made)
+                self._add_group(adapter_specs, self._prefix, 0)
                 continue
             try:
                 key, slot = self._lora.pin(adapter)
@@ -105,11 +109,11 @@ class Admission:
                 self._lora.pin(adapter)  # one hold per sequence
             # The prefix cache holds the base model's keys and values only: an adapter's sequences
             # share their own prefills (a request's n choices), nothing across requests.
-            self._add_group(adapter_specs, PrefixCache(0), slot, key, make_sequence, made)
+            self._add_group(adapter_specs, PrefixCache(0), slot, key)
 
-    def _add_group(self, specs: list[SequenceSpec], prefix: PrefixCache, slot: int, adapter: Optional[str],
-                   make_sequence: MakeSequence, made: list[DecodingSequence]) -> None:
-        specs = self._score_prompts(specs, slot, adapter, make_sequence, made)
+    def _add_group(self, specs: list[SequenceSpec], prefix: PrefixCache, slot: int,
+                   adapter: Optional[str] = None) -> None:
+        specs = self._score_prompts(specs, slot, adapter)
         groups: dict[tuple[int, ...], list[SequenceSpec]] = {}
         for spec in specs:
             groups.setdefault(tuple(spec.prompt_token_ids), []).append(spec)
@@ -118,10 +122,9 @@ class Admission:
         for prompt, group in groups.items():
             cache, cached, _owned = starts[prompt]  # only read here: ownership does not matter
             for spec in group:
-                self._queue(make_sequence(spec), adapter, slot, cache, cached, made)
+                self._queue(spec, adapter, slot, cache, cached)
 
-    def _score_prompts(self, specs: list[SequenceSpec], slot: int, adapter: Optional[str],
-                       make_sequence: MakeSequence, made: list[DecodingSequence]) -> list[SequenceSpec]:
+    def _score_prompts(self, specs: list[SequenceSpec], slot: int, adapter: Optional[str]) -> list[SequenceSpec]:
         """The sequences that asked for their prompt's logprobs, scored (worker/engines/prompt_scores.py):
         those that only asked that end now, the others wait for a slot holding the scoring's cache
         (all but their last token); the rest are returned for the ordinary path."""
@@ -132,13 +135,13 @@ class Admission:
                 self._lora.unpin(adapter)  # the hold `_add` took for each
         for group in taken.going_on:
             for spec in group.specs:
-                self._queue(make_sequence(spec), adapter, slot, group.cache, group.cached, made)
+                self._queue(spec, adapter, slot, group.cache, group.cached)
         return taken.rest
 
-    def _queue(self, seq: DecodingSequence, adapter: Optional[str], slot: int, cache: Optional[list[Any]],
-               cached: int, made: list[DecodingSequence]) -> None:
+    def _queue(self, spec: SequenceSpec, adapter: Optional[str], slot: int, cache: Optional[list[Any]],
+               cached: int) -> None:
+        seq = self._make_sequence(spec)
         seq.adapter, seq.adapter_slot = adapter, slot
-        made.append(seq)
         self.waiting.append(WaitingPrompt(seq, cache, cached))
 
     def _prefill_alone(self, tokens: list[int], cache: Optional[list[Any]] = None, adapter_slot: int = 0
