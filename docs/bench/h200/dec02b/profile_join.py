@@ -51,7 +51,7 @@ def main() -> None:
     shapes, seconds = engine.warm_up(512, slots=[32, 48])
     print(f"warm-up {shapes} shapes {seconds:.1f} s", flush=True)
     timed(mx, "async_eval", "async_eval")
-    timed(engine, "_admit", "admit")
+    timed(engine._admission, "admit", "admit")
     timed(engine, "_launch", "launch")
     timed(engine, "_collect", "collect")
     rng = random.Random(0)
