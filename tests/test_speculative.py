@@ -171,6 +171,7 @@ class FixedDrafter:
     name = "ngram"
     judged_as_a_whole = False
     guesses_first_token = True  # it proposes at every step, the first one included
+    kv_bytes_per_token = 0
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -722,6 +723,26 @@ def test_draft_rows_of_any_length_near_a_buffer_end_propose_their_own_continuati
             assert proposal == draft_greedy_alone(unrelated, row.tokens, row.k, vocab), (round_, row.uid, len(row.tokens))
         for (uid, t), (extra, _) in zip(tokens.items(), grown):
             t += rng.integers(3, vocab, size=extra).tolist()
+
+
+def test_admission_counts_a_draft_models_keys_and_values_with_the_served_models(target, unrelated):
+    """A draft model keeps slot buffers of its own, as large as the engine's: the engine's bytes per
+    token are both models', so the KV budget bounds both, and a request that fits the served model's
+    alone is refused with a draft beside it. Prompt lookup keeps nothing per token."""
+    model, tokenizer = target
+    plain = CompiledEngine(model, tokenizer)
+    drafted = CompiledEngine(model, tokenizer, speculator=Speculator(DraftModelDrafter(unrelated, model.args.vocab_size)))
+    ngram = CompiledEngine(model, tokenizer, speculator=Speculator(NgramDrafter()))
+    draft_per_token = KVLayout.of(unrelated).bytes_per_token
+    assert draft_per_token > 0 and ngram.kv_bytes_per_token == plain.kv_bytes_per_token
+    assert drafted.kv_bytes_per_token == plain.kv_bytes_per_token + draft_per_token
+    assert drafted.kv_bytes_for(5, 130) == 6 * 192 * drafted.kv_bytes_per_token  # bucketed, as the engine's
+    request = {"prompt_token_ids": looping_prompt(0, 100), "max_tokens": 28, "temperature": 0}
+    budget = (100 + 28) * plain.kv_bytes_per_token
+    assert BatchScheduler(plain, max_num_seqs=2, kv_budget_bytes=budget).admit("fits", dict(request)) is None
+    refused = BatchScheduler(drafted, max_num_seqs=2, kv_budget_bytes=budget).admit("too big", dict(request))
+    assert refused is not None and refused.status == "failed", refused
+    assert refused.error.message.startswith("max_tokens: ") and "MLXQ_KV_BUDGET_MB" in refused.error.message
 
 
 def test_slot_buffers_refuse_a_write_past_their_end():

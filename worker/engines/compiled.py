@@ -145,13 +145,15 @@ class CompiledEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self._layout.bytes_per_token
+        """The served model's keys and values per row and token, and a draft model's (its own slot
+        buffers, sized as the engine's are)."""
+        return self._layout.bytes_per_token + (self._spec.drafter.kv_bytes_per_token if self._spec else 0)
 
     def kv_bytes_for(self, rows: int, tokens: int) -> int:
         """The slot buffers' bytes when `rows` sequences of up to `tokens` tokens decode: what
         admission should count (the buckets pad both)."""
         slots, length = self._table.shape_for(rows, tokens)
-        return slots * length * self._layout.bytes_per_token
+        return slots * length * self.kv_bytes_per_token
 
     @property
     def context_length(self) -> Optional[int]:

@@ -115,6 +115,7 @@ class DraftModelDrafter:
         self._vocab_size = vocab_size
         self._prefill_step = prefill_step
         self._layout = KVLayout.of(model)
+        self.kv_bytes_per_token = self._layout.bytes_per_token
         self._table: SlotTable[_DraftRow] = SlotTable(self._layout, _NO_SLOT_LIMIT)
         self._rows: dict[str, _DraftRow] = {}
 

@@ -33,6 +33,9 @@ class Drafter(Protocol):
     # served model does); prompt lookup cannot (what follows the chat template's assistant header is
     # the model's own start, not a repeat of the prompt), so its rows wait for their first token.
     guesses_first_token: bool
+    # Bytes of its own per decoding row and token (a draft model's keys and values; 0 for none): the
+    # engine counts them with the served model's, so that admission keeps both within the KV budget.
+    kv_bytes_per_token: int
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """A proposal per row, in order: up to `row.k` tokens that would follow `row.tokens`

@@ -65,6 +65,7 @@ class NgramDrafter:
     name = "ngram"
     judged_as_a_whole = False  # a chat that hits nothing says nothing of the next request's prompt
     guesses_first_token = False
+    kv_bytes_per_token = 0
 
     def __init__(self, max_n: int = MAX_N) -> None:
         self._max_n = max_n
