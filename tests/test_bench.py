@@ -201,6 +201,7 @@ def test_bench_smoke_on_the_tiny_model(tiny_model_dir: str, tmp_path: Path) -> N
     assert by_arm["C1"]["time_split"]["loop_step_s"] > by_arm["C1"]["time_split"]["engine_decode_s"]
     table = (out / "table.md").read_text()
     assert table.count("| C1 | 4 |") == 1 and table.count("| C1 | closed-4 |") == 1
+    assert "for every batching arm" in table  # the closed-loop workloads' settings
     assert (out / "plot.png").stat().st_size > 0
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 4 and all(len(json.loads(line)["records"]) == 4 for line in lines)

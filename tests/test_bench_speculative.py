@@ -134,3 +134,4 @@ def test_the_speculative_scenario_reports_each_drafter_against_off(tiny_model_di
     assert (out / "speculative.png").stat().st_size > 0
     table = (out / "table.md").read_text()
     assert "| grounded | greedy | 1 |" in table and "| draft-random |" in table
+    assert "for every batching arm" not in table  # no closed-loop workload ran: no line of their settings

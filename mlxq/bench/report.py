@@ -117,12 +117,14 @@ def markdown(report: dict[str, Any]) -> str:
            if facts else ""),
         f"on {machine.get('cpu_model') or machine.get('machine')} ({machine.get('cpu_count')} CPUs); "
         f"{report['device']}; mlx-lm {report['versions'].get('mlx-lm')}; BLAS: {report['blas']}.",
-        f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']}"
-        + (f" +- {settings['new_tokens_spread']}" if settings.get("new_tokens_spread") else "")
-        + " new tokens, greedy, EOS ignored; "
-        f"max_num_seqs {settings['max_num_seqs']} for every batching arm. Latencies in seconds, p50 / p95 / p99.",
-        "",
     ]
+    if report["results"]:  # the closed- and open-loop workloads' settings (each scenario states its own)
+        lines.append(
+            f"{settings['prompt_tokens']}-token prompts, {settings['new_tokens']}"
+            + (f" +- {settings['new_tokens_spread']}" if settings.get("new_tokens_spread") else "")
+            + " new tokens, greedy, EOS ignored; "
+            f"max_num_seqs {settings['max_num_seqs']} for every batching arm. Latencies in seconds, p50 / p95 / p99.")
+    lines.append("")
     for kind, title in (("closed", "Closed loop (N requests in flight)"), ("open", "Open loop (Poisson arrivals)")):
         rows = [e for e in report["results"] if e["workload"]["kind"] == kind]
         if not rows:
