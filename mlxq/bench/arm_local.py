@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from mlxq.bench.arms import Arm
 from mlxq.bench.workloads import Arrivals, BenchRequest, RequestRecord, Workload
@@ -209,7 +209,7 @@ class SchedulerArm(_BatchingArm):
                                        decode_warmup="blocking")
 
     def _run(self, workload: Workload) -> list[RequestRecord]:
-        from mlxq.bench.arm_mlxq import fill_from_result, payload
+        from mlxq.bench.arm_mlxq import payload
         from worker.loading import engine_for_model
         from worker.scheduler import BatchScheduler
 
@@ -218,33 +218,44 @@ class SchedulerArm(_BatchingArm):
         scheduler = BatchScheduler(engine, max_num_seqs=settings.max_num_seqs,
                                    default_max_tokens=settings.default_max_tokens, limits=settings.limits,
                                    kv_budget_bytes=settings.kv_budget_bytes)
-        arrivals = Arrivals(workload)
-        live: dict[str, tuple[BenchRequest, RequestRecord]] = {}
-        records: list[RequestRecord] = []
-        t0_wall, t0 = time.time(), time.perf_counter()
-
-        def end(job_id: str, result: Any, now: float) -> None:
-            request, record = live.pop(job_id)
-            record.finished = now
-            fill_from_result(record, result, t0_wall)
-            records.append(record)
-            arrivals.completed(request, now)
-
-        while True:
-            for request, arrival in arrivals.due(time.perf_counter() - t0):
-                job_id = f"s{request.index}"
-                live[job_id] = (request, RequestRecord(request.index, arrival))
-                refused = scheduler.admit(job_id, payload(request))
-                if refused is not None:
-                    end(job_id, refused, time.perf_counter() - t0)
-            if not len(scheduler):
-                if arrivals.exhausted:
-                    break
-                _sleep_until(t0, arrivals.next_arrival())
-                continue
-            ended = scheduler.step()
-            now = time.perf_counter() - t0
-            for job in ended:
-                end(job.id, job.result(), now)
+        records = drive_scheduler(scheduler, workload, payload)
         self.time_split = {f"engine_{name}": float(value) for name, value in engine.time_stats().items()}
         return records
+
+
+def drive_scheduler(scheduler: Any, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]
+                    ) -> list[RequestRecord]:
+    """Admit `workload`'s requests to a BatchScheduler as their arrivals say and step it until every
+    one has ended: a record per request, in the order they ended, filled from its result
+    (arm_mlxq.fill_from_result); times relative to the start."""
+    from mlxq.bench.arm_mlxq import fill_from_result
+
+    arrivals = Arrivals(workload)
+    live: dict[str, tuple[BenchRequest, RequestRecord]] = {}
+    records: list[RequestRecord] = []
+    t0_wall, t0 = time.time(), time.perf_counter()
+
+    def end(job_id: str, result: Any, now: float) -> None:
+        request, record = live.pop(job_id)
+        record.finished = now
+        fill_from_result(record, result, t0_wall)
+        records.append(record)
+        arrivals.completed(request, now)
+
+    while True:
+        for request, arrival in arrivals.due(time.perf_counter() - t0):
+            job_id = f"s{request.index}"
+            live[job_id] = (request, RequestRecord(request.index, arrival))
+            refused = scheduler.admit(job_id, make_payload(request))
+            if refused is not None:
+                end(job_id, refused, time.perf_counter() - t0)
+        if not len(scheduler):
+            if arrivals.exhausted:
+                break
+            _sleep_until(t0, arrivals.next_arrival())
+            continue
+        ended = scheduler.step()
+        now = time.perf_counter() - t0
+        for job in ended:
+            end(job.id, job.result(), now)
+    return records

@@ -2,7 +2,7 @@
 
 Each arm's scheduler and engine are built from the MLXQ_* settings its worker would get
 (worker/loading.py), every shape compiled before the first run, and driven as SchedulerArm drives
-its own (arm_local.py): no Redis, RQ or worker loop. Two worker processes without speculation differ
+its own (arm_local.drive_scheduler): no Redis, RQ or worker loop. Two worker processes without speculation differ
 by more than the margins that matter here (the `control` arm, docs/performance.md#in-one-process);
 engines in one process share one Python, one allocator and the same cores, so a pair of them
 differs less. What a queue adds around the engine is the same with and without speculation.
@@ -49,31 +49,12 @@ class EngineArm:
 
     def drive(self, workload: Workload, make_payload: Callable[[BenchRequest], dict[str, Any]]
               ) -> list[RequestRecord]:
-        """Every request of `workload` admitted at once and stepped to its end; each record holds its
-        token ids and the speculation its result reports (extra["token_ids"], extra["speculation"])."""
-        from mlxq.bench.arm_mlxq import fill_from_result
+        """Every request of `workload` admitted as it arrives and stepped to its end, in index order;
+        each record holds its token ids and the speculation its result reports (extra["token_ids"],
+        extra["speculation"])."""
+        from mlxq.bench.arm_local import drive_scheduler
 
-        scheduler = self.scheduler
-        live: dict[str, RequestRecord] = {}
-        records: list[RequestRecord] = []
-        t0_wall, t0 = time.time(), time.perf_counter()
-
-        def end(job_id: str, result: Any) -> None:
-            record = live.pop(job_id)
-            record.finished = time.perf_counter() - t0
-            fill_from_result(record, result, t0_wall)
-            records.append(record)
-
-        for request in workload.requests:
-            job_id = f"{workload.label}-{request.index}"
-            live[job_id] = RequestRecord(request.index, 0.0)
-            refused = scheduler.admit(job_id, make_payload(request))
-            if refused is not None:
-                end(job_id, refused)
-        while len(scheduler):
-            for job in scheduler.step():
-                end(job.id, job.result())
-        return sorted(records, key=lambda r: r.index)
+        return sorted(drive_scheduler(self.scheduler, workload, make_payload), key=lambda r: r.index)
 
     def time_counters(self) -> dict[str, float]:
         """The engine's time counters, named as a worker publishes them (`engine_*`)."""
