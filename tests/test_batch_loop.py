@@ -21,6 +21,7 @@ from worker.loop_interfaces import InFlight, StartedJob
 from worker.poll import Poll, TakenJob
 from worker.scheduler import BatchScheduler
 from worker.settings import WorkerSettings
+from schemas.redis_busy import ServerBusy
 
 
 @dataclass
@@ -68,8 +69,12 @@ class FakeRQ:
     calls: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     recorded_again: list[str] = field(default_factory=list)
+    busy_starts: int = 0  # the next this many starts meet the server BUSY (nothing written)
 
     def start_jobs(self, taken: list[TakenJob], weight_version: int = 0) -> tuple[list[StartedJob], list]:
+        if self.busy_starts:
+            self.busy_starts -= 1
+            raise ServerBusy("BUSY Redis is busy running a script")
         started = []
         for item in taken:
             job_id = item.job_id
@@ -176,6 +181,21 @@ class UpHealth:
         raise AssertionError(f"no Redis here: {exc!r}")
 
 
+class AwayHealth(UpHealth):
+    """Redis goes away when a call fails, and answers again at the next reconnect."""
+
+    def __init__(self) -> None:
+        self.losses: list[BaseException] = []
+
+    def try_reconnect(self, wait: bool = False, stop_waiting: Any = None) -> bool:
+        self.up = True
+        return True
+
+    def lost(self, exc: BaseException) -> None:
+        self.up = False
+        self.losses.append(exc)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -184,10 +204,11 @@ class Clock:
         return self.now
 
 
-def make_loop(max_num_seqs: int = 8, **settings: Any) -> tuple[BatchLoop, FakeSource, FakeRQ, FakeEnding, Clock]:
+def make_loop(max_num_seqs: int = 8, health: Optional[UpHealth] = None, **settings: Any
+              ) -> tuple[BatchLoop, FakeSource, FakeRQ, FakeEnding, Clock]:
     source, rq, ending, clock = FakeSource(), FakeRQ(), FakeEnding(), Clock()
     scheduler = BatchScheduler(FakeEngine(), max_num_seqs=max_num_seqs, worker_name="w")
-    loop = BatchLoop(scheduler, source, rq, FakeBookkeeper(), ending, UpHealth(),  # type: ignore[arg-type]
+    loop = BatchLoop(scheduler, source, rq, FakeBookkeeper(), ending, health or UpHealth(),  # type: ignore[arg-type]
                      WorkerSettings(max_num_seqs=max_num_seqs, **settings), "mlxq:stats:w", clock=clock)
     return loop, source, rq, ending, clock
 
@@ -384,6 +405,34 @@ def test_the_housekeeping_timers_hand_their_work_to_bookkeeping():
     source.cancel = {"a"}
     turns(loop, clock, 3)
     assert "maintenance" in rq.calls
+
+
+def test_jobs_taken_just_before_redis_went_busy_start_once_it_answers_and_run_like_the_others():
+    """A poll took the jobs off their queue, then the server went BUSY (a producer's script) before
+    their start was recorded: they stayed in their intermediate lists, and the loop forgot them (no
+    result, ever). They are kept and started first when Redis answers, by a busy loop and an idle one."""
+    health = AwayHealth()
+    loop, source, rq, ending, clock = make_loop(health=health)
+    source.waiting = [("running", request(30)), ("taken", request(20, first=7))]
+    turns(loop, clock, 1)
+    source.waiting = [("late", request(20, first=9))]
+    rq.busy_starts = 1
+    turns(loop, clock, 1)  # took "late", could not record its start
+    assert len(health.losses) == 1 and source.waiting == [] and "late" not in loop.scheduler.job_ids
+    turns(loop, clock, 60)
+    assert {job_id: r.status for job_id, r in ending.results.items()} == dict.fromkeys(
+        ["running", "taken", "late"], "finished")
+    alone, alone_source, _, alone_ending, alone_clock = make_loop()
+    alone_source.waiting = [("late", request(20, first=9))]
+    turns(alone, alone_clock, 30)
+    assert ending.results["late"].choices[0].token_ids == alone_ending.results["late"].choices[0].token_ids
+
+    idle_health = AwayHealth()
+    idle, source, rq, ending, clock = make_loop(health=idle_health)
+    source.waiting = [("first", request(6))]
+    rq.busy_starts = 1
+    assert idle.run(max_jobs=1) == 1  # the idle wait took it; its start met BUSY; the next turn started it
+    assert len(idle_health.losses) == 1 and ending.results["first"].status == "finished"
 
 
 def test_a_stop_request_takes_no_new_job_and_lets_the_running_ones_finish():

@@ -284,6 +284,19 @@ def test_scripts_flushed_in_a_loop_cost_no_request(stack: Stack) -> None:
     assert stack.worker.poll() is None, stack.worker_log
 
 
+def _whereabouts(conn: redis.Redis, job_id: str) -> dict[str, Any]:
+    """Every list, set and sorted set that names `job_id`, and its job hash's status (a lost job's trail)."""
+    found: dict[str, Any] = {"status": conn.hget(f"rq:job:{job_id}", "status")}
+    for key in conn.scan_iter(count=1000):
+        kind = conn.type(key)
+        members = (conn.lrange(key, 0, -1) if kind == b"list" else conn.smembers(key) if kind == b"set"
+                   else conn.zrange(key, 0, -1, withscores=True) if kind == b"zset" else [])
+        for member in members:
+            if job_id in repr(member):
+                found[key.decode()] = member
+    return found
+
+
 class BusyScript(threading.Thread):
     """A producer holding the documented ACL runs a Lua loop (EVAL is in its rights) that keeps the
     server busy for about `seconds`: past `busy-reply-threshold` every other command is answered BUSY."""
@@ -351,8 +364,9 @@ def test_a_producers_script_holding_the_server_costs_no_worker_stream_or_request
         job_status = getattr(stack.result(stream.job_id), "status", None)
         assert stream.status == 200 and stream.done, (
             f"job {stream.job_id} ({job_status}): still reading {stream.is_alive()}, {len(stream.text)} "
-            f"characters, finish {stream.finish}, errors {stream.errors}, connection broken: {stream.broken}",
-            "".join(line for line in stack.worker_log.splitlines(keepends=True) if "cleaning registries" not in line))
+            f"characters, finish {stream.finish}, errors {stream.errors}, connection broken: {stream.broken}; "
+            f"the job is in {_whereabouts(stack.conn, stream.job_id)}\n"
+            + "".join(line for line in stack.worker_lines if "cleaning registries" not in line)[-30_000:])
         if stream.errors:
             assert len(stream.errors) == 1 and f"/v1/jobs/{stream.job_id}" in stream.errors[0]["message"], stream.errors
         else:

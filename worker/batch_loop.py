@@ -74,6 +74,10 @@ class BatchLoop:
         self._source, self._rq, self._bookkeeper, self._ending = source, rq, bookkeeper, ending
         self._health, self._settings, self._stats_key, self._clock = health, settings, stats_key, clock
         self._table: dict[str, InFlight] = {}
+        # Jobs taken off their queues whose start Redis did not record (it went away in between):
+        # they wait in their intermediate lists, and the next turn that reaches Redis starts them.
+        self._unstarted: list[TakenJob] = []
+        self._jobs_taken = 0  # off their queues, since the worker began
         self.running: tuple[InFlight, ...] = ()  # a snapshot of the table, for the liveness thread
         self._earliest_deadline = math.inf  # no running job's deadline is earlier
         self._next_cancel_check = 0.0
@@ -94,27 +98,29 @@ class BatchLoop:
         re-queues, with Retry) every job in flight before it propagates."""
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.time = LoopClock()  # the loop's time from here, not the model's loading
-        taken = 0
+        taken_before = self._jobs_taken
         try:
             while True:
+                taken = self._jobs_taken - taken_before
                 self._rq.notice_stop()
                 if self._rq.stop_requested and self._grace_over():
                     break
-                if not self._table:
+                if not self._table and not self._unstarted:
                     self._bookkeeper.release()  # no step to come: nothing to keep out of the way of
                     self._rq.idle(burst)
                     if self._rq.stop_requested or (max_jobs is not None and taken >= max_jobs):
                         break
                     if burst:
-                        if not self._redis_call(self._take, 1):
+                        if not self._redis_call(self._take, 1) and not self._unstarted:
                             break
                     else:
                         waited_for = self._wait_for_job(max_idle_time)
                         if waited_for is None:
                             break
-                        self._start([waited_for])
-                    taken += 1
-                taken += self.turn(None if max_jobs is None else max_jobs - taken)
+                        self._jobs_taken += 1
+                        self._redis_call(self._start, [waited_for])
+                    taken = self._jobs_taken - taken_before
+                self.turn(None if max_jobs is None else max_jobs - taken)
         except SystemExit:
             self.abandon("worker received a cold shutdown")
             raise
@@ -125,7 +131,7 @@ class BatchLoop:
             log.exception("unhandled error in the batch loop")
             self.abandon("worker loop crashed")
             raise
-        return taken
+        return self._jobs_taken - taken_before
 
     def _stop_waiting(self) -> bool:
         """Whether a backoff the loop sleeps through should end early: a stop was requested."""
@@ -135,8 +141,8 @@ class BatchLoop:
         """Stopping, with nothing left to compute but results Redis is not taking: whether the grace
         for it to come back (MLXQ_STOP_GRACE_S) is over. Then the bookkeeping gives up on them and
         their jobs stay in RQ's started registry, for a live worker's abandoned-job sweep."""
-        waiting_on_redis = (self._table and not self._health.up and not len(self.scheduler) and not self._preparing
-                            and all(inflight.ending for inflight in self._table.values()))
+        waiting_on_redis = ((self._table or self._unstarted) and not self._health.up and not len(self.scheduler)
+                            and not self._preparing and all(inflight.ending for inflight in self._table.values()))
         if not waiting_on_redis:
             return False
         now = self._clock()
@@ -146,8 +152,13 @@ class BatchLoop:
                         self._settings.stop_grace_s, len(self._table))
         if now < self._stop_grace_until:
             return False
-        log.error("the results of %d jobs were not written (Redis unreachable); their jobs are left to the "
-                  "abandoned-job sweep", len(self._table))
+        if self._table:
+            log.error("the results of %d jobs were not written (Redis unreachable); their jobs are left to the "
+                      "abandoned-job sweep", len(self._table))
+        if self._unstarted:
+            log.error("%d jobs taken off their queues were never started (Redis unreachable): %s; they stay in "
+                      "their queues' intermediate lists", len(self._unstarted),
+                      ", ".join(item.job_id for item in self._unstarted))
         self._bookkeeper.give_up()
         return True
 
@@ -186,6 +197,9 @@ class BatchLoop:
     def _take(self, room: int) -> int:
         """Take up to `room` waiting jobs without blocking and start them; end the running jobs that
         were cancelled or ran out of time. Returns how many jobs were taken."""
+        if self._unstarted:
+            room -= len(self._unstarted)
+            self._start([])
         now = self._clock()
         check = bool(self._table) and (room > 0 or now >= self._next_cancel_check)
         if room <= 0 and not check:
@@ -193,6 +207,7 @@ class BatchLoop:
         if check:
             self._next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
         poll = self._source.poll(room, check)
+        self._jobs_taken += len(poll.taken)
         self._start(poll.taken)
         if check:
             self._end_cancelled_and_late(poll.cancelled)
@@ -256,11 +271,17 @@ class BatchLoop:
     # --- start and end ----------------------------------------------------------------------
     def _start(self, taken: list[TakenJob]) -> None:
         """Record the jobs' start in RQ (one round trip), then admit each to the scheduler; a job that
-        cannot run, or was cancelled meanwhile, ends at once."""
-        taken = self._once_each(taken)
-        if not taken:
-            return
-        started, unreadable = self._rq.start_jobs(taken, self.weight_version)
+        cannot run, or was cancelled meanwhile, ends at once. Jobs whose start could not be recorded
+        (a Redis error, raised) are kept, and started first next time."""
+        taken, self._unstarted = self._unstarted + taken, []
+        try:
+            taken = self._once_each(taken)
+            if not taken:
+                return
+            started, unreadable = self._rq.start_jobs(taken, self.weight_version)
+        except REDIS_ERRORS:
+            self._unstarted = taken
+            raise
         if unreadable:
             self._source.ended([bad.job_id for bad, _ in unreadable if bad.job_id is not None])
             self._ending.refuse(unreadable)

@@ -69,9 +69,10 @@ class RQJobs:
                    ) -> tuple[list[StartedJob], list[tuple[Unreadable, Queue]]]:
         """Read the jobs taken (worker/intake.py) and record the start of those that read, the RQ way
         (execution, started registry, status, heartbeats: what `prepare_execution` and
-        `prepare_job_execution` write), all in one round trip. A job that asks for newer weights
-        than `weight_version` goes back to the head of its queue, which the worker then leaves alone
-        until its weights change."""
+        `prepare_job_execution` write), all in one atomic round trip. A job that asks for newer weights
+        than `weight_version` goes back to the head of its queue in the same call, and the worker then
+        leaves that queue alone until its weights change. A Redis error means nothing was written: the
+        same jobs can be started again."""
         started: list[tuple[Job, Queue, list[str]]] = []
         unreadable: list[tuple[Unreadable, Queue]] = []
         too_new: list[tuple[Job, int]] = []
@@ -85,28 +86,32 @@ class RQJobs:
             else:
                 assert isinstance(item.fields, dict)
                 started.append((read, queue, callback_names(item.fields)))
-        if too_new:
-            self._put_back(too_new)
-        if not started:
-            return [], unreadable
-        ttl = self._settings.heartbeat_ttl_s
         batch = CommandBatch(self._worker.connection)
+        for job, index in reversed(too_new):  # back to the head of their queues, in their order
+            batch.lrem(self._worker.queues[index].intermediate_queue.key, 1, job.id)
+            batch.lpush(self._worker.queues[index].key, job.id)
         executions, cancel_replies = [], []
-        for job, queue, _ in started:
-            executions.append(create_execution(job, ttl, batch, self._worker.name, self._registries))
-            job.prepare_for_execution(self._worker.name, pipeline=batch)  # status, started_at, heartbeat
-            batch.lrem(queue.intermediate_queue.key, 1, job.id)
-            batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
-            batch.exists(keys.cancel_key(job.id))
-            cancel_replies.append(len(batch) - 1)
-        batch.sadd(self._poller.running_key, *(job.id for job, _, _ in started))
-        self._worker.set_state(WorkerStatus.BUSY, pipeline=batch)
-        self._worker.set_current_job_id(started[-1][0].id, pipeline=batch)
-        self._worker.set_current_job_working_time(0, pipeline=batch)
-        self._worker.heartbeat(ttl, pipeline=batch)
-        batch.expire(self._poller.running_key, ttl)
-        replies = batch.execute()
+        if started:
+            ttl = self._settings.heartbeat_ttl_s
+            for job, queue, _ in started:
+                executions.append(create_execution(job, ttl, batch, self._worker.name, self._registries))
+                job.prepare_for_execution(self._worker.name, pipeline=batch)  # status, started_at, heartbeat
+                batch.lrem(queue.intermediate_queue.key, 1, job.id)
+                batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
+                batch.exists(keys.cancel_key(job.id))
+                cancel_replies.append(len(batch) - 1)
+            batch.sadd(self._poller.running_key, *(job.id for job, _, _ in started))
+            self._worker.set_state(WorkerStatus.BUSY, pipeline=batch)
+            self._worker.set_current_job_id(started[-1][0].id, pipeline=batch)
+            self._worker.set_current_job_working_time(0, pipeline=batch)
+            self._worker.heartbeat(ttl, pipeline=batch)
+            batch.expire(self._poller.running_key, ttl)
+        replies = batch.execute() if len(batch) else []
         assert replies is not None
+        if too_new:
+            self._poller.ended([job.id for job, _ in too_new])
+            assert self.queues is not None
+            self.queues.hold(index for _, index in too_new)
         return [self._started(job, queue, callbacks, execution, bool(replies[at]))
                 for (job, queue, callbacks), execution, at in zip(started, executions, cancel_replies)], unreadable
 
@@ -139,18 +144,6 @@ class RQJobs:
             job.prepare_for_execution(self._worker.name, pipeline=batch)
         if runs:
             batch.sadd(self._poller.running_key, *(job.id for job, _ in runs))
-
-    def _put_back(self, too_new: list[tuple[Job, int]]) -> None:
-        """Jobs for newer weights back to the head of their queues, in their order."""
-        batch = CommandBatch(self._worker.connection)
-        for job, index in reversed(too_new):
-            queue = self._worker.queues[index]
-            batch.lrem(queue.intermediate_queue.key, 1, job.id)
-            batch.lpush(queue.key, job.id)
-        self._poller.ended([job.id for job, _ in too_new])
-        batch.execute()
-        assert self.queues is not None
-        self.queues.hold(index for _, index in too_new)
 
     def _started(self, job: Job, queue: Queue, callbacks: list[str], execution: Execution, cancelled: bool
                  ) -> StartedJob:
