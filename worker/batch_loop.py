@@ -273,6 +273,7 @@ class BatchLoop:
         """Record the jobs' start in RQ (one round trip), then admit each to the scheduler; a job that
         cannot run, or was cancelled meanwhile, ends at once. Jobs whose start could not be recorded
         (a Redis error, raised) are kept, and started first next time."""
+        retrying = bool(self._unstarted)
         taken, self._unstarted = self._unstarted + taken, []
         try:
             taken = self._once_each(taken)
@@ -280,6 +281,9 @@ class BatchLoop:
                 return
             started, unreadable = self._rq.start_jobs(taken, self.weight_version)
         except REDIS_ERRORS:
+            if taken and not retrying:
+                log.warning("jobs %s were taken off their queues, and Redis went away before their start was "
+                            "recorded: they start when it answers", ", ".join(item.job_id for item in taken))
             self._unstarted = taken
             raise
         if unreadable:
