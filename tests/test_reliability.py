@@ -13,7 +13,7 @@ import time
 
 import pytest
 import redis
-from rq import Retry
+from rq import Queue, Retry
 from rq.command import send_stop_job_command
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -331,6 +331,33 @@ def test_mlxq_info_recovers_dead_workers_jobs_without_touching_json_meta(redis_u
     result = client.result(job_id)
     assert result.status == "failed" and result.error.type == "AbandonedJobError"
     assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).meta == {"tenant": "acme"}
+
+
+def test_a_job_taken_off_its_queue_by_a_worker_that_died_before_starting_it_runs_once(redis_url):
+    """A worker's poll moves a job's id to the queue's intermediate list, and its next call records the
+    start; a worker that dies between the two (or stops with Redis away) leaves the job there, queued.
+    rq's cleanup failed such a job a minute later with no result key, and its caller waited forever.
+    Now, once rq's rule calls it stuck (first seen there over a minute ago), it goes back to the head of
+    its queue and runs, once; one taken moments ago is left to the worker that took it."""
+    client = Client(redis_url)
+    conn = redis.Redis.from_url(redis_url)
+    stranded, fresh = (client.submit(long_request(first, 8)) for first in (140, 141))
+    queue = Queue("mlxq", connection=conn, serializer=JSONSerializer)
+    for _ in range(2):  # as a poll takes them, oldest first
+        conn.lmove(queue.key, queue.intermediate_queue.key, "LEFT", "RIGHT")
+    conn.set(queue.intermediate_queue.get_first_seen_key(stranded), time.time() - 120)  # rq's mark, 2 min old
+    worker = start_fake_worker(redis_url, name="finds-it")
+    try:
+        result = client.wait(stranded, timeout=30)
+        time.sleep(1)
+    finally:
+        out = stop(worker)
+    assert result.status == "finished", out
+    assert result.choices[0].token_ids == [fake_token([140, 7, 9], k) for k in range(8)]
+    assert out.count(f"Successfully completed job {stranded}") == 1, out
+    assert f"job {stranded} was taken off queue mlxq and never started" in out, out
+    assert client.status(fresh) == "queued" and client.result(fresh) is None, out
+    assert conn.lrange(queue.intermediate_queue.key, 0, -1) == [fresh.encode()]
 
 
 def test_a_silent_network_stalls_nothing_for_long_and_loses_nothing():

@@ -415,8 +415,9 @@ class BatchLoop:
                          for job_id, f in list(self._table.items())) or "none"
 
     def running_ids(self) -> list[str]:
-        """The jobs in the table, from the snapshot (any thread may ask)."""
-        return [inflight.job.id for inflight in self.running]
+        """The jobs in the table, from the snapshot, and those taken whose start waits for Redis (any
+        thread may ask: both lists are replaced, never changed in place)."""
+        return [inflight.job.id for inflight in self.running] + [item.job_id for item in self._unstarted]
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters and the loop's time per section, published with each round of results."""

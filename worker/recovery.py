@@ -7,6 +7,10 @@ RQ marks the job ended), then lets RQ's own cleanup retry or fail them. A job ha
 leaves the registry here with a failed result: rq's cleanup would trip on it. Busy workers run it
 every MLXQ_SWEEP_INTERVAL_S; `mlxq info --cleanup` runs it too. One worker of the fleet sweeps at a
 time (`sweep_lock`), and rq's registry maintenance runs under the same lock.
+
+A dead worker's jobs that it took off their queues but never started have no heartbeat: they wait in
+the queues' intermediate lists, where rq's cleanup would fail them without a result key.
+`Housekeeping.clear_intermediate_lists` puts them back at the head of their queues first.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import redis
 from rq import Queue
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from schemas import ErrorInfo, GenerationResult, Timings, keys
 from schemas.result import request_echo
+from schemas.scripts import Script
 from schemas.serializer import JSON_SERIALIZER
 from worker import retry_policy
 from worker.allowlist import allowed, callbacks
@@ -41,6 +46,17 @@ SWEEP_LOCK_TTL_S = 10
 # The first sweep looks this far back for jobs cancelled while queued, each later one from the one
 # before less this, so a cancel made while no worker ran still gets its result key.
 CANCELLED_SCAN_MARGIN_S = 3600
+
+
+# Lua: the job ARGV[1], still queued (its hash KEYS[4]), out of the intermediate list KEYS[1] and back
+# at the head of its queue KEYS[2], its first-seen mark KEYS[3] gone; 0 where a worker started it meanwhile.
+RETURN_STRANDED_LUA = """
+if redis.call('HGET', KEYS[4], 'status') ~= 'queued' then return 0 end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3])
+return 1
+"""
 
 
 class Housekeeping:
@@ -72,9 +88,14 @@ class Housekeeping:
         retry_policy.enqueue_due_retries(self._connection, self._queues, self._settings.max_job_bytes)
 
     def clear_intermediate_lists(self, running: frozenset[str]) -> None:
+        """The entries of the queues' intermediate lists that rq's cleanup, which runs next, would trip
+        on or fail without a result key. An unreadable job ends failed. A job taken off its queue and
+        never started (its worker died between the two, or stopped with Redis away) goes back to the
+        head of its queue once rq's rule calls it stuck: first seen there over a minute ago. The jobs
+        in `running` (this worker's, started or not) are left alone."""
         limit = self._settings.max_job_bytes
         for queue in self._queues:
-            refused = []
+            refused, stranded = [], []
             for raw_id in self._connection.lrange(queue.intermediate_queue.key, 0, -1):
                 job_id = raw_id.decode(errors="replace")
                 if job_id in running:
@@ -83,8 +104,24 @@ class Housekeeping:
                 read = None if fields is None else read_job(raw_id, fields, self._connection, limit)
                 if isinstance(read, Unreadable):
                     refused.append((read, queue))
+                elif read is not None and read.get_status(refresh=False) == JobStatus.QUEUED:
+                    # set_first_seen is rq's own mark (true where it was not there), should_be_cleaned_up its rule
+                    if not queue.intermediate_queue.set_first_seen(job_id) and \
+                            queue.intermediate_queue.should_be_cleaned_up(job_id):
+                        stranded.append(job_id)
             if refused:
                 self._refuse(refused)
+            for job_id in stranded:
+                self._return_stranded(queue, job_id)
+
+    def _return_stranded(self, queue: Queue, job_id: str) -> None:
+        intermediate = queue.intermediate_queue
+        returned = Script(self._connection, RETURN_STRANDED_LUA)(
+            keys=[intermediate.key, queue.key, intermediate.get_first_seen_key(job_id), Job.key_for(job_id)],
+            args=[job_id])
+        if returned:
+            log.warning("job %s was taken off queue %s and never started (its worker stopped in between): back at "
+                        "the head of its queue", job_id, queue.name)
 
 
 @contextmanager
