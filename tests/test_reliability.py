@@ -358,6 +358,7 @@ def test_a_job_taken_off_its_queue_by_a_worker_that_died_before_starting_it_runs
     assert f"job {stranded} was taken off queue mlxq and never started" in out, out
     assert client.status(fresh) == "queued" and client.result(fresh) is None, out
     assert conn.lrange(queue.intermediate_queue.key, 0, -1) == [fresh.encode()]
+    assert not conn.exists(queue.intermediate_queue.get_first_seen_key(stranded))  # started: no longer marked
 
 
 def test_a_silent_network_stalls_nothing_for_long_and_loses_nothing():

@@ -513,7 +513,7 @@ class BatchLoop:
             self._bookkeeper.submit(self._rq.enqueue_due_retries, upkeep=True)
         if now - self._last_sweep > self._settings.sweep_interval_s:
             self._last_sweep = now
-            running = frozenset(self._table)
+            running = frozenset(self._table).union(item.job_id for item in self._unstarted)
             self._bookkeeper.submit(lambda: self._rq.sweep(running), upkeep=True)
         if not self._table and now >= self._next_maintenance:
             self._next_maintenance = now + self._settings.sweep_interval_s

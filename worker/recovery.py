@@ -61,8 +61,8 @@ return 1
 
 class Housekeeping:
     """A worker's share of the fleet's upkeep, run on its bookkeeping thread: dead workers' jobs,
-    result keys of jobs cancelled while queued, due retries back to their queues, and unreadable
-    entries out of the intermediate lists (before rq's own cleanup would trip on them)."""
+    result keys of jobs cancelled while queued, due retries back to their queues, and the entries of
+    the intermediate lists that rq's own cleanup would trip on or fail."""
 
     def __init__(self, connection: redis.Redis, queues: list[Queue], settings: WorkerSettings,
                  refuse: Callable[[list[tuple[Unreadable, Queue]]], None]) -> None:
@@ -70,8 +70,9 @@ class Housekeeping:
         self._cancelled_since = time.time() - CANCELLED_SCAN_MARGIN_S
 
     def sweep(self, running: frozenset[str], then: Optional[Callable[[], None]] = None) -> bool:
-        """Sweep, then run `then` (rq's registry maintenance), under the fleet's sweep lock; False
-        (nothing done) while another worker holds it: that one sweeps now, and this one next time."""
+        """Sweep (`running`: this worker's jobs, started or not), then run `then` (rq's registry
+        maintenance), under the fleet's sweep lock; False (nothing done) while another worker holds
+        it: that one sweeps now, and this one next time."""
         with sweep_lock(self._connection) as held:
             if not held:
                 return False
@@ -80,6 +81,7 @@ class Housekeeping:
                 log.warning("recovered %d job(s) of dead workers: %s", len(swept), swept)
             since, self._cancelled_since = self._cancelled_since, time.time() - CANCELLED_SCAN_MARGIN_S
             finish_cancelled(self._connection, self._queues, since, self._settings.max_job_bytes)
+            self.clear_intermediate_lists(running)
             if then is not None:
                 then()
             return True

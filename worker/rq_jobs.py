@@ -97,6 +97,7 @@ class RQJobs:
                 executions.append(create_execution(job, ttl, batch, self._worker.name, self._registries))
                 job.prepare_for_execution(self._worker.name, pipeline=batch)  # status, started_at, heartbeat
                 batch.lrem(queue.intermediate_queue.key, 1, job.id)
+                batch.delete(queue.intermediate_queue.get_first_seen_key(job.id))  # a sweep's mark: not stuck
                 batch.persist(job.key)  # as Job.perform does: a job with ttl= must not expire mid-run
                 batch.exists(keys.cancel_key(job.id))
                 cancel_replies.append(len(batch) - 1)

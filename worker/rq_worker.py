@@ -182,12 +182,11 @@ class BatchWorker(SimpleWorker):
     def clean_registries(self) -> None:
         """rq's maintenance, made safe (on the bookkeeping thread): rq's own registry and
         intermediate-list cleanups read every job hash they meet and would raise on one a producer
-        wrote by hand, so the sweep and `_clear_intermediate_lists` take those out first, and nothing
-        rq raises stops the worker."""
+        wrote by hand, so the sweep (worker/recovery.py) takes those out first, and nothing rq
+        raises stops the worker."""
         running = frozenset(self._loop.running_ids() if self._loop else ())
 
         def rq_maintenance() -> None:  # under the sweep lock: rq's started-registry cleanup retries jobs too
-            self._housekeeping.clear_intermediate_lists(running)
             try:
                 super(BatchWorker, self).clean_registries()
             except Exception:
