@@ -57,6 +57,11 @@ def cancel_key(job_id: str) -> str:
     return f"{PREFIX}cancel:{job_id}"
 
 
+def retry_claim_key(job_id: str) -> str:
+    """Held for a moment by the worker putting a due retry back on its queue (worker/retry_policy.py)."""
+    return f"{PREFIX}retrying:{job_id}"
+
+
 def done_channel(job_id: str) -> str:
     return f"{PREFIX}done:{job_id}"
 

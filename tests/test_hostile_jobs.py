@@ -167,6 +167,8 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     conn.rpush("rq:queue:mlxq:intermediate", "planted-intermediate")
     conn.hset("rq:job:planted-started", mapping=good_fields(status="started", failure_callback_name="os.abort"))
     conn.zadd("rq:wip:mlxq", {"planted-started": 1})  # expired long ago: a dead worker's job
+    conn.hset("rq:job:planted-scheduled", mapping=good_fields(status="scheduled", timeout="abc"))
+    conn.zadd("rq:scheduled:mlxq", {"planted-scheduled": 1})  # a retry due long ago
     # A request that can never succeed, with endless retries: refused at once, never retried.
     queue = Queue("mlxq", connection=conn, serializer=JSON_SERIALIZER)
     hopeless = queue.enqueue(keys.JOB_FUNCTION, request={"prompt": "x", "max_tokens": 0},
@@ -179,7 +181,8 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     worker = start_fake_worker(redis_url, "broken", "mlxq", name="hostile", env=WORKER_ENV, step_delay_s=0.02)
     try:
         results = client.wait_many(good, timeout=60)
-        wait_for(lambda: all(result_of(conn, j) for j in [*expect, *refused, "planted-started", hopeless, "repeater"]),
+        wait_for(lambda: all(result_of(conn, j) for j in [*expect, *refused, "planted-started", "planted-scheduled",
+                                                          hopeless, "repeater"]),
                  timeout=60, what="a result key for every identifiable hostile job")
         wait_for(lambda: result_of(conn, timing_out) is not None, timeout=60, what="the capped retries to end")
         wait_for(lambda: result_of(conn, "planted-intermediate") is not None, timeout=30,
@@ -201,6 +204,7 @@ def test_each_class_of_broken_job_hash_fails_alone_and_leaves_nothing_behind(red
     assert result_of(conn, "function-abort")["error"]["type"] == "FunctionNotAllowed"
     assert Webhooks.calls == []  # no URL a job names is ever called
     assert result_of(conn, "planted-intermediate")["error"]["type"] == "InvalidJob"
+    assert "timeout" in result_of(conn, "planted-scheduled")["error"]["message"]
     assert result_of(conn, "repeater")["status"] == "finished"
     assert result_of(conn, "planted-started")["error"]["type"] == "AbandonedJobError"
     assert not conn.hget("rq:job:planted-started", "failure_callback_name")  # stripped before rq's cleanup

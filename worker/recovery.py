@@ -87,7 +87,9 @@ class Housekeeping:
             return True
 
     def enqueue_due_retries(self) -> None:
-        retry_policy.enqueue_due_retries(self._connection, self._queues, self._settings.max_job_bytes)
+        _, refused = retry_policy.enqueue_due_retries(self._connection, self._queues, self._settings.max_job_bytes)
+        if refused:
+            self._refuse(refused)
 
     def clear_intermediate_lists(self, running: frozenset[str]) -> None:
         """The entries of the queues' intermediate lists that rq's cleanup, which runs next, would trip

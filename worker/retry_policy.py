@@ -15,8 +15,9 @@ from typing import Optional
 
 import redis
 from rq import Queue
-from rq.job import Job
+from rq.job import Job, JobStatus
 
+from schemas import keys
 from schemas.scripts import Script
 from worker.intake import Unreadable, fetch_job_fields, read_job
 
@@ -29,6 +30,8 @@ DETERMINISTIC_ERRORS = frozenset({
 # The worker's failures, not the job's: such a job goes back to its queue at once (still counted).
 WORKER_FAILURES = frozenset({"WorkerShutdown", "AbandonedJobError"})
 MAX_BACKOFF_S = 60
+# A worker that claimed a due retry and went away before moving it holds it up this long.
+RETRY_CLAIM_TTL_S = 30
 
 
 def backoff_s(first_s: float, retries_used: int) -> int:
@@ -61,22 +64,29 @@ def cap_stored_retries(connection: redis.Redis, job_ids: Iterable[str], max_retr
         script(keys=ids, args=[max_retries])
 
 
-def enqueue_due_retries(connection: redis.Redis, queues: Iterable[Queue], max_job_bytes: int) -> list[str]:
-    """Move retries whose pause is over from each queue's scheduled registry back to the queue.
-    Whoever removes an id from the registry enqueues it, so workers never enqueue one twice."""
+def enqueue_due_retries(connection: redis.Redis, queues: Iterable[Queue], max_job_bytes: int
+                        ) -> tuple[list[str], list[tuple[Unreadable, Queue]]]:
+    """Move retries whose pause is over from each queue's scheduled registry back to the queue: the
+    ids moved, and the entries that cannot run (for a failed result key). A worker claims an id first
+    (`keys.retry_claim_key`), so workers never enqueue one twice; the id leaves the registry only
+    after its job is queued, so a Redis error in between loses no retry: the job is still scheduled
+    (taken again once the claim lapses) or queued already (then its entry just goes)."""
     moved: list[str] = []
+    unreadable: list[tuple[Unreadable, Queue]] = []
     for queue in queues:
         registry = queue.scheduled_job_registry
         for job_id in registry.get_jobs_to_schedule(int(time.time())):
-            if not connection.zrem(registry.key, job_id):
-                continue  # another worker took it
+            claim = keys.retry_claim_key(job_id)
+            if not connection.set(claim, 1, nx=True, ex=RETRY_CLAIM_TTL_S):
+                continue  # another worker is moving it
             fields = fetch_job_fields(connection, job_id, max_job_bytes)
-            if fields is None:
-                continue
-            job = read_job(job_id.encode(), fields, connection, max_job_bytes)
+            job = None if fields is None else read_job(job_id.encode(), fields, connection, max_job_bytes)
             if isinstance(job, Unreadable):
                 log.warning("not retrying job %s: %s", job_id, job.message)
-                continue
-            queue.enqueue_job(job)
-            moved.append(job_id)
-    return moved
+                unreadable.append((job, queue))
+            elif job is not None and job.get_status(refresh=False) == JobStatus.SCHEDULED:
+                queue.enqueue_job(job)
+                moved.append(job_id)
+            connection.zrem(registry.key, job_id)
+            connection.delete(claim)
+    return moved, unreadable
