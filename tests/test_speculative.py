@@ -176,6 +176,9 @@ class FixedDrafter:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
 
+    def share_kv_budget(self, budget_bytes: int) -> None:
+        pass
+
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         return [self.tokens[: row.k] for row in rows]
 
@@ -743,6 +746,40 @@ def test_admission_counts_a_draft_models_keys_and_values_with_the_served_models(
     refused = BatchScheduler(drafted, max_num_seqs=2, kv_budget_bytes=budget).admit("too big", dict(request))
     assert refused is not None and refused.status == "failed", refused
     assert refused.error.message.startswith("max_tokens: ") and "MLXQ_KV_BUDGET_MB" in refused.error.message
+
+
+def test_a_draft_models_buffers_share_the_budget_and_are_sized_exactly_where_buckets_would_pass_it(target, itself):
+    """Admission counts both models' keys and values (above), but the draft's buffers were bucketed
+    whatever the budget: 5 rows of 128 tokens took 6 slots, past what admission had counted. Each model now has its share of the budget (in proportion to its
+    bytes per token) and, as the engine did alone, sizes its buffers exactly where buckets would
+    pass it; the tokens stay those of decoding without a draft. (The model is its own draft: its rows
+    keep asking to their last token.)"""
+    model, tokenizer = target
+    requests = {f"r{i}": {"prompt_token_ids": looping_prompt(i, 100), "max_tokens": 28, "temperature": 0,
+                          "ignore_eos": True} for i in range(5)}
+    reference = run_all(BatchScheduler(CompiledEngine(model, tokenizer), max_num_seqs=8), dict(requests))
+    served, draft = KVLayout.of(model).bytes_per_token, KVLayout.of(itself).bytes_per_token
+    budget = 5 * 128 * (served + draft)  # 5 rows of 128 positions, exactly; 6 bucketed slots would pass it
+    draft_share = budget - budget * served // (served + draft)
+
+    def peak_draft_bytes(kv_budget: int) -> int:
+        drafter = DraftModelDrafter(itself, model.args.vocab_size)
+        engine = CompiledEngine(model, tokenizer, max_num_seqs=8, kv_budget_bytes=kv_budget,
+                                speculator=Speculator(drafter))
+        results = {}
+        scheduler = BatchScheduler(engine, max_num_seqs=8, kv_budget_bytes=kv_budget)
+        assert not any(scheduler.admit(job_id, dict(request)) for job_id, request in requests.items())
+        peak = 0
+        while len(scheduler):
+            for ended in scheduler.step():
+                results[ended.id] = ended.result()
+            if (buffers := drafter._table.buffers) is not None:
+                peak = max(peak, buffers.slots * buffers.length * draft)
+        assert_same(results, reference)
+        return peak
+
+    assert peak_draft_bytes(0) > draft_share  # bucketed: past the draft's share of that budget
+    assert 0 < peak_draft_bytes(budget) <= draft_share
 
 
 def test_slot_buffers_refuse_a_write_past_their_end():

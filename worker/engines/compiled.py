@@ -113,7 +113,13 @@ class CompiledEngine:
         self._counters = EngineCounters()
         self._prefix = PrefixCache(prefix_cache_bytes, min_match=prefix_min_match,
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
-        self._table: SlotTable[DecodingSequence] = SlotTable(self._layout, max_num_seqs, kv_budget_bytes)
+        # A draft model's keys and values share the budget in proportion to the bytes per token: each
+        # table then sizes its buffers exactly where both tables' buckets together would pass it.
+        draft_bytes = speculator.drafter.kv_bytes_per_token if speculator is not None else 0
+        own_budget = kv_budget_bytes * self._layout.bytes_per_token // (self._layout.bytes_per_token + draft_bytes)
+        if speculator is not None:
+            speculator.drafter.share_kv_budget(kv_budget_bytes - own_budget)
+        self._table: SlotTable[DecodingSequence] = SlotTable(self._layout, max_num_seqs, own_budget)
         self._by_uid: dict[str, DecodingSequence] = {}
         self._in_flight: Optional[LaunchedStep] = None
         self._eager_allowance = float(EAGER_MAX)

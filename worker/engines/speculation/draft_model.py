@@ -119,6 +119,10 @@ class DraftModelDrafter:
         self._table: SlotTable[_DraftRow] = SlotTable(self._layout, _NO_SLOT_LIMIT)
         self._rows: dict[str, _DraftRow] = {}
 
+    def share_kv_budget(self, budget_bytes: int) -> None:
+        assert not self._rows, "the budget is shared before the first proposal"
+        self._table = SlotTable(self._layout, _NO_SLOT_LIMIT, budget_bytes)
+
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in rows]
         joining = [row for row in rows if row.k > 0 and row.uid not in self._rows]

@@ -54,3 +54,8 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Drop every row's state (after a failed step or a weight swap)."""
         ...
+
+    def share_kv_budget(self, budget_bytes: int) -> None:
+        """Its share of the KV budget (0: none): where bucketed buffers would pass it, they are sized
+        exactly, as the engine's are. Called once, before the first proposal."""
+        ...

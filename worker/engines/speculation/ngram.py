@@ -71,6 +71,9 @@ class NgramDrafter:
         self._max_n = max_n
         self._rows: dict[str, _RowIndex] = {}
 
+    def share_kv_budget(self, budget_bytes: int) -> None:
+        pass  # it keeps no keys or values
+
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         proposals = []
         for row in rows:
