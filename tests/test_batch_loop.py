@@ -407,6 +407,17 @@ def test_the_housekeeping_timers_hand_their_work_to_bookkeeping():
     assert "maintenance" in rq.calls
 
 
+def test_an_idle_worker_sweeps_once_an_interval_through_rqs_maintenance_and_a_busy_one_by_the_timer():
+    """rq's maintenance begins with the sweep (BatchWorker.clean_registries): an idle worker that also
+    ran the sweep timer swept twice an interval."""
+    loop, source, rq, _, clock = make_loop(sweep_interval_s=5)
+    turns(loop, clock, 195, step_s=0.1)  # 19.5 s idle: maintenance at 0, 5, 10 and 15 s
+    assert rq.calls.count("maintenance") == 4 and "sweep" not in rq.calls
+    source.waiting = [("a", request(4000))]
+    turns(loop, clock, 40, step_s=0.1)  # busy until 23.5 s: the timer counts from the last maintenance
+    assert rq.calls.count("sweep") == 1 and rq.calls.count("maintenance") == 4
+
+
 def test_jobs_taken_just_before_redis_went_busy_start_once_it_answers_and_run_like_the_others():
     """A poll took the jobs off their queue, then the server went BUSY (a producer's script) before
     their start was recorded: they stayed in their intermediate lists, and the loop forgot them (no

@@ -511,13 +511,14 @@ class BatchLoop:
         if now >= self._next_retry_check:
             self._next_retry_check = now + RETRY_CHECK_INTERVAL_S
             self._bookkeeper.submit(self._rq.enqueue_due_retries, upkeep=True)
-        if now - self._last_sweep > self._settings.sweep_interval_s:
+        if not self._table and now >= self._next_maintenance:
+            self._next_maintenance = now + self._settings.sweep_interval_s
+            self._last_sweep = now  # rq's maintenance begins with the sweep (BatchWorker.clean_registries)
+            self._bookkeeper.submit(self._rq.run_maintenance, upkeep=True)
+        elif now - self._last_sweep > self._settings.sweep_interval_s:
             self._last_sweep = now
             running = frozenset(self._table).union(item.job_id for item in self._unstarted)
             self._bookkeeper.submit(lambda: self._rq.sweep(running), upkeep=True)
-        if not self._table and now >= self._next_maintenance:
-            self._next_maintenance = now + self._settings.sweep_interval_s
-            self._bookkeeper.submit(self._rq.run_maintenance, upkeep=True)
 
     # --- the control plane's hands (worker/control.py LoopControls) --------------------------
     @property
