@@ -3,6 +3,7 @@
 #   bash docs/bench/h200/speculative/run.sh            # install, prepare, speculative, then pack
 #   bash docs/bench/h200/speculative/run.sh speculative # the measurement alone (install and prepare done)
 #   bash docs/bench/h200/speculative/run.sh probe       # the engine's probe of the float32 copy, TF32 on and off
+#   bash docs/bench/h200/speculative/run.sh invariance  # greedy tokens alone and batched (batch_invariance.py)
 # install and prepare are docs/bench/h200/real-model/run.sh's (the bundle from $PACK or $PARTS, see its README).
 # Everything lands in $OUT/speculative.tar.gz (report.json, table.md, speculative.png, the log, the worker logs)
 # plus $OUT/speculative-table.md and $OUT/speculative.log to read at once. About 5 minutes in all.
@@ -54,9 +55,21 @@ print('MLX_ENABLE_TF32=$tf32:', compiled_unsupported_reason(load('/tmp/real-f32'
   done
 }
 
+# batch_invariance.py on the bf16 copy (off, prompt lookup; greedy) and the float32 copy (the model as its own draft
+# too; greedy and seeded): each request's tokens alone against the same request in batches of 8 and 32.
+invariance() {
+  local model arms sampling
+  for model in real-bf16 real-f32; do
+    arms=off,ngram sampling=greedy; [ $model = real-f32 ] && arms=off,ngram,draft-self sampling=greedy,seeded
+    timeout ${INV_TIMEOUT:-200} $PYTHON "$HERE/batch_invariance.py" --model /tmp/$model --arms $arms --sampling $sampling --rows 8,32 \
+      --out "$OUT/invariance-$model" 2>&1 | grep -v -i warning | tee "$OUT/invariance-$model.log"
+  done
+}
+
 case "${1:-all}" in
 speculative) speculative ;;
 probe) probe ;;
+invariance) invariance ;;
 all) bash "$HERE/../real-model/run.sh" install && bash "$HERE/../real-model/run.sh" prepare && speculative ;;
 *) sed -n 2,7p "$0"; exit 2 ;;
 esac
