@@ -363,6 +363,7 @@ class Client:
 
     # -- the control plane (docs/rl.md): each call returns once every live worker of the model has
     # applied the command, or after `timeout` seconds with those that did not named in `missing`
+    # (with no live worker, after waiting up to 10 s for one)
 
     def publish_weights(self, model: str, version: int, path: str, policy: WeightPolicy = "drain", *,
                         upload: bool = False, timeout: float = 300) -> ControlOutcome:

@@ -21,6 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from producer.errors import InvalidRequest, broker_errors
+from producer.presence import aread_live, read_live
 from schemas import keys
 from schemas.control import (
     WEIGHT_CHUNK_BYTES,
@@ -31,13 +32,17 @@ from schemas.control import (
     WeightFile,
     WeightPolicy,
 )
-from schemas.presence import PRESENCE_WINDOW_S, WorkerPresence
+from schemas.presence import WorkerPresence
 
 __all__ = ["AsyncControlCalls", "ControlCalls", "adapter_command", "control_command", "weights_command"]
 
 STREAM_LENGTH = 1000  # commands kept on a model's control stream (approximately)
 BLOB_TTL_S = 24 * 3600  # weights streamed through Redis stay this long for workers to catch up
 ACK_POLL_S = 0.05
+# A fleet can be briefly invisible: a broker that failed over or restarted may have lost the presence
+# entries, a host that stalled past their TTL let them expire. Each worker writes its entry again within a
+# heartbeat interval (5 s by default), so a command that finds no live worker waits this long for one.
+NO_LIVE_WORKER_WAIT_S = 10.0
 
 
 def control_command(op: str, model: str, **fields: Any) -> ControlCommand:
@@ -108,24 +113,20 @@ def _chunked(files: list[Path], prefix: str) -> tuple[list[WeightFile], dict[str
     return entries, chunks
 
 
-def serving(raw_entries: list[Optional[bytes]], model: str, now: float) -> set[str]:
-    """The live workers, among presence entries as read, that serve `model`."""
-    names = set()
-    for raw in raw_entries:
-        if raw is None:
-            continue
-        try:
-            entry = WorkerPresence.model_validate_json(raw)
-        except ValueError:
-            continue
-        if model in entry.served_names and entry.heartbeat_at + entry.ttl_s >= now:
-            names.add(entry.name)
-    return names
-
-
 def outcome(command: ControlCommand, raw_acks: dict[bytes, bytes], live: set[str]) -> ControlOutcome:
     acked = {name.decode(): ControlAck.model_validate_json(raw) for name, raw in raw_acks.items()}
     return ControlOutcome(command=command, acked=acked, missing=sorted(live - set(acked)))
+
+
+def settled(result: ControlOutcome, now: float, deadline: float, nobody_until: float) -> bool:
+    """Whether a command's wait ends: every live worker acknowledged (and some worker did, or none has
+    shown up by `nobody_until`), or the deadline passed. Times are time.monotonic()'s."""
+    return now >= deadline or (not result.missing and (bool(result.acked) or now >= nobody_until))
+
+
+def serving(workers: list[WorkerPresence], model: str) -> set[str]:
+    """The names of the live workers, as read, that serve `model`."""
+    return {worker.name for worker in workers if model in worker.served_names}
 
 
 def _command_or_none(raw: Optional[bytes]) -> Optional[ControlCommand]:
@@ -193,10 +194,12 @@ class ControlCalls:
             with self._connection.pipeline(transaction=False) as pipe:
                 _publish_commands(pipe, command, chunks)
                 replies = pipe.execute()
-            deadline = time.monotonic() + timeout
+            started = time.monotonic()
+            deadline, nobody_until = started + timeout, started + min(timeout, NO_LIVE_WORKER_WAIT_S)
             while True:
-                result = outcome(command, self._connection.hgetall(keys.ack_key(command.id)), self._live(command.model))
-                if not result.missing or time.monotonic() >= deadline:
+                live = serving(read_live(self._connection), command.model)
+                result = outcome(command, self._connection.hgetall(keys.ack_key(command.id)), live)
+                if settled(result, time.monotonic(), deadline, nobody_until):
                     break
                 time.sleep(ACK_POLL_S)
             if refused_by_all(result):
@@ -207,12 +210,6 @@ class ControlCalls:
     def latest_weights(self, model: str) -> Optional[ControlCommand]:
         with broker_errors():
             return _command_or_none(self._connection.get(keys.weights_key(model)))
-
-    def _live(self, model: str) -> set[str]:
-        now = time.time()
-        names = self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
-        entries = self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
-        return serving(entries, model, now)
 
 
 class AsyncControlCalls:
@@ -226,11 +223,12 @@ class AsyncControlCalls:
             async with self._connection.pipeline(transaction=False) as pipe:
                 _publish_commands(pipe, command, chunks)
                 replies = await pipe.execute()
-            deadline = time.monotonic() + timeout
+            started = time.monotonic()
+            deadline, nobody_until = started + timeout, started + min(timeout, NO_LIVE_WORKER_WAIT_S)
             while True:
-                acks = await self._connection.hgetall(keys.ack_key(command.id))
-                result = outcome(command, acks, await self._live(command.model))
-                if not result.missing or time.monotonic() >= deadline:
+                live = serving(await aread_live(self._connection), command.model)
+                result = outcome(command, await self._connection.hgetall(keys.ack_key(command.id)), live)
+                if settled(result, time.monotonic(), deadline, nobody_until):
                     break
                 await asyncio.sleep(ACK_POLL_S)
             if refused_by_all(result):
@@ -241,12 +239,6 @@ class AsyncControlCalls:
     async def latest_weights(self, model: str) -> Optional[ControlCommand]:
         with broker_errors():
             return _command_or_none(await self._connection.get(keys.weights_key(model)))
-
-    async def _live(self, model: str) -> set[str]:
-        now = time.time()
-        names = await self._connection.zrangebyscore(keys.WORKERS_KEY, now - PRESENCE_WINDOW_S, "+inf")
-        entries = await self._connection.mget([keys.worker_key(n.decode()) for n in names]) if names else []
-        return serving(entries, model, now)
 
 
 def abort_target(model: Optional[str], job_id: Optional[str], job_model: Optional[str]) -> tuple[str, Optional[str]]:

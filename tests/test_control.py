@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from producer import AsyncClient, Client
-from producer.control import ControlCalls, weights_command
+from producer.control import ControlCalls, control_command, weights_command
 from schemas import keys
+from schemas.presence import WorkerPresence
 from tests.workers import start_fake_worker, stop, wait_for, workers_live
 from worker.engines.fake import fake_token
 
@@ -141,6 +142,35 @@ def test_abort_ends_running_jobs_and_min_weight_version_waits_for_the_weights(re
     finally:
         out = stop(worker)
     assert worker.returncode == 0, out
+
+
+def test_a_command_waits_for_a_live_worker_whose_entry_was_lost_and_it_applies_it(redis_url, version_dir):
+    """A broker that failed over or restarted may have lost the workers' presence entries (a host that
+    stalled past their TTL let them expire): the publish found nobody live and returned at once, not ok,
+    while the worker went on to apply the version."""
+    conn = redis.Redis.from_url(redis_url)
+    worker = start_fake_worker(redis_url, name="unseen", env=ENV, step_delay_s=0.01)
+    try:
+        workers_live(conn, 1)
+        conn.delete(keys.worker_key("unseen"))  # until its next heartbeat, up to 5 s away
+        conn.zrem(keys.WORKERS_KEY, "unseen")
+        outcome = Client(redis_url).publish_weights(ALIAS, 8, str(version_dir), "drain", timeout=30)
+        assert outcome.ok and set(outcome.acked) == {"unseen"}, outcome
+    finally:
+        out = stop(worker)
+    assert worker.returncode == 0, out
+
+
+def test_a_worker_is_live_while_its_entry_exists_though_its_hosts_clock_is_behind(redis_url):
+    """Liveness is the entry's existence, which Redis's TTL decides; a worker host whose clock was behind
+    the caller's by more than the entry's TTL was taken for dead (its heartbeat time plus TTL was past)."""
+    conn = redis.Redis.from_url(redis_url)
+    behind = time.time() - 600
+    entry = WorkerPresence(name="slow-clock", alias=ALIAS, heartbeat_at=behind, ttl_s=20)
+    conn.set(keys.worker_key("slow-clock"), entry.model_dump_json(), ex=20)
+    conn.zadd(keys.WORKERS_KEY, {"slow-clock": behind})
+    outcome = ControlCalls(conn).send(control_command("pause", ALIAS, mode="keep"), {}, timeout=0.3)
+    assert outcome.missing == ["slow-clock"] and not outcome.ok, outcome
 
 
 def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_url, version_dir, tmp_path):
