@@ -61,7 +61,7 @@ invariance() {
   local model arms sampling
   for model in real-bf16 real-f32; do
     arms=off,ngram sampling=greedy; [ $model = real-f32 ] && arms=off,ngram,draft-self sampling=greedy,seeded
-    timeout ${INV_TIMEOUT:-200} $PYTHON "$HERE/batch_invariance.py" --model /tmp/$model --arms $arms --sampling $sampling --rows 8,32 \
+    timeout ${INV_TIMEOUT:-400} $PYTHON "$HERE/batch_invariance.py" --model /tmp/$model --arms $arms --sampling $sampling --rows 8,32 \
       --out "$OUT/invariance-$model" 2>&1 | grep -v -i warning | tee "$OUT/invariance-$model.log"
   done
 }
