@@ -517,7 +517,7 @@ class BatchLoop:
             self._bookkeeper.submit(self._rq.run_maintenance, upkeep=True)
         elif now - self._last_sweep > self._settings.sweep_interval_s:
             self._last_sweep = now
-            running = frozenset(self._table).union(item.job_id for item in self._unstarted)
+            running = frozenset(self.running_ids())
             self._bookkeeper.submit(lambda: self._rq.sweep(running), upkeep=True)
 
     # --- the control plane's hands (worker/control.py LoopControls) --------------------------

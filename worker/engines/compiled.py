@@ -115,9 +115,10 @@ class CompiledEngine:
                                    disabled_reason=unsupported_reason(make_prompt_cache(model)))
         # A draft model's keys and values share the budget in proportion to the bytes per token: each
         # table then sizes its buffers exactly where both tables' buckets together would pass it.
-        draft_bytes = speculator.drafter.kv_bytes_per_token if speculator is not None else 0
-        own_budget = kv_budget_bytes * self._layout.bytes_per_token // (self._layout.bytes_per_token + draft_bytes)
+        own_budget = kv_budget_bytes
         if speculator is not None:
+            own_bytes = self._layout.bytes_per_token
+            own_budget = kv_budget_bytes * own_bytes // (own_bytes + speculator.drafter.kv_bytes_per_token)
             speculator.drafter.share_kv_budget(kv_budget_bytes - own_budget)
         self._table: SlotTable[DecodingSequence] = SlotTable(self._layout, max_num_seqs, own_budget)
         self._by_uid: dict[str, DecodingSequence] = {}
