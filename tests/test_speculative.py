@@ -26,7 +26,7 @@ from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_l
 from worker.engines.compiled import CompiledEngine
 from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
 from worker.engines.slot_cache import KVLayout, SlotBuffers
-from worker.engines.speculation import DraftRow, Speculator
+from worker.engines.speculation import DraftRow, speculator_for
 from worker.engines.speculation.adaptive import FIRST_BACKOFF, MAX_BACKOFF, RowAdaptivity
 from worker.engines.speculation.pass_cost import FORGET_AFTER
 from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
@@ -119,7 +119,7 @@ def test_greedy_rows_give_their_tokens_and_logprobs_without_speculation(target, 
     first token comes from its prefill's logits (a GPU's way) rather than a decode step (the CPU's)."""
     model, tokenizer = target
     without, _ = run(model, tokenizer, GREEDY_BATCH)
-    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, Speculator(drafter_for(drafter, model, itself, unrelated)),
+    with_spec, engine = run(model, tokenizer, GREEDY_BATCH, speculator_for(drafter_for(drafter, model, itself, unrelated)),
                             first_token_from_prefill=from_prefill)
     assert_same(with_spec, without)
     eos = set(tokenizer.eos_token_ids)
@@ -154,12 +154,12 @@ def test_seeded_rows_are_the_same_alone_in_a_batch_and_without_speculation(targe
     model, tokenizer = target
     requests = seeded_requests()
     without, _ = run(model, tokenizer, requests)
-    batched, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)),
+    batched, _ = run(model, tokenizer, requests, speculator_for(DraftModelDrafter(itself, model.args.vocab_size)),
                      first_token_from_prefill=True)
     assert_same(batched, without)
     for job_id, request in requests.items():
         alone, _ = run(model, tokenizer, {job_id: request},
-                       Speculator(DraftModelDrafter(itself, model.args.vocab_size), max_k=2))
+                       speculator_for(DraftModelDrafter(itself, model.args.vocab_size), max_k=2))
         assert_same(alone, {job_id: without[job_id]})
     stats = [r.speculation for r in batched.values()]
     assert sum(s.accepted for s in stats) > 0 and sum(s.proposed - s.accepted for s in stats) > 0
@@ -171,6 +171,7 @@ class FixedDrafter:
     name = "ngram"
     judged_as_a_whole = False
     guesses_first_token = True  # it proposes at every step, the first one included
+    graded = False  # its rows' own acceptance decides (adaptive.py)
     kv_bytes_per_token = 0
 
     def __init__(self, tokens: list[int]) -> None:
@@ -181,6 +182,9 @@ class FixedDrafter:
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         return [self.tokens[: row.k] for row in rows]
+
+    def grade(self, uid: str) -> int:
+        return 0
 
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:
         pass
@@ -206,7 +210,7 @@ def test_sampled_rows_keep_the_models_distribution(target, seeded):
     requests = {f"r{i}": {"prompt_token_ids": prompt, "max_tokens": 2, "temperature": 1.0, "logit_bias": bias,
                           "ignore_eos": True, **({"seed": i} if seeded else {})} for i in range(rows)}
     mx.random.seed(1234)
-    results, engine = run(model, tokenizer, requests, Speculator(FixedDrafter([small[0], small[1]])), max_num_seqs=16)
+    results, engine = run(model, tokenizer, requests, speculator_for(FixedDrafter([small[0], small[1]])), max_num_seqs=16)
     pairs = [tuple(r.choices[0].token_ids) for r in results.values()]
     assert all(a in small and b in small for a, b in pairs)
     proposed = sum(r.speculation.proposed for r in results.values() if r.speculation)
@@ -266,7 +270,7 @@ def test_stop_tokens_stop_strings_and_max_tokens_end_rows_where_they_end_without
                 "short": {**base, "max_tokens": 7}}
     reference, _ = run(model, tokenizer, requests)
     oracle = OracleDrafter(len(base["prompt_token_ids"]), tokens)  # every proposal right: runs pass the stops
-    got, _ = run(model, tokenizer, requests, Speculator(oracle))
+    got, _ = run(model, tokenizer, requests, speculator_for(oracle))
     assert_same(got, reference)
     assert got["stop_token"].choices[0].token_ids[-1] == stop_token and got["stop_token"].choices[0].finish_reason == "stop"
     assert got["stop_string"].choices[0].finish_reason == "stop" and stop_string not in got["stop_string"].choices[0].text
@@ -292,7 +296,7 @@ def test_opted_out_and_refused_rows_decode_beside_speculating_ones(target, itsel
     }
     without, _ = run(model, tokenizer, requests)
     with caplog.at_level(logging.INFO, logger="mlxq.engine"):
-        got, _ = run(model, tokenizer, requests, Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+        got, _ = run(model, tokenizer, requests, speculator_for(DraftModelDrafter(itself, model.args.vocab_size)))
     assert_same(got, without)
     assert got["free"].speculation is not None and got["free"].speculation.accepted > 0
     assert all(got[job].speculation is None for job in ("opted_out", "penalty", "penalty2", "json"))
@@ -306,7 +310,7 @@ def test_a_cancelled_row_ends_and_the_others_go_on(target, itself):
                           "ignore_eos": True} for i in range(3)}
     without, _ = run(model, tokenizer, requests)
     engine = CompiledEngine(model, tokenizer, max_num_seqs=4,
-                            speculator=Speculator(DraftModelDrafter(itself, model.args.vocab_size)))
+                            speculator=speculator_for(DraftModelDrafter(itself, model.args.vocab_size)))
     scheduler = BatchScheduler(engine, max_num_seqs=4)
     for job_id, request in requests.items():
         assert scheduler.admit(job_id, request) is None
@@ -331,7 +335,7 @@ def test_a_weight_swap_starts_the_drafter_over_and_the_new_weights_decide(tiny_m
     model, tokenizer = load(tiny_model_dir)  # its own copy: the swap changes it
     other, _ = load(other_dir)
     drafter = DraftModelDrafter(load(tiny_model_dir)[0], model.args.vocab_size)
-    engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=Speculator(drafter))
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=speculator_for(drafter))
     scheduler = BatchScheduler(engine, max_num_seqs=4)
     first = {"prompt_token_ids": looping_prompt(1, 20), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     assert scheduler.admit("before", first) is None
@@ -379,7 +383,7 @@ def test_a_drafter_that_always_misses_costs_two_verification_steps(target):
     request = {"prompt_token_ids": looping_prompt(4, 20), "max_tokens": 120, "temperature": 0, "ignore_eos": True,
                "logit_bias": {"7": -100.0}}
     without, _ = run(model, tokenizer, {"open": request})
-    got, engine = run(model, tokenizer, {"open": request}, Speculator(WrongDrafter([7, 7, 7])))
+    got, engine = run(model, tokenizer, {"open": request}, speculator_for(WrongDrafter([7, 7, 7])))
     assert_same(got, without)
     counters = engine.stats().counters
     assert got["open"].speculation.accepted == 0
@@ -392,11 +396,11 @@ def test_a_probe_is_decided_by_the_tokens_the_row_makes():
     """A row that is off probes when its wait is over: the drafter guesses from the tokens the row
     has, no pass runs, and the tokens the row makes next decide. A guess they bear out whole turns
     the row back on; a miss, known at the first token that differs, turns it off for twice as long."""
-    speculator = Speculator(FixedDrafter([5, 6]), max_k=4)
+    speculator = speculator_for(FixedDrafter([5, 6]), max_k=4)
     row = PolicyRow("row")
     speculator.outcome(row, 2, 0)
     speculator.outcome(row, 2, 0)
-    adaptivity = speculator._state(row).adaptivity
+    adaptivity = speculator.adaptivity(row)
     for _ in range(FIRST_BACKOFF):
         speculator.step_began([row], slot_count=1)
     assert adaptivity.probe_due and speculator.width([row], 1) == 1  # a probe runs no pass
@@ -480,7 +484,7 @@ def test_adapter_rows_and_scored_prompts_speculate_exactly(tmp_path, target):
         return run_all(BatchScheduler(engine, max_num_seqs=8), dict(requests))
 
     without = run_with(None)
-    got = run_with(Speculator(NgramDrafter()))
+    got = run_with(speculator_for(NgramDrafter()))
     assert_same(got, without)
     assert got["scored"].prompt_logprobs == without["scored"].prompt_logprobs is not None
     assert all(got[job].speculation is not None for job in requests) and accepted(got) > 0
@@ -498,60 +502,55 @@ class PolicyRow:
 
 def test_prompt_lookup_waits_for_a_rows_first_token_and_a_draft_model_does_not():
     """A row's first token follows the chat template's assistant header, which prompt lookup can
-    only match against the template's own earlier newlines: such a proposal is a miss that costs a
-    pass and counts against the row. Its rows propose from their first token on; a draft model's
-    rows propose from the start."""
-    lookup, drafting = Speculator(NgramDrafter(), max_k=4), Speculator(FixedDrafter([5, 6]), max_k=4)
+    only match against the template's own earlier newlines: such a proposal would mostly miss. Its
+    rows propose from their first token on; a draft model's rows propose from the start."""
+    lookup, drafting = speculator_for(NgramDrafter(), max_k=4), speculator_for(FixedDrafter([5, 6]), max_k=4)
     row = PolicyRow("new")
     row.prompt, row.generated = [9, 5, 6, 7, 8, 9, 5, 6, 7], []
-    assert lookup.width([row], 1) == 1 and lookup.plan([row], 1) is None
-    assert lookup._state(row).adaptivity.tries == 0  # waiting is not a miss
+    lookup.step_began([row], 1)
+    assert lookup.width([row], 1) == 1 and lookup.plan([row], 1) is None and lookup.probed == 0
     assert drafting.width([row], 1) > 1
     row.generated = [8]
     plan = lookup.plan([row], 1)
-    assert plan is not None and plan.rows[0].draft == [9, 5]  # k starts at 2
+    assert plan is not None and plan.rows[0].draft == [9, 5, 6, 7]  # what followed 6, 7, 8
 
 
 def test_rows_that_are_off_ride_along_in_a_pass_run_for_others():
     """A pass runs every slot at its full width, so a row that is off proposes in it for free: its
     misses leave its backoff as it was, and a ride accepted whole turns it back on."""
-    speculator = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4)
+    speculator = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4)
     on, off = PolicyRow("on"), PolicyRow("off")
     speculator.outcome(off, 2, 0)
     speculator.outcome(off, 2, 0)  # two misses: off
-    waiting = speculator._state(off).adaptivity.off_for
+    waiting = speculator.adaptivity(off).off_for
     assert waiting > 0
     assert speculator.plan([off], slot_count=1) is None  # no row is on: no pass for the off row alone
     plan = speculator.plan([on, off], slot_count=2)
     assert plan is not None and plan.width == 3  # the new row's k (2) sets the width
     assert [(r.seq.spec.uid, r.draft) for r in plan.rows] == [("on", [5, 6]), ("off", [5, 6])]
     speculator.outcome(off, 2, 1)
-    assert speculator._state(off).adaptivity.off_for == waiting  # a ride's miss costs it nothing
+    assert speculator.adaptivity(off).off_for == waiting  # a ride's miss costs it nothing
     speculator.outcome(off, 2, 2)
-    assert speculator._state(off).adaptivity.on and speculator.accepted == 3
+    assert speculator.adaptivity(off).on and speculator.accepted == 3
 
 
 def test_rows_start_off_while_their_drafter_keeps_missing():
     """A new row gets two proposals to show its worth, unless the drafter's recent proposals for other
     rows mostly missed: then it starts off, waiting as long as the row that last turned off, and then
-    probes once. After MAX_BACKOFF steps without a proposal the drafter gets a new chance. Prompt
-    lookup is judged per request (a chat that hits nothing says nothing of the next prompt)."""
+    probes once. After MAX_BACKOFF steps without a proposal the drafter gets a new chance."""
     class DraftLike(FixedDrafter):
         judged_as_a_whole = True  # as a draft model is
 
-    speculator = Speculator(DraftLike([5, 6]), max_k=4)
+    speculator = speculator_for(DraftLike([5, 6]), max_k=4)
     early = PolicyRow("early")
     speculator.outcome(early, 2, 0)
-    assert speculator._state(early).adaptivity.on  # its first miss: one more try
+    assert speculator.adaptivity(early).on  # its first miss: one more try
     speculator.outcome(early, 2, 0)
-    assert speculator._state(early).adaptivity.off_for == FIRST_BACKOFF
+    assert speculator.adaptivity(early).off_for == FIRST_BACKOFF
     speculator.outcome(PolicyRow("other"), 2, 0)
     assert speculator.track < 0.2
-    late = speculator._state(PolicyRow("late")).adaptivity
+    late = speculator.adaptivity(PolicyRow("late"))
     assert not late.on and late.off_for == FIRST_BACKOFF
-    lookup = Speculator(NgramDrafter(), max_k=4)  # prompt lookup's hits are each request's own
-    lookup.track = 0.0
-    assert lookup._state(PolicyRow("next")).adaptivity.on
     for _ in range(FIRST_BACKOFF):
         late.decoded()
     assert late.probe_due  # its probe: one miss turns it off for twice as long
@@ -559,7 +558,7 @@ def test_rows_start_off_while_their_drafter_keeps_missing():
     assert late.off_for == 2 * FIRST_BACKOFF
     for _ in range(MAX_BACKOFF):
         speculator.step_began([], slot_count=1)
-    assert speculator._state(PolicyRow("much later")).adaptivity.on
+    assert speculator.adaptivity(PolicyRow("much later")).on
 
 
 def test_the_pass_width_follows_the_costs_measured_while_serving():
@@ -567,8 +566,8 @@ def test_the_pass_width_follows_the_costs_measured_while_serving():
     once both are measured (the prior until then; a pause in one sample does not move it); the width
     chosen makes the most tokens per step's cost. A cost given as a setting is never measured, and a
     width not run for a while is measured afresh (a width measured too dear would never be run again)."""
-    measured = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0, measure_cost=True)
-    fixed = Speculator(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0)
+    measured = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0, measure_cost=True)
+    fixed = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0)
     rows = [PolicyRow(f"r{i}") for i in range(8)]
     for speculator in (measured, fixed):
         for row in rows:
@@ -593,12 +592,12 @@ def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(ta
     """A row that may propose is worth the batch's wider pass when its expected tokens cover the pass's
     extra cost for every row of the batch; a batch too large for `max_positions` never speculates."""
     Row = PolicyRow
-    speculator = Speculator(NgramDrafter(), max_k=4, max_positions=64)  # a pass costs 1.25 steps
+    speculator = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, max_positions=64)  # a pass costs 1.25 steps
     lone = [Row("on", True)]  # new: expected to add its k (2) tokens
     assert speculator.wants(lone + [Row(f"off{i}", False) for i in range(7)], slot_count=8)
     assert not speculator.wants(lone + [Row(f"off{i}", False) for i in range(15)], slot_count=16)
     assert not speculator.wants([Row(f"r{i}", True) for i in range(40)], slot_count=48)  # 48 x 2 > 64
-    on_cpu = Speculator(NgramDrafter(), max_k=4, max_positions=64, pass_cost=2.0)  # a token per row to pay
+    on_cpu = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, max_positions=64, pass_cost=2.0)  # a token a row
     assert on_cpu.wants(lone + [Row("off0", False)], slot_count=2)
     assert not on_cpu.wants(lone + [Row(f"off{i}", False) for i in range(2)], slot_count=3)
     wide = [Row(f"r{i}", True) for i in range(32)]  # 32 slots: passes of 2 positions, one token a row
@@ -627,7 +626,7 @@ def test_rows_that_ended_leave_nothing_behind(target, itself):
     passes here: max_tokens, stop tokens)."""
     model, tokenizer = target
     drafter = DraftModelDrafter(itself, model.args.vocab_size)
-    speculator = Speculator(drafter)
+    speculator = speculator_for(drafter)
     run(model, tokenizer, GREEDY_BATCH, speculator)
     assert speculator.stats()["speculative_accepted"] > 0
     assert not drafter.rows and speculator.tracked_rows == 0
@@ -734,8 +733,8 @@ def test_admission_counts_a_draft_models_keys_and_values_with_the_served_models(
     alone is refused with a draft beside it. Prompt lookup keeps nothing per token."""
     model, tokenizer = target
     plain = CompiledEngine(model, tokenizer)
-    drafted = CompiledEngine(model, tokenizer, speculator=Speculator(DraftModelDrafter(unrelated, model.args.vocab_size)))
-    ngram = CompiledEngine(model, tokenizer, speculator=Speculator(NgramDrafter()))
+    drafted = CompiledEngine(model, tokenizer, speculator=speculator_for(DraftModelDrafter(unrelated, model.args.vocab_size)))
+    ngram = CompiledEngine(model, tokenizer, speculator=speculator_for(NgramDrafter()))
     draft_per_token = KVLayout.of(unrelated).bytes_per_token
     assert draft_per_token > 0 and ngram.kv_bytes_per_token == plain.kv_bytes_per_token
     assert drafted.kv_bytes_per_token == plain.kv_bytes_per_token + draft_per_token
@@ -765,7 +764,7 @@ def test_a_draft_models_buffers_share_the_budget_and_are_sized_exactly_where_buc
     def peak_draft_bytes(kv_budget: int) -> int:
         drafter = DraftModelDrafter(itself, model.args.vocab_size)
         engine = CompiledEngine(model, tokenizer, max_num_seqs=8, kv_budget_bytes=kv_budget,
-                                speculator=Speculator(drafter))
+                                speculator=speculator_for(drafter))
         results = {}
         scheduler = BatchScheduler(engine, max_num_seqs=8, kv_budget_bytes=kv_budget)
         assert not any(scheduler.admit(job_id, dict(request)) for job_id, request in requests.items())
@@ -816,7 +815,7 @@ def test_no_row_proposes_until_the_verification_kernels_are_built(target):
     request = {"prompt_token_ids": looping_prompt(1, 30), "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     without, _ = run(model, tokenizer, {"r": request})
     prebuild = _Prebuild()
-    engine = CompiledEngine(model, tokenizer, max_num_seqs=2, speculator=Speculator(NgramDrafter()))
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=2, speculator=speculator_for(NgramDrafter()))
     engine._prebuild = prebuild
     waiting = run_all(BatchScheduler(engine, max_num_seqs=2), {"r": request})
     assert engine.stats().counters["speculative_steps"] == 0

@@ -83,7 +83,7 @@ def served(real_model: str) -> tuple[Any, Any]:
 
 def run_real(real_model: str, served, speculative: str, draft: Any = None) -> tuple[dict, dict]:
     from worker.engines.compiled import CompiledEngine
-    from worker.engines.speculation import Speculator
+    from worker.engines.speculation import speculator_for
     from worker.loading import build_speculator
     from worker.settings import WorkerSettings
 
@@ -94,7 +94,7 @@ def run_real(real_model: str, served, speculative: str, draft: Any = None) -> tu
     elif speculative == "draft":
         from worker.engines.speculation.draft_model import DraftModelDrafter
 
-        speculator = Speculator(DraftModelDrafter(draft, model.args.vocab_size))
+        speculator = speculator_for(DraftModelDrafter(draft, model.args.vocab_size))
     engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=speculator)
     results = run_all(BatchScheduler(engine, max_num_seqs=4), dict(GROUNDED))
     return results, dict(engine.stats().counters)

@@ -160,7 +160,7 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
     loaded as the served model is (a directory, a .gguf file or a hub id) and checked to share its tokenizer."""
     if settings.speculative == "off":
         return None
-    from worker.engines.speculation import Speculator
+    from worker.engines.speculation import speculator_for
     from worker.engines.speculation.speculator import DEFAULT_PASS_COST
     from worker.engines.text_model import model_vocab_size
 
@@ -200,7 +200,8 @@ def build_speculator(settings: WorkerSettings, model: Any, tokenizer: Any) -> An
              "%.2f decode steps%s", settings.speculative if settings.speculative == "ngram"
              else f"draft model {settings.draft_model}", settings.speculative_k, settings.speculative_max_positions, cost,
              " until measured" if measured else "")
-    return Speculator(drafter, settings.speculative_k, settings.speculative_max_positions, cost, measure_cost=measured)
+    return speculator_for(drafter, settings.speculative_k, settings.speculative_max_positions, cost,
+                          measure_cost=measured)
 
 
 def is_vision_model(model: str) -> bool:

@@ -104,6 +104,7 @@ class DraftModelDrafter:
     name = "draft"
     judged_as_a_whole = True
     guesses_first_token = True
+    graded = False
 
     def __init__(self, model: Any, vocab_size: int, prefill_step: int = PREFILL_STEP) -> None:
         """`vocab_size`: the served model's; the draft model proposes no id at or past it."""
@@ -242,6 +243,9 @@ class DraftModelDrafter:
     def rows(self) -> list[str]:
         """The rows whose draft slots it keeps."""
         return list(self._rows)
+
+    def grade(self, uid: str) -> int:
+        return 0  # ungraded: its rows' own acceptance decides (adaptive.py)
 
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:
         pass  # the next proposal moves the row back to what its tokens confirm

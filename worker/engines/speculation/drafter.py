@@ -33,6 +33,9 @@ class Drafter(Protocol):
     # served model does); prompt lookup cannot (what follows the chat template's assistant header is
     # the model's own start, not a repeat of the prompt), so its rows wait for their first token.
     guesses_first_token: bool
+    # Whether `grade` says how likely each proposal is to be accepted: then the graded policy decides
+    # which rows propose (graded.py), else each row's own acceptance does (adaptive.py).
+    graded: bool
     # Bytes of its own per decoding row and token (a draft model's keys and values; 0 for none): the
     # engine counts them with the served model's, so that admission keeps both within the KV budget.
     kv_bytes_per_token: int
@@ -41,6 +44,11 @@ class Drafter(Protocol):
         """A proposal per row, in order: up to `row.k` tokens that would follow `row.tokens`
         (an empty list: nothing to propose). Deterministic: the same tokens give the same proposal,
         so verification may treat it as a point mass (verify.py)."""
+        ...
+
+    def grade(self, uid: str) -> int:
+        """The grade of `uid`'s latest proposal, where `graded` (0 otherwise): proposals of one grade
+        are alike in how often they are accepted."""
         ...
 
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:

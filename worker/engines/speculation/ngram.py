@@ -31,6 +31,7 @@ class _RowIndex:
         self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_n + 1)]
         self.indexed = 0  # positions p < indexed have had the n-grams ending before p recorded
         self.tokens: list[int] = []
+        self.matched = 0  # the length of the suffix the latest proposal continues (0: none matched)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Take the row's tokens now (the ones seen before are, as a rule, a prefix of them)."""
@@ -55,7 +56,9 @@ class _RowIndex:
                 continue
             start = self.latest[n].get(tuple(tokens[-n:]))
             if start is not None:
+                self.matched = n
                 return tokens[start:start + k]
+        self.matched = 0
         return []
 
 
@@ -65,6 +68,7 @@ class NgramDrafter:
     name = "ngram"
     judged_as_a_whole = False  # a chat that hits nothing says nothing of the next request's prompt
     guesses_first_token = False
+    graded = True  # by the length of the match
     kv_bytes_per_token = 0
 
     def __init__(self, max_n: int = MAX_N) -> None:
@@ -83,6 +87,12 @@ class NgramDrafter:
             index.extend(row.tokens)
             proposals.append(index.propose(row.k) if row.k > 0 else [])
         return proposals
+
+    def grade(self, uid: str) -> int:
+        """The grade of `uid`'s latest proposal: the length of the match it continues
+        (worker/engines/speculation/graded.py)."""
+        index = self._rows.get(uid)
+        return index.matched if index is not None else 0
 
     def accepted(self, uid: str, proposed: int, accepted: int) -> None:
         pass  # the lookup has nothing to learn: the row's tokens say it all

@@ -1,26 +1,30 @@
-"""Which rows speculate in a step, and how far: the compiled engine's speculation policy.
+"""Which rows speculate in a step, and how far: what the compiled engine asks of a speculation
+policy, and what every policy shares.
 
 Per row: whether it may speculate at all (`refusal`: the request opted out, or a feature whose
-processing depends on the tokens before each position), its adaptivity (adaptive.py) and its
-drafter's state. Per step: the rows that propose and their proposals, and the width of the
-verification pass, capped so that slots x width stays within `max_positions` (a large batch is
-already compute-bound: extra positions there cost about what they could save).
+processing depends on the tokens before each position), and how many tokens it may propose. Per
+step: the rows that propose and their proposals, and the width of the verification pass, capped so
+that slots x width stays within `max_positions` (a large batch is already compute-bound: extra
+positions there cost about what they could save), chosen where the tokens it is expected to add pay
+for its cost.
 
-A row that is off probes without a pass: its drafter proposes from the tokens the row has, and the
-tokens the row then makes decide the probe. Verification would accept the same tokens: a position's
-proposal is kept when the token drawn there equals it, and the decode step draws that very token
-(verify.py). So a probe costs the drafter's guess alone.
+Two policies decide who proposes: adaptive.py (each row's own acceptance turns it on and off: a
+draft model, whose calls cost) and graded.py (every row guesses at every step and each guess is
+judged by its grade: prompt lookup). `speculator_for` picks the drafter's.
+
+A guess that no pass verifies is checked against the tokens the row then makes: verification would
+accept the same tokens, as a position's proposal is kept when the token drawn there equals it, and
+the decode step draws that very token (verify.py). So such a guess costs the drafter's call alone.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from worker.engines.base import SequenceSpec
-from worker.engines.speculation.adaptive import FIRST_BACKOFF, LOW_ACCEPTANCE, MAX_BACKOFF, SMOOTHING, RowAdaptivity
-from worker.engines.speculation.drafter import Drafter, DraftRow
+from worker.engines.speculation.drafter import Drafter
 from worker.engines.speculation.pass_cost import PassCosts
 
 log = logging.getLogger("mlxq.engine")
@@ -79,20 +83,24 @@ class StepPlan:
 
 
 @dataclass
-class _RowState:
-    refusal: Optional[str]
-    adaptivity: RowAdaptivity
-
-
-@dataclass
-class _Probe:
-    """A probe in progress: `draft` guesses the row's tokens from its `start`-th generated token on."""
+class Guess:
+    """A proposal that no pass verifies: `draft` guesses a row's tokens from its `start`-th
+    generated token on, and the tokens the row makes decide it."""
 
     start: int
     draft: list[int]
 
+    def kept(self, generated: Sequence[int]) -> Optional[int]:
+        """How many of its tokens the row made, once that is known (all made, or one differed)."""
+        made = generated[self.start:self.start + len(self.draft)]
+        kept = next((i for i, (a, b) in enumerate(zip(made, self.draft)) if a != b), len(made))
+        return kept if kept == len(self.draft) or kept < len(made) else None
+
 
 class Speculator:
+    """A speculation policy's interface to the compiled engine, and what every policy shares: the
+    drafter, the pass costs, the rows' refusals and room, the choice of width and the counters."""
+
     def __init__(self, drafter: Drafter, max_k: int = DEFAULT_MAX_K, max_positions: int = DEFAULT_MAX_POSITIONS,
                  pass_cost: float = DEFAULT_PASS_COST["metal"], measure_cost: bool = False) -> None:
         """`pass_cost`: a verification pass's time over a decode step's (worker/loading.py picks it per
@@ -103,20 +111,12 @@ class Speculator:
         self.drafter = drafter
         self.max_k = max_k
         self.max_positions = max_positions
-        self._rows: dict[str, _RowState] = {}
-        self._probes: dict[str, _Probe] = {}
+        self._refusals: dict[str, Optional[str]] = {}
         self._logged: set[str] = set()
-        # The drafter's recent acceptance over every row's proposals. While it is under LOW_ACCEPTANCE a new
-        # row of a drafter judged as a whole (a draft model) starts off, for `_wait` steps (the wait of the
-        # row that last turned off); after MAX_BACKOFF steps with no proposal by a row that is on it is
-        # reset, so a drafter gets a new chance.
-        self.track = 0.5
-        self._wait = FIRST_BACKOFF
-        self._quiet = 0
         self.proposed = 0  # totals since start, for the engine's stats
         self.accepted = 0
         self.steps = 0
-        self.probed = 0  # tokens proposed in probes, and those the row then made
+        self.probed = 0  # tokens guessed and left to the tokens the rows made, and those they made
         self.probes_accepted = 0
 
     @property
@@ -128,18 +128,15 @@ class Speculator:
     def name(self) -> str:
         return self.drafter.name
 
-    def _state(self, row: Row) -> _RowState:
-        state = self._rows.get(row.spec.uid)
-        if state is None:
-            reason = refusal(row)
+    def refused(self, row: Row) -> Optional[str]:
+        """`refusal(row)`, kept per row, each reason logged once."""
+        uid = row.spec.uid
+        if uid not in self._refusals:
+            reason = self._refusals[uid] = refusal(row)
             if reason is not None and row.spec.speculative and reason not in self._logged:
                 self._logged.add(reason)
                 log.info("speculation: rows with %s do not speculate (logged once)", reason)
-            adaptivity = RowAdaptivity(self.max_k)
-            if self.drafter.judged_as_a_whole and self.track < LOW_ACCEPTANCE:
-                adaptivity.doubt(self._wait)
-            state = self._rows[row.spec.uid] = _RowState(reason, adaptivity)
-        return state
+        return self._refusals[uid]
 
     def _width_limit(self, slot_count: int) -> int:
         return min(self.max_k + 1, self.max_positions // max(1, slot_count))
@@ -151,21 +148,17 @@ class Speculator:
             return 0
         return row.spec.max_tokens - len(row.generated) - 1
 
-    def width(self, rows: Sequence[Row], slot_count: int) -> int:
-        """The width of the verification pass worth running this step (1: none is). A pass of width w
-        and cost c makes n + E(w) tokens where a decode step makes n (n rows decoding, E(w) what the
-        rows that are on are expected to add proposing up to w - 1 tokens each, capped by their k);
-        it is worth it when E(w) >= n (c - 1), and the width chosen makes the most tokens per step's
-        cost."""
-        limit = self._width_limit(slot_count) - 1
-        on = [(state.adaptivity, room) for state, room in ((self._state(row), self._room(row)) for row in rows)
-              if state.refusal is None and state.adaptivity.on and room > 0]
+    def _best_width(self, expected: Callable[[int], float], rows: int, slot_count: int, widest: int,
+                    margin: float = 1.0) -> int:
+        """The width worth running (1: none) when a pass of width w is expected to add `expected(w)`
+        tokens to a batch of `rows` decoding rows, up to `widest`: a pass of cost c makes rows + E(w)
+        tokens where a decode step makes `rows`, so it pays when E(w) >= rows (c - 1), times `margin`;
+        of the widths that pay, the one that makes the most tokens per step's cost."""
         best, best_rate = 1, 0.0
-        for width in range(2, limit + 2) if on else ():
-            expected = sum(adaptivity.expected(min(adaptivity.k, width - 1, room)) for adaptivity, room in on)
-            cost = self.costs.cost(slot_count, width)
-            if expected > 0 and expected >= max(MIN_EXPECTED_GAIN, cost - 1) * len(rows):
-                rate = (len(rows) + expected) / cost
+        for width in range(2, min(widest, self._width_limit(slot_count)) + 1):
+            gain, cost = expected(width), self.costs.cost(slot_count, width)
+            if gain > 0 and gain >= max(MIN_EXPECTED_GAIN, margin * (cost - 1)) * rows:
+                rate = (rows + gain) / cost
                 if rate > best_rate:
                     best, best_rate = width, rate
         return best
@@ -175,114 +168,40 @@ class Speculator:
         first: a proposal continues each row's latest token)."""
         return self.width(rows, slot_count) > 1
 
+    def width(self, rows: Sequence[Row], slot_count: int) -> int:
+        """The width of the verification pass this step is expected to be worth (1: none), judged
+        before the rows' latest tokens are read back."""
+        raise NotImplementedError
+
     def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
-        """Every engine step (each row's tokens are those read back so far): rows with speculation
-        off count down to their next probe; probes whose tokens are made are settled, and rows whose
-        wait is over make theirs."""
-        self._quiet += 1
-        if self._quiet >= MAX_BACKOFF:
-            self.track, self._wait, self._quiet = 0.5, FIRST_BACKOFF, 0
-        for row in rows:
-            self._state(row).adaptivity.decoded()
-        self._settle_probes(rows)
-        if self._width_limit(slot_count) > 1:
-            self._start_probes(rows)
-
-    def _start_probes(self, rows: Sequence[Row]) -> None:
-        due = [(row, min(state.adaptivity.k, room)) for row in rows if row.spec.uid not in self._probes
-               and (state := self._state(row)).refusal is None and state.adaptivity.probe_due
-               and (room := self._room(row)) > 0]
-        if not due:
-            return
-        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in due])
-        for (row, k), draft in zip(due, drafts):
-            draft = [int(t) for t in draft[:k]]
-            if draft:
-                self._probes[row.spec.uid] = _Probe(len(row.generated), draft)
-            else:
-                self._learn(row, 0, 0)  # nothing to propose: a miss, as for a row that is on
-
-    def _settle_probes(self, rows: Sequence[Row]) -> None:
-        for row in rows:
-            probe = self._probes.get(row.spec.uid)
-            if probe is None:
-                continue
-            made = row.generated[probe.start:probe.start + len(probe.draft)]
-            kept = next((i for i, (a, b) in enumerate(zip(made, probe.draft)) if a != b), len(made))
-            if kept == len(probe.draft) or kept < len(made):
-                del self._probes[row.spec.uid]
-                if self._state(row).adaptivity.probing:  # (a ride may have turned it on meanwhile)
-                    self.probed += len(probe.draft)
-                    self.probes_accepted += kept
-                    self._learn(row, len(probe.draft), kept)
+        """Every engine step, with each row's tokens as read back so far."""
+        raise NotImplementedError
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """The proposals of this step's rows (each row's tokens are up to date), or None when no pass
-        is worth running or no row that is on proposes anything. Every row that may speculate
-        proposes up to the pass's width (`width`): its slot runs the whole width anyway, so a row
-        that is off rides along for free. Rows that are on and found nothing to propose count it
-        as a miss."""
-        width = self.width(rows, slot_count)
-        if width < 2:
-            return None
-        on: list[tuple[Row, _RowState, int]] = []
-        riding: list[tuple[Row, _RowState, int]] = []
-        for row in rows:
-            state = self._state(row)
-            room = self._room(row)
-            if state.refusal is None and room > 0:
-                (on if state.adaptivity.on else riding).append((row, state, room))
-        asking = [(row, state, min(width - 1, room)) for row, state, room in on + riding]
-        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, _, k in asking])
-        drafts = [[int(t) for t in draft[:k]] for draft, (_, _, k) in zip(drafts, asking)]
-        longest = max(len(draft) for draft in drafts[: len(on)])
-        for (row, _, _), draft in zip(on, drafts):
-            if not draft:
-                self._learn(row, 0, 0)
-        if not longest:
-            return None
-        plan = StepPlan(width=1 + longest)
-        plan.rows = [RowPlan(row, draft[:longest]) for (row, _, _), draft in zip(asking, drafts) if draft]
-        return plan
+        is worth running."""
+        raise NotImplementedError
 
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` tokens of `row`'s proposal were accepted by a verification pass."""
-        adaptivity = self._state(row).adaptivity
-        if adaptivity.on:
-            self._learn(row, proposed, accepted)
-        else:
-            adaptivity.rode(proposed, accepted)
-            self.drafter.accepted(row.spec.uid, proposed, accepted)
         self.proposed += proposed
         self.accepted += accepted
-
-    def _learn(self, row: Row, proposed: int, accepted: int) -> None:
-        """What a proposal of a row that is on, or a probe, says of the row and of the drafter."""
-        adaptivity = self._state(row).adaptivity
-        adaptivity.record(proposed, accepted)
-        if proposed:
-            self.track += SMOOTHING * (accepted / proposed - self.track)
-            self._quiet = 0
-        if not adaptivity.on:
-            self._wait = adaptivity.off_for
         self.drafter.accepted(row.spec.uid, proposed, accepted)
 
     def forget(self, uid: str) -> None:
-        self._rows.pop(uid, None)
-        self._probes.pop(uid, None)
+        self._refusals.pop(uid, None)
         self.drafter.forget(uid)
 
     def reset(self) -> None:
         """Every row starts over (after a failed step, or a weight swap: what was learnt of the old
         weights' acceptance, and a draft model's caches, no longer hold)."""
-        self._rows.clear()
-        self._probes.clear()
+        self._refusals.clear()
         self.drafter.reset()
 
     @property
     def tracked_rows(self) -> int:
         """Rows whose state it keeps (those decoding)."""
-        return len(self._rows)
+        return len(self._refusals)
 
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,

@@ -9,7 +9,7 @@ from mlxq.bench.spec_workloads import spec_prompts
 from mlxq.bench.workloads import BenchRequest, Workload
 from mlxq.bench.scenario_speculative import payload
 from mlx_lm import load
-import worker.engines.speculation.speculator as sp
+from worker.engines.speculation.graded import GradedSpeculator  # prompt lookup's policy
 
 model = sys.argv[1]; rows = int(sys.argv[2]); kind = sys.argv[3] if len(sys.argv) > 3 else "chat"
 spent = {}
@@ -21,7 +21,7 @@ def wrap(cls, name):
         finally: spent[name] = spent.get(name, 0) + time.perf_counter() - t
     setattr(cls, name, g)
 for n in ("step_began", "wants", "plan"):
-    wrap(sp.Speculator, n)
+    wrap(GradedSpeculator, n)
 tok = load(model, lazy=True)[1]
 prompts = spec_prompts(tok, kind, rows)
 wl = Workload("closed", f"{kind}-{rows}", [BenchRequest(i, p, 128) for i, p in enumerate(prompts)])

@@ -1,0 +1,138 @@
+"""The graded speculation policy (worker/engines/speculation/graded.py), prompt lookup's: each proposal
+judged by the length of the match it continues, each grade's acceptance learnt from every guess, the
+ones a pass verified and the ones the rows' own tokens settled. Exactness on the engine is
+tests/test_speculative.py's (its prompt-lookup rows run this policy)."""
+
+from __future__ import annotations
+
+import pytest
+
+import worker  # noqa: F401  (OpenBLAS before MLX)
+from worker.engines.base import SamplingParams, SequenceSpec
+from worker.engines.speculation import GradedSpeculator, speculator_for
+from worker.engines.speculation.graded import GradeAcceptance
+from worker.engines.speculation.ngram import NgramDrafter
+
+GREEDY_MATCH_OF_3, GREEDY_MATCH_OF_1 = (3, True), (1, True)
+
+
+class Row:
+    """What the policy reads of a decoding row (speculator.py's `Row`)."""
+
+    def __init__(self, uid: str, tokens: list[int], temperature: float = 0.0) -> None:
+        self.spec = SequenceSpec(uid=uid, prompt_token_ids=tokens[:-1], max_tokens=100,
+                                 sampling=SamplingParams(temperature=temperature))
+        self.prompt, self.generated, self.constraint = tokens[:-1], tokens[-1:], None
+
+
+def long_match(uid: str) -> Row:
+    """Its last three tokens occurred before, followed by 4, 5, 6, 7."""
+    return Row(uid, [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3])
+
+
+def short_match(uid: str) -> Row:
+    """Only its last token occurred before, followed by 20, 21, 22, 23."""
+    return Row(uid, [3, 20, 21, 22, 23, 8, 9, 3])
+
+
+def taught(speculator: GradedSpeculator) -> GradedSpeculator:
+    """Matches of 3 tokens were accepted whole, matches of 1 never."""
+    for _ in range(20):
+        speculator.grades.record(GREEDY_MATCH_OF_3, 4, 4)
+        speculator.grades.record(GREEDY_MATCH_OF_1, 4, 0)
+    return speculator
+
+
+def lookup(pass_cost: float) -> GradedSpeculator:
+    speculator = speculator_for(NgramDrafter(), max_k=4, pass_cost=pass_cost)
+    assert isinstance(speculator, GradedSpeculator)
+    return speculator
+
+
+def test_a_grade_learns_the_chance_that_a_proposed_token_is_accepted_after_those_before_it():
+    grades = GradeAcceptance()
+    assert grades.chance("new") == 0.5  # the prior
+    grades.record("half", 4, 2)  # 2 accepted of 3 tried: the third was rejected, the fourth never tried
+    assert grades.chance("half") == pytest.approx(3 / 5)
+    grades.record("half", 0, 0)  # nothing proposed says nothing
+    assert grades.chance("half") == pytest.approx(3 / 5)
+    for _ in range(30):
+        grades.record("hit", 4, 4)
+        grades.record("miss", 4, 0)
+    hit = grades.chance("hit")
+    assert hit > 0.95 and grades.chance("miss") < 0.05
+    assert grades.expected("hit", 3) == pytest.approx(hit + hit ** 2 + hit ** 3)
+
+
+def test_a_long_match_is_worth_a_pass_and_a_short_one_is_not():
+    speculator = taught(lookup(pass_cost=2.0))
+    plan = speculator.plan([long_match("long")], slot_count=1)
+    assert plan is not None and plan.width == 5 and plan.rows[0].draft == [4, 5, 6, 7]
+    assert speculator.plan([short_match("short")], slot_count=1) is None
+
+
+def test_a_sampled_rows_grade_is_learnt_apart_from_a_greedy_rows():
+    speculator = taught(lookup(pass_cost=2.0))
+    sampled = long_match("sampled")
+    sampled.spec = SequenceSpec(uid="sampled", prompt_token_ids=sampled.prompt, max_tokens=100,
+                                sampling=SamplingParams(temperature=0.8))
+    assert speculator.plan([sampled], slot_count=1) is None  # (3, False) is at its prior: 0.94 tokens < 2
+
+
+def test_a_guess_that_no_pass_verifies_is_settled_by_the_tokens_the_row_makes():
+    speculator = lookup(pass_cost=2.0)
+    row = short_match("short")
+    speculator.step_began([row], slot_count=1)  # guesses 20, 21, 22, 23
+    assert speculator.width([row], 1) == 1  # 0.94 tokens expected at the prior: no pass for them
+    row.generated += [20, 21]
+    speculator.step_began([row], slot_count=1)
+    assert speculator.probed == 0  # two of four made, all as guessed: not decided yet
+    row.generated += [5]
+    speculator.step_began([row], slot_count=1)
+    assert (speculator.probed, speculator.probes_accepted) == (4, 2)
+    assert speculator.grades.chance(GREEDY_MATCH_OF_1) == pytest.approx(3 / 5)
+    assert speculator.proposed == 0  # (guesses are not verified proposals)
+
+
+def test_wants_judges_each_row_by_its_latest_guess():
+    """Before the step in flight is read back, a pass is wanted where the rows' latest guesses,
+    made from the tokens read back so far, are worth one."""
+    speculator = taught(lookup(pass_cost=2.0))
+    long, short = long_match("long"), short_match("short")
+    assert not speculator.wants([long], slot_count=1)  # no guess yet
+    speculator.step_began([long, short], slot_count=2)
+    assert speculator.wants([long], slot_count=1) and not speculator.wants([short], slot_count=1)
+
+
+def test_a_pass_must_be_expected_to_add_twice_its_extra_cost_to_the_batch():
+    """At 8 rows and a pass cost of 1.25, a pass must be expected to add 2 x 0.25 x 8 = 4 tokens:
+    one row's four well-graded tokens (3.9 expected) are not enough, two rows' are."""
+    speculator = taught(lookup(pass_cost=1.25))
+    others = [short_match("short")] + [Row(f"n{i}", [10 + i, 20 + i]) for i in range(5)]  # (these match nothing)
+    assert speculator.plan([long_match("a"), Row("x", [1, 2])] + others, slot_count=8) is None
+    plan = speculator.plan([long_match("a"), long_match("b")] + others, slot_count=8)
+    assert plan is not None and plan.width == 5
+    assert {r.seq.spec.uid for r in plan.rows} == {"a", "b", "short"}  # every guess rides along
+
+
+def test_a_verified_proposal_teaches_its_grade_once():
+    speculator = lookup(pass_cost=1.25)  # 0.94 tokens expected at the prior pay for a pass
+    row = long_match("long")
+    speculator.step_began([row], slot_count=1)
+    plan = speculator.plan([row], slot_count=1)
+    assert plan is not None and plan.rows[0].draft == [4, 5, 6, 7]
+    speculator.outcome(row, 4, 1)
+    assert speculator.grades.chance(GREEDY_MATCH_OF_3) == pytest.approx(2 / 4)  # 1 kept of 2 tried
+    row.generated += [4, 8]
+    speculator.step_began([row], slot_count=1)  # its guess went into the pass: nothing left to settle
+    assert speculator.probed == 0 and (speculator.proposed, speculator.accepted) == (4, 1)
+
+
+def test_an_ended_row_and_a_reset_leave_nothing_behind():
+    speculator = taught(lookup(pass_cost=2.0))
+    row = long_match("long")
+    speculator.step_began([row], slot_count=1)
+    speculator.forget("long")
+    assert speculator.tracked_rows == 0 and speculator.width([row], 1) == 1
+    speculator.reset()  # new weights: what was learnt of the grades no longer holds
+    assert speculator.grades.chance(GREEDY_MATCH_OF_3) == 0.5

@@ -1,0 +1,146 @@
+"""The graded speculation policy, for a drafter that grades its proposals: prompt lookup, whose grade
+is the length of the match a proposal continues.
+
+How likely a proposal is to be accepted depends more on how it was made than on the row that made
+it: on the real model's grounded workload, 83% of the tokens proposed after a match of three tokens
+were accepted and 19% of those after a match of one (docs/speculative.md, "Graded proposals"). So
+this policy keeps, per grade, and for greedy and sampled rows apart, the chance that a proposed
+token is accepted once the ones before it were (`GradeAcceptance`), and sizes each step's pass by
+what this step's proposals are expected to add:
+
+- Every row that may speculate guesses at every step: a dictionary lookup. A guess that no pass
+  verifies is settled by the tokens the row then makes (a `Guess`, speculator.py), so every guess
+  teaches its grade, and a grade that stopped paying is still measured.
+- A pass runs when the proposals are expected to add `BATCH_MARGIN` times what its extra cost takes
+  from the batch's decoding rows, at the width that makes the most tokens per step's cost. The
+  margin is there because a batch waits for its slowest row: the tokens a pass adds to the rows that
+  finish first do not shorten that wait (measured on open chat at 8 rows, docs/speculative.md).
+- `width`, which decides before the step in flight is read back whether to read it back for a pass,
+  judges each row by its latest guess.
+
+There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
+or not at all, and those do not pay for a pass.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence
+
+from worker.engines.speculation.drafter import DraftRow
+from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
+
+BATCH_MARGIN = 2.0
+# The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
+DISCOUNT = 0.99
+
+
+class GradeAcceptance:
+    """Per grade, the chance that a proposed token is accepted once the ones before it were: a
+    Beta(1, 1) prior updated with discounted counts of the tokens accepted and of those tried (the
+    accepted ones and the first rejected)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, float] = {}
+        self._tried: dict[Hashable, float] = {}
+
+    def chance(self, grade: Hashable) -> float:
+        return (self._kept.get(grade, 0.0) + 1) / (self._tried.get(grade, 0.0) + 2)
+
+    def record(self, grade: Hashable, proposed: int, accepted: int) -> None:
+        if proposed:
+            self._kept[grade] = DISCOUNT * self._kept.get(grade, 0.0) + accepted
+            self._tried[grade] = DISCOUNT * self._tried.get(grade, 0.0) + accepted + (accepted < proposed)
+
+    def expected(self, grade: Hashable, length: int) -> float:
+        """Tokens a proposal of `length` tokens of this grade is expected to add."""
+        chance = self.chance(grade)
+        return sum(chance ** j for j in range(1, length + 1))
+
+
+class GradedSpeculator(Speculator):
+    """The policy above; its drafter has `grade(uid)`, the grade of that row's latest proposal."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.grades = GradeAcceptance()
+        self._guesses: dict[str, tuple[Guess, Hashable]] = {}  # each row's guess that no pass verifies
+        self._verifying: dict[str, Hashable] = {}  # the grade of each proposal in the running pass
+
+    def _asking(self, rows: Sequence[Row], slot_count: int) -> list[tuple[Row, int]]:
+        """The rows that may propose, and how many tokens each may."""
+        widest = self._width_limit(slot_count) - 1
+        return [(row, min(widest, room)) for row in rows
+                if (room := self._room(row)) > 0 and widest > 0 and self.refused(row) is None]
+
+    def _propose(self, asking: Sequence[tuple[Row, int]]) -> list[tuple[list[int], Hashable]]:
+        """Each row's proposal, and its grade: the drafter's, for greedy and sampled rows apart."""
+        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in asking])
+        return [([int(t) for t in draft[:k]], (self.drafter.grade(row.spec.uid), row.spec.sampling.temperature == 0))
+                for (row, k), draft in zip(asking, drafts)]
+
+    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int) -> int:
+        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none)."""
+        widest = 1 + max((length for length, _ in proposals), default=0)
+        return self._best_width(lambda width: sum(self.grades.expected(grade, min(length, width - 1))
+                                                  for length, grade in proposals),
+                                rows, slot_count, widest, margin=BATCH_MARGIN)
+
+    def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
+        """Guesses whose tokens are made are settled; every row without one guesses anew."""
+        for row in rows:
+            guess, grade = self._guesses.get(row.spec.uid, (None, None))
+            kept = guess.kept(row.generated) if guess is not None else None
+            if guess is not None and kept is not None:
+                del self._guesses[row.spec.uid]
+                self.grades.record(grade, len(guess.draft), kept)
+                self.probed += len(guess.draft)
+                self.probes_accepted += kept
+        self._guess([(row, k) for row, k in self._asking(rows, slot_count) if row.spec.uid not in self._guesses])
+
+    def _guess(self, asking: Sequence[tuple[Row, int]]) -> list[tuple[list[int], Hashable]]:
+        made = self._propose(asking)
+        for (row, _), (draft, grade) in zip(asking, made):
+            if draft:
+                self._guesses[row.spec.uid] = (Guess(len(row.generated), draft), grade)
+        return made
+
+    def width(self, rows: Sequence[Row], slot_count: int) -> int:
+        """What the rows' latest guesses are worth."""
+        guesses = [self._guesses[row.spec.uid] for row in rows if row.spec.uid in self._guesses]
+        return self._width_for([(len(guess.draft), grade) for guess, grade in guesses], len(rows), slot_count)
+
+    def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
+        """Every row that may propose guesses from its tokens now; the pass runs at the width those
+        guesses are worth, or not at all (then the rows' tokens settle them)."""
+        asking = self._asking(rows, slot_count)
+        for row, _ in asking:
+            self._guesses.pop(row.spec.uid, None)
+        made = self._guess(asking)
+        width = self._width_for([(len(draft), grade) for draft, grade in made if draft], len(rows), slot_count)
+        if width < 2:
+            return None
+        plan = StepPlan(width=width)
+        for (row, _), (draft, grade) in zip(asking, made):
+            if draft:
+                del self._guesses[row.spec.uid]
+                self._verifying[row.spec.uid] = grade
+                plan.rows.append(RowPlan(row, draft[: width - 1]))
+        return plan
+
+    def outcome(self, row: Row, proposed: int, accepted: int) -> None:
+        grade = self._verifying.pop(row.spec.uid, None)
+        if grade is not None:
+            self.grades.record(grade, proposed, accepted)
+        super().outcome(row, proposed, accepted)
+
+    def forget(self, uid: str) -> None:
+        super().forget(uid)
+        self._guesses.pop(uid, None)
+        self._verifying.pop(uid, None)
+
+    def reset(self) -> None:
+        """What was learnt of the grades held for the old weights too."""
+        super().reset()
+        self._guesses.clear()
+        self._verifying.clear()
+        self.grades = GradeAcceptance()
