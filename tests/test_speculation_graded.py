@@ -136,3 +136,12 @@ def test_an_ended_row_and_a_reset_leave_nothing_behind():
     assert speculator.tracked_rows == 0 and speculator.width([row], 1) == 1
     speculator.reset()  # new weights: what was learnt of the grades no longer holds
     assert speculator.grades.chance(GREEDY_MATCH_OF_3) == 0.5
+
+
+def test_a_row_decoding_alone_needs_its_pass_paid_for_once():
+    """The margin is for the rows a batch waits on: a row alone has no other. At a pass cost of 1.5,
+    a proposal at the prior (0.94 tokens expected) pays for the pass alone, not in a batch of two."""
+    speculator = lookup(pass_cost=1.5)
+    plan = speculator.plan([long_match("alone")], slot_count=1)
+    assert plan is not None and plan.width == 5
+    assert speculator.plan([long_match("a"), Row("x", [1, 2])], slot_count=2) is None

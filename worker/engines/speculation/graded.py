@@ -11,10 +11,11 @@ what this step's proposals are expected to add:
 - Every row that may speculate guesses at every step: a dictionary lookup. A guess that no pass
   verifies is settled by the tokens the row then makes (a `Guess`, speculator.py), so every guess
   teaches its grade, and a grade that stopped paying is still measured.
-- A pass runs when the proposals are expected to add `BATCH_MARGIN` times what its extra cost takes
-  from the batch's decoding rows, at the width that makes the most tokens per step's cost. The
-  margin is there because a batch waits for its slowest row: the tokens a pass adds to the rows that
-  finish first do not shorten that wait (measured on open chat at 8 rows, docs/speculative.md).
+- A pass runs when the proposals are expected to add what its extra cost takes from the batch's
+  decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
+  the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
+  the tokens a pass adds to the rows that finish first do not shorten that wait (replayed on open
+  chat at 8 rows, docs/speculative.md).
 - `width`, which decides before the step in flight is read back whether to read it back for a pass,
   judges each row by its latest guess.
 
@@ -83,7 +84,7 @@ class GradedSpeculator(Speculator):
         widest = 1 + max((length for length, _ in proposals), default=0)
         return self._best_width(lambda width: sum(self.grades.expected(grade, min(length, width - 1))
                                                   for length, grade in proposals),
-                                rows, slot_count, widest, margin=BATCH_MARGIN)
+                                rows, slot_count, widest, margin=BATCH_MARGIN if rows > 1 else 1.0)
 
     def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
         """Guesses whose tokens are made are settled; every row without one guesses anew."""

@@ -1,0 +1,93 @@
+"""Replay the recorded greedy answers (record.py) against prompt lookup and the speculation policies.
+
+1. Per match length: how many of prompt lookup's proposals of 4 tokens the answers bear out.
+2. Each policy's decisions, step by step, for batches of 1 and 8 rows of the recorded answers: a row
+   in a pass keeps its proposal as far as it equals its answer (what verification of a greedy row
+   does) plus one token; a decode step makes one token a row. A pass of width w costs COST[w] decode
+   steps (measured at 8 slots on the 2-core CPU, docs/performance.md); the figure is the batch's
+   decode steps without speculation over its cost with it (prefill left out).
+
+Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
+"""
+import json, sys
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+import worker.engines.speculation.graded as graded
+from worker.engines.speculation import AdaptiveSpeculator, GradedSpeculator
+from worker.engines.speculation.ngram import NgramDrafter, _RowIndex
+
+HERE = Path(__file__).parent
+COST = {1: 1.0, 2: 1.23, 3: 1.61, 4: 1.86, 5: 2.38}
+
+
+def by_match_length(answers, k=4):
+    stats = defaultdict(lambda: [0, 0, 0, 0])  # proposals, proposed, accepted, none accepted
+    for row in answers:
+        prompt, out, t, index = row["prompt"], row["output"], 1, _RowIndex(3)
+        while t < len(out):
+            index.extend(prompt + out[:t])
+            draft = index.propose(k)[: len(out) - t - 1]
+            kept = next((i for i, (a, b) in enumerate(zip(draft, out[t:])) if a != b), len(draft))
+            if draft:
+                s = stats[index.matched]
+                s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + len(draft), s[2] + kept, s[3] + (kept == 0)
+            t += kept + 1
+    return {n: s for n, s in sorted(stats.items(), reverse=True)}
+
+
+class Row:
+    def __init__(self, uid, answer):
+        self.spec = SimpleNamespace(uid=uid, speculative=True, max_tokens=128, sampling=SimpleNamespace(
+            temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0))
+        self.prompt, self.out, self.generated, self.constraint = answer["prompt"], answer["output"], answer["output"][:1], None
+
+
+def replay(answers, make, slots=8):
+    speculator = make()
+    speculator.costs.cost = lambda slot_count, width: COST[width]
+    rows = [Row(f"r{i}", a) for i, a in enumerate(answers)]
+    cost, live = 0.0, [r for r in rows if len(r.generated) < len(r.out)]
+    while live:
+        speculator.step_began(live, slots)
+        plan = speculator.plan(live, slots) if speculator.wants(live, slots) else None
+        drafts = {id(p.seq): p.draft for p in plan.rows} if plan else {}
+        cost += COST[plan.width] if plan else 1
+        for r in live:
+            g, draft = len(r.generated), drafts.get(id(r), [])
+            kept = next((i for i, (a, b) in enumerate(zip(draft, r.out[g:])) if a != b), min(len(draft), len(r.out) - g))
+            if draft:
+                speculator.outcome(r, len(draft), kept)
+            r.generated = r.out[: g + kept + 1]
+            if len(r.generated) >= len(r.out):
+                speculator.forget(r.spec.uid)
+        live = [r for r in live if len(r.generated) < len(r.out)]
+    return max(len(a["output"]) for a in answers) - 1, cost
+
+
+def ratio(answers, make, size):
+    steps = cost = 0
+    for start in range(0, len(answers), size):
+        s, c = replay(answers[start:start + size], make)
+        steps, cost = steps + s, cost + c
+    return steps / cost
+
+
+if __name__ == "__main__":
+    answers = {kind: json.loads((HERE / f"{kind}.json").read_text()) for kind in ("grounded", "chat")}
+    print("prompt lookup's proposals of 4 tokens on the grounded answers, by the match they continue:")
+    for n, (count, proposed, accepted, none) in by_match_length(answers["grounded"]).items():
+        print(f"  match of {n}: {count} proposals, {accepted / proposed:.0%} of tokens accepted, "
+              f"{accepted / count:.2f} a proposal, none accepted {none / count:.0%}")
+    policies = {"adaptive": lambda: AdaptiveSpeculator(NgramDrafter(), pass_cost=2.0, measure_cost=True),
+                "graded": lambda: GradedSpeculator(NgramDrafter(), pass_cost=2.0, measure_cost=True)}
+    for kind in ("grounded", "chat"):
+        for size in (1, 8):
+            for name, make in policies.items():
+                print(f"{kind:8s} {size} row(s) {name:24s} {ratio(answers[kind], make, size):.3f}")
+            graded.BATCH_MARGIN = 1.0
+            plain = ratio(answers[kind], policies["graded"], size)
+            graded.BATCH_MARGIN = 2.0
+            print(f"{kind:8s} {size} row(s) {'graded, margin 1':24s} {plain:.3f}")
