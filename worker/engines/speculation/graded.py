@@ -9,8 +9,10 @@ token is accepted once the ones before it were (`GradeAcceptance`), and sizes ea
 what this step's proposals are expected to add:
 
 - Every row that may speculate guesses at every step: a dictionary lookup. A guess that no pass
-  verifies is settled by the tokens the row then makes (a `Guess`, speculator.py), so every guess
-  teaches its grade, and a grade that stopped paying is still measured.
+  verifies is settled by the tokens the row then makes (a `Guess`, speculator.py), so guesses teach
+  their grade, and a grade that stopped paying is still measured. A pass's proposals replace the
+  guesses whose tokens have not decided them yet (counting those as far as they went, all accepted,
+  made the replayed grounded batches slower: 1.26 against 1.30).
 - A pass runs when the proposals are expected to add what its extra cost takes from the batch's
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
