@@ -145,3 +145,14 @@ def test_a_row_decoding_alone_needs_its_pass_paid_for_once():
     plan = speculator.plan([long_match("alone")], slot_count=1)
     assert plan is not None and plan.width == 5
     assert speculator.plan([long_match("a"), Row("x", [1, 2])], slot_count=2) is None
+
+
+def test_nobody_guesses_where_no_pass_could_pay():
+    """At 32 slots a pass verifies one proposed token a row: at a pass cost of 2 it could not pay even
+    were every row's token accepted, so no row guesses (the host's work stays that of a decode step);
+    at a cost of 1.25 it could."""
+    for cost, guessing in ((2.0, False), (1.25, True)):
+        speculator = taught(lookup(pass_cost=cost))
+        rows = [long_match(f"r{i}") for i in range(32)]
+        speculator.step_began(rows, slot_count=32)
+        assert speculator.wants(rows, slot_count=32) is guessing

@@ -81,12 +81,21 @@ class GradedSpeculator(Speculator):
         return [([int(t) for t in draft[:k]], (self.drafter.grade(row.spec.uid), row.spec.sampling.temperature == 0))
                 for (row, k), draft in zip(asking, drafts)]
 
+    def _margin(self, rows: int) -> float:
+        return BATCH_MARGIN if rows > 1 else 1.0
+
+    def _could_pay(self, rows: int, slot_count: int) -> bool:
+        """Whether a pass could pay here were every row's proposal accepted whole (at 32 slots, passes of
+        two positions, it cannot where a pass costs 1.5 steps or more): if not, nobody guesses."""
+        return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
+                                margin=self._margin(rows)) > 1
+
     def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int) -> int:
         """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none)."""
         widest = 1 + max((length for length, _ in proposals), default=0)
         return self._best_width(lambda width: sum(self.grades.expected(grade, min(length, width - 1))
                                                   for length, grade in proposals),
-                                rows, slot_count, widest, margin=BATCH_MARGIN if rows > 1 else 1.0)
+                                rows, slot_count, widest, margin=self._margin(rows))
 
     def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
         """Guesses whose tokens are made are settled; every row without one guesses anew."""
@@ -98,7 +107,8 @@ class GradedSpeculator(Speculator):
                 self.grades.record(grade, len(guess.draft), kept)
                 self.probed += len(guess.draft)
                 self.probes_accepted += kept
-        self._guess([(row, k) for row, k in self._asking(rows, slot_count) if row.spec.uid not in self._guesses])
+        if self._could_pay(len(rows), slot_count):
+            self._guess([(row, k) for row, k in self._asking(rows, slot_count) if row.spec.uid not in self._guesses])
 
     def _guess(self, asking: Sequence[tuple[Row, int]]) -> list[tuple[list[int], Hashable]]:
         made = self._propose(asking)
