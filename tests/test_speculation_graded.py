@@ -156,15 +156,3 @@ def test_nobody_guesses_where_no_pass_could_pay():
         rows = [long_match(f"r{i}") for i in range(32)]
         speculator.step_began(rows, slot_count=32)
         assert speculator.wants(rows, slot_count=32) is guessing
-
-
-def test_a_guess_made_before_the_step_in_flight_counts_only_past_that_steps_token():
-    """Guessed before the step in flight was read back, a guess must first have guessed that step's
-    token: a lone row's well-graded guess of four tokens still pays, a guess of one token no longer
-    can; and the tokens of a guess that the row has since made are not counted again."""
-    speculator = taught(lookup(pass_cost=1.25))
-    long = long_match("long")
-    speculator.step_began([long], slot_count=1)  # guesses 4, 5, 6, 7
-    assert speculator.wants([long], 1) and speculator.wants([long], 1, in_flight=True)
-    long.generated += [4, 5, 6]  # borne out so far; 7 is left
-    assert speculator.wants([long], 1) and not speculator.wants([long], 1, in_flight=True)

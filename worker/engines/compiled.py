@@ -327,7 +327,7 @@ class CompiledEngine:
             self._spec.step_began(occupied, len(self._table.slots))
             # Until the verification pass's kernels are built a pass would stall the batch for seconds.
             verify_ready = self._prebuild is None or self._prebuild.verify_ready
-            if verify_ready and self._spec.wants(occupied, len(self._table.slots), in_flight=previous is not None):
+            if verify_ready and self._spec.wants(occupied, len(self._table.slots)):
                 # A proposal continues each row's latest token: read back the steps that made them first.
                 events += (self._collect(previous) if previous is not None else [])
                 events += (self._collect(first) if first is not None else [])

@@ -18,11 +18,10 @@ what this step's proposals are expected to add:
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait (replayed on open
   chat at 8 rows, docs/speculative.md).
-- `wants`, which decides before the step in flight is read back whether to read it back for a pass,
-  judges each row by its latest guess, made before that step: only what follows the token the step
-  makes is left to verify, and only if the guess got that token right. (Judged as if it were
-  current, the guesses of open chat at 8 sampled rows on an H200 read steps back for passes that
-  did not pay: 0.91 of `off`, docs/performance.md.)
+- `width`, which decides before the step in flight is read back whether to read it back for a pass,
+  judges each row by its latest guess as if it were current. (Counting a guess made before that
+  step only past the step's token, and only if it guessed that token, made 8 grounded rows on the
+  CPU 1.22 of `off` instead of 1.4: docs/performance.md.)
 
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
 or not at all, and those do not pay for a pass.
@@ -57,11 +56,10 @@ class GradeAcceptance:
             self._kept[grade] = DISCOUNT * self._kept.get(grade, 0.0) + accepted
             self._tried[grade] = DISCOUNT * self._tried.get(grade, 0.0) + accepted + (accepted < proposed)
 
-    def expected(self, grade: Hashable, length: int, lead: int = 0) -> float:
-        """Tokens a proposal of `length` tokens of this grade is expected to add, where its first `lead`
-        tokens must be borne out first (without adding any)."""
+    def expected(self, grade: Hashable, length: int) -> float:
+        """Tokens a proposal of `length` tokens of this grade is expected to add."""
         chance = self.chance(grade)
-        return sum(chance ** j for j in range(lead + 1, lead + length + 1))
+        return sum(chance ** j for j in range(1, length + 1))
 
 
 class GradedSpeculator(Speculator):
@@ -94,11 +92,10 @@ class GradedSpeculator(Speculator):
         return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
                                 margin=self._margin(rows)) > 1
 
-    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int, lead: int = 0) -> int:
-        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none), where the
-        first `lead` tokens of each are the step in flight's to bear out."""
-        widest = 1 + max((length - lead for length, _ in proposals), default=0)
-        return self._best_width(lambda width: sum(self.grades.expected(grade, min(length - lead, width - 1), lead)
+    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int) -> int:
+        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none)."""
+        widest = 1 + max((length for length, _ in proposals), default=0)
+        return self._best_width(lambda width: sum(self.grades.expected(grade, min(length, width - 1))
                                                   for length, grade in proposals),
                                 rows, slot_count, widest, margin=self._margin(rows))
 
@@ -124,17 +121,8 @@ class GradedSpeculator(Speculator):
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth."""
-        return self._width_for(self._latest(rows), len(rows), slot_count)
-
-    def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
-        """Whether the rows' latest guesses are worth reading the step `in_flight` back for a pass: a
-        guess made before that step must first have guessed its token, and only its rest is left to verify."""
-        return self._width_for(self._latest(rows), len(rows), slot_count, lead=int(in_flight)) > 1
-
-    def _latest(self, rows: Sequence[Row]) -> list[tuple[int, Hashable]]:
-        """(tokens left to make, grade) of each row's latest guess (those made so far were borne out)."""
-        latest = [(self._guesses[row.spec.uid], row) for row in rows if row.spec.uid in self._guesses]
-        return [(guess.left(row.generated), grade) for (guess, grade), row in latest]
+        guesses = [self._guesses[row.spec.uid] for row in rows if row.spec.uid in self._guesses]
+        return self._width_for([(len(guess.draft), grade) for guess, grade in guesses], len(rows), slot_count)
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those

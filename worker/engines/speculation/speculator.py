@@ -96,10 +96,6 @@ class Guess:
         kept = next((i for i, (a, b) in enumerate(zip(made, self.draft)) if a != b), len(made))
         return kept if kept == len(self.draft) or kept < len(made) else None
 
-    def left(self, generated: Sequence[int]) -> int:
-        """How many of its tokens the row has still to make."""
-        return len(self.draft) - min(len(self.draft), max(0, len(generated) - self.start))
-
 
 class Speculator:
     """A speculation policy's interface to the compiled engine, and what every policy shares: the
@@ -167,9 +163,9 @@ class Speculator:
                     best, best_rate = width, rate
         return best
 
-    def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
-        """Whether some row would propose this step (then the engine reads the step `in_flight`, if one
-        is, back first: a proposal continues each row's latest token)."""
+    def wants(self, rows: Sequence[Row], slot_count: int) -> bool:
+        """Whether some row would propose this step (then the engine reads the step in flight back
+        first: a proposal continues each row's latest token)."""
         return self.width(rows, slot_count) > 1
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
