@@ -265,3 +265,7 @@ class AdaptiveSpeculator(Speculator):
         super().reset()
         self._rows.clear()
         self._probes.clear()
+
+    @property
+    def tracked_rows(self) -> int:
+        return len(self._refusals.keys() | self._rows.keys() | self._probes.keys())

@@ -159,3 +159,7 @@ class GradedSpeculator(Speculator):
         self._guesses.clear()
         self._verifying.clear()
         self.grades = GradeAcceptance()
+
+    @property
+    def tracked_rows(self) -> int:
+        return len(self._refusals.keys() | self._guesses.keys() | self._verifying.keys())
