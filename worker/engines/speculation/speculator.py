@@ -33,10 +33,9 @@ DEFAULT_MAX_K = 4
 # Slots x width of a verification pass at most: 8 slots verify up to 8 positions each, 16 up to 4,
 # 32 up to 2, 64 and more do not speculate.
 DEFAULT_MAX_POSITIONS = 64
-# A verification pass runs only when the rows that would propose are expected (their running
-# acceptance times their k) to add at least (pass cost - 1) tokens per decoding row, and never less
-# than this: the pass costs the whole batch its wider step and, on a GPU, the overlap, so one probing
-# row does not hold up thirty others.
+# A verification pass runs only when its proposals are expected (each policy says how) to add at least
+# (pass cost - 1) tokens per decoding row, and never less than this: the pass costs the whole batch its
+# wider step and, on a GPU, the overlap, so one probing row does not hold up thirty others.
 MIN_EXPECTED_GAIN = 0.25
 # A verification pass's time over a decode step's, by default, per platform (docs/speculative.md,
 # "Whether a pass pays"): measured on a CPU and on CUDA (where the pass also gives up the overlap of
