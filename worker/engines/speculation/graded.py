@@ -2,26 +2,25 @@
 is the length of the match a proposal continues.
 
 How likely a proposal is to be accepted depends more on how it was made than on the row that made
-it: on the real model's grounded workload, 83% of the tokens proposed after a match of three tokens
-were accepted and 19% of those after a match of one (docs/speculative.md, "Graded proposals"). So
-this policy keeps, per grade, and for greedy and sampled rows apart, the chance that a proposed
-token is accepted once the ones before it were (`GradeAcceptance`), and sizes each step's pass by
-what this step's proposals are expected to add:
+it: a proposal that continues a match of three tokens is accepted far more often than one after a
+match of one (docs/speculative.md, "Graded proposals", has the replay that measured it). So this
+policy keeps, per grade, and for greedy and sampled rows apart, the chance that a proposed token is
+accepted once the ones before it were (`GradeAcceptance`), and sizes each step's pass by what this
+step's proposals are expected to add:
 
 - Every row that may speculate guesses at every step: a dictionary lookup. A guess that no pass
   verifies is settled by the tokens the row then makes (a `Guess`, speculator.py), so guesses teach
   their grade, and a grade that stopped paying is still measured. A pass's proposals replace the
-  guesses whose tokens have not decided them yet (counting those as far as they went, all accepted,
-  made the replayed grounded batches slower: 1.26 against 1.30).
+  guesses whose tokens have not decided them yet (counted as far as they went instead, they made the
+  replay slower).
 - A pass runs when the proposals are expected to add what its extra cost takes from the batch's
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
-  the tokens a pass adds to the rows that finish first do not shorten that wait (replayed on open
-  chat at 8 rows, docs/speculative.md).
+  the tokens a pass adds to the rows that finish first do not shorten that wait.
 - `width`, which decides before the step in flight is read back whether to read it back for a pass,
-  judges each row by its latest guess as if it were current. (Counting a guess made before that
-  step only past the step's token, and only if it guessed that token, made 8 grounded rows on the
-  CPU 1.22 of `off` instead of 1.4: docs/performance.md.)
+  judges each row by its latest guess as if it were current: counting such a guess only past the
+  token of the step in flight cost 8 grounded rows on the CPU much of their gain
+  (docs/performance.md, "Prompt lookup's graded proposals").
 
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
 or not at all, and those do not pay for a pass.
