@@ -278,9 +278,16 @@ def test_stop_tokens_stop_strings_and_max_tokens_end_rows_where_they_end_without
     assert all(r.speculation is not None and r.speculation.accepted > 0 for r in got.values())
 
 
-def test_opted_out_and_refused_rows_decode_beside_speculating_ones(target, itself, caplog):
+class GradedFixedDrafter(FixedDrafter):
+    """FixedDrafter on the graded policy (graded.py), every proposal of one grade."""
+
+    graded = True
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "graded"])
+def test_opted_out_and_refused_rows_decode_beside_speculating_ones(target, itself, caplog, policy):
     """`speculative: false`, penalties and structured output never propose (each refusal logged
-    once); they give their own tokens while a speculating row shares their steps."""
+    once), under either policy; they give their own tokens while a speculating row shares their steps."""
     model, tokenizer = target
     prompt = looping_prompt(2, 24)
     requests = {
@@ -296,7 +303,11 @@ def test_opted_out_and_refused_rows_decode_beside_speculating_ones(target, itsel
     }
     without, _ = run(model, tokenizer, requests)
     with caplog.at_level(logging.INFO, logger="mlxq.engine"):
-        got, _ = run(model, tokenizer, requests, speculator_for(DraftModelDrafter(itself, model.args.vocab_size)))
+        # The model as its own draft, or the free row's own answer proposed again and again; at a pass
+        # cost of 1.25 one speculating row beside four that do not pays for a pass.
+        drafter = (DraftModelDrafter(itself, model.args.vocab_size) if policy == "adaptive"
+                   else GradedFixedDrafter(without["free"].choices[0].token_ids[:4]))
+        got, _ = run(model, tokenizer, requests, speculator_for(drafter, pass_cost=1.25))
     assert_same(got, without)
     assert got["free"].speculation is not None and got["free"].speculation.accepted > 0
     assert all(got[job].speculation is None for job in ("opted_out", "penalty", "penalty2", "json"))
