@@ -25,9 +25,9 @@ class Row:
         self.prompt, self.generated, self.constraint = tokens[:-1], tokens[-1:], None
 
 
-def long_match(uid: str) -> Row:
+def long_match(uid: str, temperature: float = 0.0) -> Row:
     """Its last three tokens occurred before, followed by 4, 5, 6, 7."""
-    return Row(uid, [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3])
+    return Row(uid, [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3], temperature)
 
 
 def short_match(uid: str) -> Row:
@@ -73,10 +73,9 @@ def test_a_long_match_is_worth_a_pass_and_a_short_one_is_not():
 
 def test_a_sampled_rows_grade_is_learnt_apart_from_a_greedy_rows():
     speculator = taught(lookup(pass_cost=2.0))
-    sampled = long_match("sampled")
-    sampled.spec = SequenceSpec(uid="sampled", prompt_token_ids=sampled.prompt, max_tokens=100,
-                                sampling=SamplingParams(temperature=0.8))
-    assert speculator.plan([sampled], slot_count=1) is None  # (3, False) is at its prior: 0.94 tokens < 2
+    sampled = long_match("sampled", temperature=0.8)
+    # (3, False) is at its prior: 0.94 tokens expected, short of the pass's extra cost of one step
+    assert speculator.plan([sampled], slot_count=1) is None
 
 
 def test_a_guess_that_no_pass_verifies_is_settled_by_the_tokens_the_row_makes():
