@@ -35,7 +35,7 @@ backoff; a ride of at least `START_K` tokens accepted whole turns the row back o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from worker.engines.speculation.drafter import DraftRow
 from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
@@ -200,14 +200,12 @@ class AdaptiveSpeculator(Speculator):
 
     def _settle_probes(self, rows: Sequence[Row]) -> None:
         for row in rows:
-            probe = self._probes.get(row.spec.uid)
-            kept = probe.kept(row.generated) if probe is not None else None
-            if probe is not None and kept is not None:
-                del self._probes[row.spec.uid]
-                if self.adaptivity(row).probing:  # (a ride may have turned it on meanwhile)
-                    self.probed += len(probe.draft)
-                    self.probes_accepted += kept
-                    self._learn(row, len(probe.draft), kept)
+            settled = self._settled(self._probes, row)
+            if settled is not None and self.adaptivity(row).probing:  # (a ride may have turned it on meanwhile)
+                probe, kept = settled
+                self.probed += len(probe.draft)
+                self.probes_accepted += kept
+                self._learn(row, len(probe.draft), kept)
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may speculate proposes up to the pass's width (`width`): its slot runs the
@@ -256,16 +254,5 @@ class AdaptiveSpeculator(Speculator):
             self._wait = adaptivity.off_for
         self.drafter.accepted(row.spec.uid, proposed, accepted)
 
-    def forget(self, uid: str) -> None:
-        super().forget(uid)
-        self._rows.pop(uid, None)
-        self._probes.pop(uid, None)
-
-    def reset(self) -> None:
-        super().reset()
-        self._rows.clear()
-        self._probes.clear()
-
-    @property
-    def tracked_rows(self) -> int:
-        return len(self._refusals.keys() | self._rows.keys() | self._probes.keys())
+    def _per_row(self) -> list[dict[str, Any]]:
+        return [*super()._per_row(), self._rows, self._probes]

@@ -28,7 +28,7 @@ or not at all, and those do not pay for a pass.
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 from worker.engines.speculation.drafter import DraftRow
 from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
@@ -67,20 +67,15 @@ class GradedSpeculator(Speculator):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.grades = GradeAcceptance()
-        self._guesses: dict[str, tuple[Guess, Hashable]] = {}  # each row's guess that no pass verifies
+        self._guesses: dict[str, Guess] = {}  # each row's guess that no pass verifies
         self._verifying: dict[str, Hashable] = {}  # the grade of each proposal in the running pass
 
     def _asking(self, rows: Sequence[Row], slot_count: int) -> list[tuple[Row, int]]:
         """The rows that may propose, and how many tokens each may."""
         widest = self._width_limit(slot_count) - 1
-        return [(row, min(widest, room)) for row in rows
-                if (room := self._room(row)) > 0 and widest > 0 and self.refused(row) is None]
-
-    def _propose(self, asking: Sequence[tuple[Row, int]]) -> list[tuple[list[int], Hashable]]:
-        """Each row's proposal, and its grade: the drafter's, for greedy and sampled rows apart."""
-        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in asking])
-        return [([int(t) for t in draft[:k]], (self.drafter.grade(row.spec.uid), row.spec.sampling.temperature == 0))
-                for (row, k), draft in zip(asking, drafts)]
+        if widest < 1:
+            return []
+        return [(row, min(widest, room)) for row in rows if (room := self._room(row)) > 0 and self.refused(row) is None]
 
     def _margin(self, rows: int) -> float:
         return BATCH_MARGIN if rows > 1 else 1.0
@@ -101,27 +96,31 @@ class GradedSpeculator(Speculator):
     def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
         """Guesses whose tokens are made are settled; every row without one guesses anew."""
         for row in rows:
-            guess, grade = self._guesses.get(row.spec.uid, (None, None))
-            kept = guess.kept(row.generated) if guess is not None else None
-            if guess is not None and kept is not None:
-                del self._guesses[row.spec.uid]
-                self.grades.record(grade, len(guess.draft), kept)
+            settled = self._settled(self._guesses, row)
+            if settled is not None:
+                guess, kept = settled
+                self.grades.record(guess.grade, len(guess.draft), kept)
                 self.probed += len(guess.draft)
                 self.probes_accepted += kept
         if self._could_pay(len(rows), slot_count):
             self._guess([(row, k) for row, k in self._asking(rows, slot_count) if row.spec.uid not in self._guesses])
 
-    def _guess(self, asking: Sequence[tuple[Row, int]]) -> list[tuple[list[int], Hashable]]:
-        made = self._propose(asking)
-        for (row, _), (draft, grade) in zip(asking, made):
-            if draft:
-                self._guesses[row.spec.uid] = (Guess(len(row.generated), draft), grade)
+    def _guess(self, asking: Sequence[tuple[Row, int]]) -> list[Guess]:
+        """Each asking row's proposal, graded by the drafter, for greedy and sampled rows apart; those
+        not empty become the rows' guesses."""
+        drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in asking])
+        made = []
+        for (row, k), draft in zip(asking, drafts):
+            grade = (self.drafter.grade(row.spec.uid), row.spec.sampling.temperature == 0)
+            made.append(Guess(len(row.generated), [int(t) for t in draft[:k]], grade))
+            if made[-1].draft:
+                self._guesses[row.spec.uid] = made[-1]
         return made
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth."""
         guesses = [self._guesses[row.spec.uid] for row in rows if row.spec.uid in self._guesses]
-        return self._width_for([(len(guess.draft), grade) for guess, grade in guesses], len(rows), slot_count)
+        return self._width_for([(len(guess.draft), guess.grade) for guess in guesses], len(rows), slot_count)
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
@@ -130,15 +129,16 @@ class GradedSpeculator(Speculator):
         for row, _ in asking:
             self._guesses.pop(row.spec.uid, None)
         made = self._guess(asking)
-        width = self._width_for([(len(draft), grade) for draft, grade in made if draft], len(rows), slot_count)
+        width = self._width_for([(len(guess.draft), guess.grade) for guess in made if guess.draft], len(rows),
+                                slot_count)
         if width < 2:
             return None
         plan = StepPlan(width=width)
-        for (row, _), (draft, grade) in zip(asking, made):
-            if draft:
+        for (row, _), guess in zip(asking, made):
+            if guess.draft:
                 del self._guesses[row.spec.uid]
-                self._verifying[row.spec.uid] = grade
-                plan.rows.append(RowPlan(row, draft[: width - 1]))
+                self._verifying[row.spec.uid] = guess.grade
+                plan.rows.append(RowPlan(row, guess.draft[: width - 1]))
         return plan
 
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
@@ -147,18 +147,10 @@ class GradedSpeculator(Speculator):
             self.grades.record(grade, proposed, accepted)
         super().outcome(row, proposed, accepted)
 
-    def forget(self, uid: str) -> None:
-        super().forget(uid)
-        self._guesses.pop(uid, None)
-        self._verifying.pop(uid, None)
+    def _per_row(self) -> list[dict[str, Any]]:
+        return [*super()._per_row(), self._guesses, self._verifying]
 
     def reset(self) -> None:
         """What was learnt of the grades held for the old weights too."""
         super().reset()
-        self._guesses.clear()
-        self._verifying.clear()
         self.grades = GradeAcceptance()
-
-    @property
-    def tracked_rows(self) -> int:
-        return len(self._refusals.keys() | self._guesses.keys() | self._verifying.keys())

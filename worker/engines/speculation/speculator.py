@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 from worker.engines.base import SequenceSpec
 from worker.engines.speculation.drafter import Drafter
@@ -88,6 +88,7 @@ class Guess:
 
     start: int
     draft: list[int]
+    grade: Hashable = None  # the drafter's grade of it, for the graded policy
 
     def kept(self, generated: Sequence[int]) -> Optional[int]:
         """How many of its tokens the row made, once that is known (all made, or one differed)."""
@@ -187,20 +188,36 @@ class Speculator:
         self.accepted += accepted
         self.drafter.accepted(row.spec.uid, proposed, accepted)
 
+    def _settled(self, guesses: dict[str, Guess], row: Row) -> Optional[tuple[Guess, int]]:
+        """`row`'s guess in `guesses` and how many of its tokens the row made, once those decide it
+        (the guess is then dropped); None before."""
+        guess = guesses.get(row.spec.uid)
+        kept = guess.kept(row.generated) if guess is not None else None
+        if guess is None or kept is None:
+            return None
+        del guesses[row.spec.uid]
+        return guess, kept
+
+    def _per_row(self) -> list[dict[str, Any]]:
+        """Every map it keeps by row uid: `forget`, `reset` and `tracked_rows` go through them."""
+        return [self._refusals]
+
     def forget(self, uid: str) -> None:
-        self._refusals.pop(uid, None)
+        for state in self._per_row():
+            state.pop(uid, None)
         self.drafter.forget(uid)
 
     def reset(self) -> None:
         """Every row starts over (after a failed step, or a weight swap: what was learnt of the old
         weights' acceptance, and a draft model's caches, no longer hold)."""
-        self._refusals.clear()
+        for state in self._per_row():
+            state.clear()
         self.drafter.reset()
 
     @property
     def tracked_rows(self) -> int:
         """Rows whose state it keeps (those decoding)."""
-        return len(self._refusals)
+        return len(set().union(*self._per_row()))
 
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,
