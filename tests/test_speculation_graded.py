@@ -12,6 +12,7 @@ from worker.engines.base import SamplingParams, SequenceSpec
 from worker.engines.speculation import GradedSpeculator, speculator_for
 from worker.engines.speculation.graded import GradeAcceptance
 from worker.engines.speculation.ngram import NgramDrafter
+from worker.engines.speculation.pass_cost import Call
 
 GREEDY_MATCH_OF_3, GREEDY_MATCH_OF_1 = (3, True), (1, True)
 
@@ -155,3 +156,32 @@ def test_nobody_guesses_where_no_pass_could_pay():
         rows = [long_match(f"r{i}") for i in range(32)]
         speculator.step_began(rows, slot_count=32)
         assert speculator.wants(rows, slot_count=32) is guessing
+
+
+def early_reads(speculator: GradedSpeculator, look_s: float, step_s: float = 0.010) -> None:
+    """Decode steps of `step_s` at one slot, then three declined looks (the step in flight read back
+    early, no pass run) whose calls took `look_s` each."""
+    now = 0.0
+    for _ in range(4):
+        speculator.costs.call(now, Call.STEP, 1)
+        now += step_s
+    for _ in range(3):
+        speculator.costs.call(now, Call.DECLINED, 1)
+        speculator.costs.call(now + look_s, Call.STEP, 1)
+        now += look_s + step_s
+
+
+@pytest.mark.parametrize("look_s,judged_as_made", [(0.012, True), (0.015, False)])
+def test_a_dear_early_read_judges_a_guess_by_what_is_left_after_the_step_in_flight(look_s, judged_as_made):
+    """A sampled row's long match at its grade's prior is expected to add 0.94 tokens as guessed, 0.44
+    once the step in flight must have made its first token; a pass of 1.5 steps needs 0.5. Where an
+    early read-back was measured to cost 0.2 of a step, the guess is judged as made; where it cost
+    0.5, by what is left after the step in flight. With nothing in flight, always as made."""
+    speculator = speculator_for(NgramDrafter(), max_k=4, pass_cost=1.5, measure_cost=True)
+    row = long_match("sampled", temperature=0.8)
+    speculator.step_began([row], slot_count=1)
+    assert speculator.wants([row], 1, in_flight=True)  # the early read's cost not measured yet
+    early_reads(speculator, look_s)
+    assert speculator.costs.early_read_cost(1) == pytest.approx(look_s / 0.010 - 1)
+    assert speculator.wants([row], 1, in_flight=True) == judged_as_made
+    assert speculator.wants([row], 1, in_flight=False)

@@ -51,6 +51,7 @@ from worker.engines.sampling import repair_random_state
 from worker.engines.slot_cache import KVLayout
 from worker.engines.slot_prefill import SlotPrefill
 from worker.engines.slot_table import SlotTable
+from worker.engines.speculation.pass_cost import Call
 from worker.engines.speculation.speculator import Speculator, StepPlan
 from worker.engines.speculation.verify_pass import VerificationPass
 from worker.engines.text_model import ChatFormat, model_context_length, model_vocab_size, prepare_prompt
@@ -317,36 +318,40 @@ class CompiledEngine:
         waiting = self._admission.waiting
         if first is not None and not stepping and not waiting:
             events = refused + self._collect(first)
-            self._count(events, started, prefill_s)
+            self._count(events, started, prefill_s, Call.OTHER)
             return events
         self._table.fit(waiting=bool(waiting))
         previous, self._in_flight = self._in_flight, None
         events = refused
+        admitted = first is not None or stepping or prefill_s
+        read_early = False  # whether the step in flight was read back early, for a pass
         if self._spec is not None:
             occupied = self._table.occupied()
             self._spec.step_began(occupied, len(self._table.slots))
             # Until the verification pass's kernels are built a pass would stall the batch for seconds.
             verify_ready = self._prebuild is None or self._prebuild.verify_ready
-            if verify_ready and self._spec.wants(occupied, len(self._table.slots)):
+            if verify_ready and self._spec.wants(occupied, len(self._table.slots), in_flight=previous is not None):
                 # A proposal continues each row's latest token: read back the steps that made them first.
+                read_early = previous is not None
                 events += (self._collect(previous) if previous is not None else [])
                 events += (self._collect(first) if first is not None else [])
                 previous = first = None
-                slots, began = len(self._table.slots), time.perf_counter()
+                slots = len(self._table.slots)
                 plan = self._spec.plan(self._table.occupied(), slots)
                 if plan is not None:
                     events += self._verify_plan(plan)
                     assert self._verification is not None
-                    if not self._verification.traced:
-                        self._spec.costs.pass_took(slots, plan.width, time.perf_counter() - began)
+                    timed = not admitted and not self._verification.traced
                     if not self._table.any_occupied() and not waiting:
                         self._table.release()
-                    self._count(events, started, prefill_s)
+                    self._count(events, started, prefill_s, Call.PASS if timed else Call.OTHER,
+                                slots=slots, width=plan.width, steps_read=int(read_early))
                     return events
         launched = self._launch() if self._table.any_occupied() else None
         # A step's worth of time: one launched and (with overlap) the one before read back, nothing admitted.
-        steady = (launched is not None and (previous is not None) == self._overlap and first is None and not stepping
-                  and not prefill_s)
+        plain = launched is not None and not admitted
+        kind = (Call.OTHER if not plain else Call.DECLINED if read_early
+                else Call.STEP if (previous is not None) == self._overlap else Call.RESTART)
         events += (self._collect(previous) if previous is not None else [])
         if first is not None:
             events += self._collect(first)
@@ -356,16 +361,19 @@ class CompiledEngine:
             events += self._collect(launched)
             launched = None
         self._in_flight = launched
-        if self._spec is not None and steady:  # what a verification pass is weighed against
-            self._spec.costs.step_took(len(self._table.slots), time.perf_counter() - started)
+        slots = len(self._table.slots)
         if not self._table.any_occupied() and not waiting:  # idle: give the buffers' memory back
             self._table.release()
-        self._count(events, started, prefill_s)
+        self._count(events, started, prefill_s, kind, slots=slots)
         return events
 
-    def _count(self, events: list[TokenEvent], started: float, prefill_s: float) -> None:
+    def _count(self, events: list[TokenEvent], started: float, prefill_s: float, kind: Call, *, slots: int = 0,
+               width: int = 0, steps_read: int = 0) -> None:
+        """Count the call's tokens and time, and tell the pass costs what the call was (pass_cost.py)."""
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
         self._counters.decode_s += time.perf_counter() - started - prefill_s
+        if self._spec is not None:
+            self._spec.costs.call(started, kind, slots, width, steps_read)
 
     def remove(self, uids: list[str]) -> None:
         gone = set()

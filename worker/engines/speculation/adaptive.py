@@ -207,7 +207,7 @@ class AdaptiveSpeculator(Speculator):
                 self.probes_accepted += kept
                 self._learn(row, len(probe.draft), kept)
 
-    def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
+    def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may speculate proposes up to the pass's width (`width`): its slot runs the
         whole width anyway, so a row that is off rides along for free. Rows that are on and found
         nothing to propose count it as a miss; None when none of them proposes anything."""

@@ -17,10 +17,13 @@ step's proposals are expected to add:
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
-- `width`, which decides before the step in flight is read back whether to read it back for a pass,
-  judges each row by its latest guess as if it were current: counting such a guess only past the
-  token of the step in flight cost 8 grounded rows on the CPU much of their gain
-  (docs/performance.md, "Prompt lookup's graded proposals").
+- `wants` decides before the step in flight is read back whether to read it back for a pass: the
+  fresh proposals may then not pay after all, and the early read-back was for nothing. Where that
+  costs little (under `CHEAP_EARLY_READ` of a step, measured: pass_cost.py), it judges each row by its
+  latest guess as if it were current: judged more strictly, 8 grounded rows on the CPU lost much of
+  their gain. Where it costs more (on a GPU it gives up the overlap of the host's work with the
+  device's), it judges each guess by what is left of it to verify after the step in flight, were
+  the step's token the one guessed (docs/performance.md, "Prompt lookup's graded proposals").
 
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
 or not at all, and those do not pay for a pass.
@@ -34,6 +37,8 @@ from worker.engines.speculation.drafter import DraftRow
 from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
 
 BATCH_MARGIN = 2.0
+# Decode steps: an early read-back that costs less than this is worth risking on guesses as they were made.
+CHEAP_EARLY_READ = 0.25
 # The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
 DISCOUNT = 0.99
 
@@ -55,10 +60,11 @@ class GradeAcceptance:
             self._kept[grade] = DISCOUNT * self._kept.get(grade, 0.0) + accepted
             self._tried[grade] = DISCOUNT * self._tried.get(grade, 0.0) + accepted + (accepted < proposed)
 
-    def expected(self, grade: Hashable, length: int) -> float:
-        """Tokens a proposal of `length` tokens of this grade is expected to add."""
+    def expected(self, grade: Hashable, length: int, lead: int = 0) -> float:
+        """Tokens a proposal of `length` tokens of this grade is expected to add, where `lead` tokens
+        before them must be borne out first (without adding any)."""
         chance = self.chance(grade)
-        return sum(chance ** j for j in range(1, length + 1))
+        return sum(chance ** j for j in range(lead + 1, lead + length + 1))
 
 
 class GradedSpeculator(Speculator):
@@ -86,10 +92,13 @@ class GradedSpeculator(Speculator):
         return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
                                 margin=self._margin(rows)) > 1
 
-    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int) -> int:
-        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none)."""
-        widest = 1 + max((length for length, _ in proposals), default=0)
-        return self._best_width(lambda width: sum(self.grades.expected(grade, min(length, width - 1))
+    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int, lead: int = 0
+                   ) -> int:
+        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none), where
+        the first `lead` tokens of each must be borne out first."""
+        widest = 1 + max((length - lead for length, _ in proposals), default=0)
+        return self._best_width(lambda width: sum(self.grades.expected(grade, max(0, min(length - lead, width - 1)),
+                                                                       lead)
                                                   for length, grade in proposals),
                                 rows, slot_count, widest, margin=self._margin(rows))
 
@@ -118,11 +127,22 @@ class GradedSpeculator(Speculator):
         return made
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
-        """What the rows' latest guesses are worth."""
+        """What the rows' latest guesses are worth, as they were made."""
         guesses = [self._guesses[row.spec.uid] for row in rows if row.spec.uid in self._guesses]
         return self._width_for([(len(guess.draft), guess.grade) for guess in guesses], len(rows), slot_count)
 
-    def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
+    def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
+        """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
+        as they were made where that read costs little, else by what is left of each to verify after
+        that step (module docstring)."""
+        early_read = self.costs.early_read_cost(slot_count) if in_flight else None
+        if early_read is None or early_read < CHEAP_EARLY_READ:
+            return self.width(rows, slot_count) > 1
+        latest = [(guess.left(row.generated), guess.grade) for row in rows
+                  if (guess := self._guesses.get(row.spec.uid)) is not None]
+        return self._width_for(latest, len(rows), slot_count, lead=1) > 1
+
+    def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
         guesses are worth, or not at all (then the rows' tokens settle them)."""
         asking = self._asking(rows, slot_count)

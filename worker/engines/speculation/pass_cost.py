@@ -1,23 +1,36 @@
 """What a verification pass costs next to a decode step, measured while serving.
 
 A pass runs every slot at its width and, since it reads the step before it back, gives up the
-overlap of the host's work with the device's. What that costs depends on the device, the model, the
-slot count and the width: on a 2-core CPU a pass at 8 slots took about 1.4 decode steps at width 3
-and 2.2 at width 5, on the H200 about 1.7 at any width (docs/speculative.md, "Whether a pass
-pays"). So the engine reports the time of every plain decode step (one launched and one read back,
-nothing admitted in that call) and of every pass (its drafting, the pass and its read-back), and the
-cost of a pass of `width` at `slots` is the median of its recent passes over the median of the
-recent steps at `slots` (a pass that traced a new shape first is left out). Until both are
-measured it is the prior: the platform's default, or the setting, which when given is used as it is
-and never measured. A width measured as too dear to run would never be measured again, so its
-passes are forgotten `FORGET_AFTER` decode steps after the latest: then it is tried afresh.
+overlap of the host's work with the device's: the step in flight is waited for, and the step after
+the pass starts the overlap again with a call that reads nothing back. What that costs depends on
+the device, the model, the slot count and the width (docs/speculative.md, "Whether a pass pays").
+So the engine reports every call it makes (`call`), and time is counted from one call's start to
+the next's, the caller's own work between calls included:
+
+- a plain decode step (one launched, one read back, nothing admitted) takes its interval;
+- a pass takes the intervals from its call's start to the start of the call after the restart
+  (none without overlap), less one step's for the step it read back before the pass.
+
+- a declined look (the step in flight read back early for a pass, then no pass worth running: a
+  decode step launched after the read-back) takes its interval less one step's: what reading back
+  early cost, `early_read_cost`.
+
+The cost of a pass of `width` at `slots` is the median of its recent passes over the median of the
+recent steps at `slots` (a pass that traced a new shape is left out, and so is one whose window
+an admission cut short). Until both are measured it is the prior: the platform's default, or the
+setting, which when given is used as it is and never measured. A width measured as too dear to run
+would never be measured again, so its passes are forgotten `FORGET_AFTER` decode steps after the
+latest: then it is tried afresh.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import statistics
 from collections import deque
+from dataclasses import dataclass
+from typing import Optional
 
 log = logging.getLogger("mlxq.engine")
 
@@ -25,6 +38,24 @@ SAMPLES = 9  # recent timings kept per shape: a median over them shrugs off a pa
 MIN_STEPS = 3
 MIN_PASSES = 3
 FORGET_AFTER = 256  # decode steps
+
+
+class Call(enum.Enum):
+    """What one engine call did, for the timing of passes against steps."""
+
+    STEP = "step"  # a decode step launched and the one before it read back, nothing admitted
+    RESTART = "restart"  # a decode step launched, nothing read back or admitted: the overlap starts again
+    PASS = "pass"  # a verification pass of a shape traced before, nothing admitted
+    DECLINED = "declined"  # the step in flight read back for a pass the fresh proposals did not pay for
+    OTHER = "other"  # anything else: an admission, a pass that traced its shape, an idle call
+
+
+@dataclass
+class _Window:
+    slots: int
+    width: int
+    started: float
+    steps_read: int  # decode steps read back in the pass's call before the pass
 
 
 class PassCosts:
@@ -36,6 +67,31 @@ class PassCosts:
         self._latest: dict[tuple[int, int], int] = {}  # the step count at each shape's latest pass
         self._clock = 0  # decode steps timed
         self._reported: set[tuple[int, int]] = set()
+        self._window: Optional[_Window] = None  # a pass whose time is still being counted
+        self._declined: dict[int, deque[float]] = {}  # what each declined look cost beyond a step, seconds
+        self._last: Optional[tuple[Call, int, float]] = None  # the latest call: its kind, slots and start
+
+    def call(self, started: float, kind: Call, slots: int, width: int = 0, steps_read: int = 0) -> None:
+        """The engine made a call of `kind` that began at `started` (time.perf_counter()) with `slots`
+        slots; a pass gives its width and how many decode steps it read back before it ran."""
+        if not self.measure:
+            return
+        last, self._last = self._last, (kind, slots, started)
+        if last is not None:
+            last_kind, last_slots, last_started = last
+            if last_kind is Call.STEP:
+                self.step_took(last_slots, started - last_started)
+            elif last_kind is Call.DECLINED and (step := self._median_step(last_slots)) is not None:
+                self._declined.setdefault(last_slots, deque(maxlen=SAMPLES)).append(started - last_started - step)
+        window, self._window = self._window, None
+        if window is not None and kind is Call.RESTART:
+            self._window = window  # the restart is the pass's
+        elif window is not None and kind is not Call.OTHER:  # an admission would hide the restart's launch
+            step = self._median_step(window.slots)
+            if step is not None:
+                self.pass_took(window.slots, window.width, started - window.started - window.steps_read * step)
+        if kind is Call.PASS:
+            self._window = _Window(slots, width, started, steps_read)
 
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
@@ -51,12 +107,24 @@ class PassCosts:
         """A pass of `width` positions a slot at `slots` slots, in decode steps at `slots` (at least 1)."""
         if (slots, width) in self._passes and self._clock - self._latest[(slots, width)] > FORGET_AFTER:
             del self._passes[(slots, width)]
-        steps, passes = self._steps.get(slots, ()), self._passes.get((slots, width), ())
-        if len(steps) < MIN_STEPS or len(passes) < MIN_PASSES:
+        step, passes = self._median_step(slots), self._passes.get((slots, width), ())
+        if step is None or len(passes) < MIN_PASSES:
             return self.prior
-        cost = max(1.0, statistics.median(passes) / statistics.median(steps))
+        cost = max(1.0, statistics.median(passes) / step)
         if (slots, width) not in self._reported:
             self._reported.add((slots, width))
             log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)",
                       width, slots, cost)
         return cost
+
+    def early_read_cost(self, slots: int) -> Optional[float]:
+        """What reading the step in flight back early for a pass that then did not run costs at
+        `slots` slots, in decode steps (at least 0); None until measured."""
+        step, looks = self._median_step(slots), self._declined.get(slots, ())
+        if step is None or len(looks) < MIN_PASSES:
+            return None
+        return max(0.0, statistics.median(looks) / step)
+
+    def _median_step(self, slots: int) -> Optional[float]:
+        steps = self._steps.get(slots, ())
+        return statistics.median(steps) if len(steps) >= MIN_STEPS else None

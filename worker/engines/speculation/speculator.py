@@ -96,6 +96,10 @@ class Guess:
         kept = next((i for i, (a, b) in enumerate(zip(made, self.draft)) if a != b), len(made))
         return kept if kept == len(self.draft) or kept < len(made) else None
 
+    def left(self, generated: Sequence[int]) -> int:
+        """How many of its tokens the row has still to make."""
+        return len(self.draft) - min(len(self.draft), max(0, len(generated) - self.start))
+
 
 class Speculator:
     """A speculation policy's interface to the compiled engine, and what every policy shares: the
@@ -118,6 +122,7 @@ class Speculator:
         self.steps = 0
         self.probed = 0  # tokens guessed and left to the tokens the rows made, and those they made
         self.probes_accepted = 0
+        self.declined = 0  # plans that found no pass worth running
 
     @property
     def pass_cost(self) -> float:
@@ -163,9 +168,9 @@ class Speculator:
                     best, best_rate = width, rate
         return best
 
-    def wants(self, rows: Sequence[Row], slot_count: int) -> bool:
-        """Whether some row would propose this step (then the engine reads the step in flight back
-        first: a proposal continues each row's latest token)."""
+    def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
+        """Whether some row would propose this step (then the engine reads the step `in_flight`, if one
+        is, back first: a proposal continues each row's latest token)."""
         return self.width(rows, slot_count) > 1
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
@@ -179,7 +184,12 @@ class Speculator:
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """The proposals of this step's rows (each row's tokens are up to date), or None when no pass
-        is worth running."""
+        is worth running (a look `declined`)."""
+        plan = self._plan(rows, slot_count)
+        self.declined += plan is None
+        return plan
+
+    def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         raise NotImplementedError
 
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
@@ -222,4 +232,4 @@ class Speculator:
     def stats(self) -> dict[str, int]:
         return {"speculative_steps": self.steps, "speculative_proposed": self.proposed,
                 "speculative_accepted": self.accepted, "speculative_probed": self.probed,
-                "speculative_probes_accepted": self.probes_accepted}
+                "speculative_probes_accepted": self.probes_accepted, "speculative_declined": self.declined}
