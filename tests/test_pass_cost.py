@@ -30,34 +30,40 @@ def steady(costs: PassCosts, start: float, count: int, slots: int = 8) -> float:
     return start + count * STEP
 
 
-def test_a_pass_costs_its_call_and_the_restart_less_the_step_it_read_back():
-    """With overlap, a pass's call reads the step in flight back first (one step's tokens, counted
-    as one step's time) and the call after it restarts the overlap: the pass costs from its start to
-    the start of the step after the restart, less one step."""
+def test_a_pass_costs_its_call_and_the_restart_less_the_step_the_restart_launched():
+    """With overlap, a pass's call reads the step in flight back first and the call after it
+    restarts the overlap, launching a decode step and reading none back: the pass costs from its
+    start to the start of the step after the restart, less one step for the step the restart launched."""
     costs = PassCosts(prior=2.0)
     now = steady(costs, 0.0, 5)
     for _ in range(3):
-        costs.call(now, Call.PASS, 8, width=5, steps_read=1)
+        costs.call(now, Call.PASS, 8, width=5)
         costs.call(now + 0.025, Call.RESTART, 8)  # the pass's call took 2.5 steps, the restart 0.8
         now = steady(costs, now + 0.033, 2)
-    assert costs.cost(8, 5) == pytest.approx((0.033 - STEP) / STEP)  # 2.3 steps, where its call alone read 2.5 - 1
+    assert costs.cost(8, 5) == pytest.approx((0.033 - STEP) / STEP)  # 2.3 steps
+    for _ in range(3):  # after an admission nothing is in flight to read back; the restart still launches a step
+        costs.call(now, Call.OTHER, 8)
+        costs.call(now + 0.040, Call.PASS, 8, width=4)
+        costs.call(now + 0.060, Call.RESTART, 8)
+        now = steady(costs, now + 0.070, 2)
+    assert costs.cost(8, 4) == pytest.approx((0.030 - STEP) / STEP)
     assert costs.cost(8, 3) == 2.0 and costs.cost(4, 5) == 2.0  # other widths and slot counts: the prior
 
 
 def test_passes_back_to_back_and_without_overlap_pay_no_restart():
-    """A pass straight after a pass has nothing in flight to read back or restart: it costs its own
-    interval. Without overlap every call reads its own step back: a pass costs its interval too."""
+    """A pass straight before a pass has no restart: it costs its own interval. Without overlap every
+    call reads its own step back: a pass costs its interval too."""
     chained = PassCosts(prior=2.0)
     now = steady(chained, 0.0, 4)
-    chained.call(now, Call.PASS, 8, width=3, steps_read=1)
+    chained.call(now, Call.PASS, 8, width=3)
     for i in range(1, 5):
-        chained.call(now + 0.02 * i, Call.PASS, 8, width=3, steps_read=0)
+        chained.call(now + 0.02 * i, Call.PASS, 8, width=3)
     steady(chained, now + 0.1, 1)
-    assert chained.cost(8, 3) == pytest.approx(2.0 / 1.0)  # 0.02 s each; the first 0.02 - one step = 1 step
+    assert chained.cost(8, 3) == pytest.approx(2.0)  # 0.02 s each
     plain = PassCosts(prior=3.0)
     now = steady(plain, 0.0, 4)
     for _ in range(3):
-        plain.call(now, Call.PASS, 8, width=3, steps_read=0)
+        plain.call(now, Call.PASS, 8, width=3)
         now = steady(plain, now + 0.014, 1)
     assert plain.cost(8, 3) == pytest.approx(1.4)
 
@@ -66,10 +72,10 @@ def test_an_admission_or_an_unmeasured_step_leaves_a_pass_out():
     """A pass whose restart an admission hid, or one before the step's time is known, is not
     timed; nor is the interval of a call that was not a plain step."""
     costs = PassCosts(prior=2.0)
-    costs.call(0.0, Call.PASS, 8, width=3, steps_read=0)  # no step measured yet
+    costs.call(0.0, Call.PASS, 8, width=3)  # no step measured yet
     now = steady(costs, 0.05, 4)
     for _ in range(3):
-        costs.call(now, Call.PASS, 8, width=3, steps_read=1)
+        costs.call(now, Call.PASS, 8, width=3)
         costs.call(now + 0.5, Call.OTHER, 8)  # an admission right after: its call launched the restart
         now = steady(costs, now + 0.6, 1)
         costs.call(now, Call.OTHER, 8)  # a long admission after a step: not the step's time
@@ -77,9 +83,9 @@ def test_an_admission_or_an_unmeasured_step_leaves_a_pass_out():
     assert costs.cost(8, 3) == 2.0
     assert costs.cost(8, 2) == 2.0
     steady(costs, now, 2)
-    costs.call(now + 2 * STEP, Call.PASS, 8, width=2, steps_read=0)
+    costs.call(now + 2 * STEP, Call.PASS, 8, width=2)
     for i in range(3):
-        costs.call(now + 3 * STEP + i * 0.012, Call.PASS, 8, width=2, steps_read=0)
+        costs.call(now + 3 * STEP + i * 0.012, Call.PASS, 8, width=2)
     assert costs.cost(8, 2) == pytest.approx(1.2)  # the steps' median stayed at STEP
 
 
@@ -87,7 +93,7 @@ def test_a_setting_is_never_measured():
     costs = PassCosts(prior=1.5, measure=False)
     now = steady(costs, 0.0, 5)
     for _ in range(4):
-        costs.call(now, Call.PASS, 8, width=3, steps_read=0)
+        costs.call(now, Call.PASS, 8, width=3)
         now = steady(costs, now + 0.1, 1)
     assert costs.cost(8, 3) == 1.5
 
@@ -106,9 +112,9 @@ class RecordingCosts(PassCosts):
         super().__init__(prior=1.0)
         self.kinds: list[Call] = []
 
-    def call(self, started: float, kind: Call, slots: int, width: int = 0, steps_read: int = 0) -> None:
+    def call(self, started: float, kind: Call, slots: int, width: int = 0) -> None:
         self.kinds.append(kind)
-        super().call(started, kind, slots, width, steps_read)
+        super().call(started, kind, slots, width)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

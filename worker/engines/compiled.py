@@ -324,7 +324,7 @@ class CompiledEngine:
         previous, self._in_flight = self._in_flight, None
         events = refused
         admitted = first is not None or stepping or prefill_s
-        read_early = False  # whether the step in flight was read back early, for a pass
+        read_early = False  # whether the step in flight was read back early for a pass that did not run
         if self._spec is not None:
             occupied = self._table.occupied()
             self._spec.step_began(occupied, len(self._table.slots))
@@ -345,7 +345,7 @@ class CompiledEngine:
                     if not self._table.any_occupied() and not waiting:
                         self._table.release()
                     self._count(events, started, prefill_s, Call.PASS if timed else Call.OTHER,
-                                slots=slots, width=plan.width, steps_read=int(read_early))
+                                slots=slots, width=plan.width)
                     return events
         launched = self._launch() if self._table.any_occupied() else None
         # A step's worth of time: one launched and (with overlap) the one before read back, nothing admitted.
@@ -368,12 +368,12 @@ class CompiledEngine:
         return events
 
     def _count(self, events: list[TokenEvent], started: float, prefill_s: float, kind: Call, *, slots: int = 0,
-               width: int = 0, steps_read: int = 0) -> None:
+               width: int = 0) -> None:
         """Count the call's tokens and time, and tell the pass costs what the call was (pass_cost.py)."""
         self._counters.decode_tokens += sum(1 for e in events if e.error is None)
         self._counters.decode_s += time.perf_counter() - started - prefill_s
         if self._spec is not None:
-            self._spec.costs.call(started, kind, slots, width, steps_read)
+            self._spec.costs.call(started, kind, slots, width)
 
     def remove(self, uids: list[str]) -> None:
         gone = set()

@@ -5,12 +5,14 @@ overlap of the host's work with the device's: the step in flight is waited for, 
 the pass starts the overlap again with a call that reads nothing back. What that costs depends on
 the device, the model, the slot count and the width (docs/speculative.md, "Whether a pass pays").
 So the engine reports every call it makes (`call`), and time is counted from one call's start to
-the next's, the caller's own work between calls included:
+the next's, the caller's own work between calls included. Every call launches one thing, a decode
+step or a pass:
 
 - a plain decode step (one launched, one read back, nothing admitted) takes its interval;
-- a pass takes the intervals from its call's start to the start of the call after the restart
-  (none without overlap), less one step's for the step it read back before the pass.
-
+- a pass takes the intervals from its call's start to the start of the first call after it that is
+  not a restart, less one step's for each restart (a restart launches a decode step of its own). On
+  a GPU a restart is short and most of a pass's call is the overlap it gave up; on a CPU, whose
+  launch computes the step, a restart takes about a step;
 - a declined look (the step in flight read back early for a pass, then no pass worth running: a
   decode step launched after the read-back) takes its interval less one step's: what reading back
   early cost, `early_read_cost`.
@@ -55,7 +57,7 @@ class _Window:
     slots: int
     width: int
     started: float
-    steps_read: int  # decode steps read back in the pass's call before the pass
+    restarts: int = 0  # decode steps launched after the pass, each in a call that read nothing back
 
 
 class PassCosts:
@@ -71,9 +73,9 @@ class PassCosts:
         self._declined: dict[int, deque[float]] = {}  # what each declined look cost beyond a step, seconds
         self._last: Optional[tuple[Call, int, float]] = None  # the latest call: its kind, slots and start
 
-    def call(self, started: float, kind: Call, slots: int, width: int = 0, steps_read: int = 0) -> None:
+    def call(self, started: float, kind: Call, slots: int, width: int = 0) -> None:
         """The engine made a call of `kind` that began at `started` (time.perf_counter()) with `slots`
-        slots; a pass gives its width and how many decode steps it read back before it ran."""
+        slots; a pass gives its width."""
         if not self.measure:
             return
         last, self._last = self._last, (kind, slots, started)
@@ -85,13 +87,14 @@ class PassCosts:
                 self._declined.setdefault(last_slots, deque(maxlen=SAMPLES)).append(started - last_started - step)
         window, self._window = self._window, None
         if window is not None and kind is Call.RESTART:
-            self._window = window  # the restart is the pass's
+            window.restarts += 1
+            self._window = window
         elif window is not None and kind is not Call.OTHER:  # an admission would hide the restart's launch
             step = self._median_step(window.slots)
             if step is not None:
-                self.pass_took(window.slots, window.width, started - window.started - window.steps_read * step)
+                self.pass_took(window.slots, window.width, started - window.started - window.restarts * step)
         if kind is Call.PASS:
-            self._window = _Window(slots, width, started, steps_read)
+            self._window = _Window(slots, width, started)
 
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
