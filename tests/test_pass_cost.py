@@ -47,7 +47,25 @@ def test_a_pass_costs_its_call_and_the_restart_less_the_step_the_restart_launche
         costs.call(now + 0.060, Call.RESTART, 8)
         now = steady(costs, now + 0.070, 2)
     assert costs.cost(8, 4) == pytest.approx((0.030 - STEP) / STEP)
-    assert costs.cost(8, 3) == 2.0 and costs.cost(4, 5) == 2.0  # other widths and slot counts: the prior
+    assert costs.cost(8, 6) == 2.0 and costs.cost(4, 5) == 2.0  # a wider width, another slot count: the prior
+
+
+def test_a_width_not_measured_below_one_that_is_costs_its_share_of_that_ones_extra_cost():
+    """Width 5 measured at 2.6 steps: width 3, never run, is taken at 1 + 1.6 x 2 / 4 = 1.8 (a prior of
+    2 would keep it from ever running, so from ever being measured), width 2 at 1.4; once width 3 is
+    measured it is its own, and width 2 follows it; never above the prior."""
+    costs = PassCosts(prior=2.0)
+    for _ in range(3):
+        costs.step_took(8, STEP)
+    assert costs.cost(8, 3) == 2.0  # nothing measured yet
+    for _ in range(3):
+        costs.pass_took(8, 5, 0.026)
+    assert costs.cost(8, 3) == pytest.approx(1.8) and costs.cost(8, 2) == pytest.approx(1.4)
+    for _ in range(3):
+        costs.pass_took(8, 3, 0.012)
+    assert costs.cost(8, 3) == pytest.approx(1.2) and costs.cost(8, 2) == pytest.approx(1.1)
+    assert costs.cost(8, 4) == 2.0  # 1 + 1.6 x 3 / 4 = 2.2 from width 5, held at the prior
+    assert costs.cost(4, 3) == 2.0  # another slot count measures its own
 
 
 def test_passes_back_to_back_and_without_overlap_pay_no_restart():

@@ -324,7 +324,7 @@ class CompiledEngine:
         previous, self._in_flight = self._in_flight, None
         events = refused
         admitted = first is not None or stepping or prefill_s
-        read_early = False  # whether the step in flight was read back early for a pass that did not run
+        read_early = False  # the step in flight read back early for a pass (a declined look if none then runs)
         if self._spec is not None:
             occupied = self._table.occupied()
             self._spec.step_began(occupied, len(self._table.slots))

@@ -23,7 +23,7 @@ step's proposals are expected to add:
   latest guess as if it were current: judged more strictly, 8 grounded rows on the CPU lost much of
   their gain. Where it costs more (on a GPU it gives up the overlap of the host's work with the
   device's), it judges each guess by what is left of it to verify after the step in flight, were
-  the step's token the one guessed (docs/performance.md, "Prompt lookup's graded proposals").
+  the step's token the one guessed (docs/performance.md, "Pass costs from call windows").
 
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
 or not at all, and those do not pay for a pass.

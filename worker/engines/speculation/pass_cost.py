@@ -20,9 +20,11 @@ step or a pass:
 The cost of a pass of `width` at `slots` is the median of its recent passes over the median of the
 recent steps at `slots` (a pass that traced a new shape is left out, and so is one whose window
 an admission cut short). Until both are measured it is the prior: the platform's default, or the
-setting, which when given is used as it is and never measured. A width measured as too dear to run
-would never be measured again, so its passes are forgotten `FORGET_AFTER` decode steps after the
-latest: then it is tried afresh.
+setting, which when given is used as it is and never measured. A width not yet measured below one
+that is costs no more than its share of that one's extra cost, (w - 1) / (m - 1) of it: a narrower
+pass does less, and a narrow width left at a prior too dear would never be run, and so never be
+measured. A width measured as too dear to run would never be measured again either, so its passes
+are forgotten `FORGET_AFTER` decode steps after the latest: then it is tried afresh.
 """
 
 from __future__ import annotations
@@ -108,17 +110,21 @@ class PassCosts:
 
     def cost(self, slots: int, width: int) -> float:
         """A pass of `width` positions a slot at `slots` slots, in decode steps at `slots` (at least 1)."""
-        if (slots, width) in self._passes and self._clock - self._latest[(slots, width)] > FORGET_AFTER:
-            del self._passes[(slots, width)]
-        step, passes = self._median_step(slots), self._passes.get((slots, width), ())
-        if step is None or len(passes) < MIN_PASSES:
+        for shape in [shape for shape, latest in self._latest.items() if self._clock - latest > FORGET_AFTER]:
+            del self._passes[shape], self._latest[shape]
+        step = self._median_step(slots)
+        measured = {w: max(1.0, statistics.median(passes) / step) for (s, w), passes in self._passes.items()
+                    if step is not None and s == slots and w >= width and len(passes) >= MIN_PASSES}
+        if width in measured:
+            if (slots, width) not in self._reported:
+                self._reported.add((slots, width))
+                log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)",
+                          width, slots, measured[width])
+            return measured[width]
+        if not measured:
             return self.prior
-        cost = max(1.0, statistics.median(passes) / step)
-        if (slots, width) not in self._reported:
-            self._reported.add((slots, width))
-            log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)",
-                      width, slots, cost)
-        return cost
+        wider = min(measured)
+        return min(self.prior, 1 + (measured[wider] - 1) * (width - 1) / (wider - 1))
 
     def early_read_cost(self, slots: int) -> Optional[float]:
         """What reading the step in flight back early for a pass that then did not run costs at

@@ -5,7 +5,10 @@
    in a pass keeps its proposal as far as it equals its answer (what verification of a greedy row
    does) plus one token; a decode step makes one token a row. A pass of width w costs COST[w] decode
    steps (measured at 8 slots on the 2-core CPU, docs/performance.md); the figure is the batch's
-   decode steps without speculation over its cost with it (prefill left out).
+   decode steps without speculation over its cost with it (prefill left out). The graded policy
+   also as a worker sees the costs: each width's known once it has run 3 passes, before that the
+   prior of 2 ("widths learnt, prior") or, below a measured width, its share of that one's extra cost
+   ("widths learnt, shares", as the engine does since it was added).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
@@ -45,9 +48,31 @@ class Row:
         self.prompt, self.out, self.generated, self.constraint = answer["prompt"], answer["output"], answer["output"][:1], None
 
 
-def replay(answers, make, slots=8):
+def known(runs):
+    """Every width's cost known from the start."""
+    return lambda slot_count, width: COST[width]
+
+
+def learnt(below_measured):
+    """A width's cost known once 3 of its passes ran (`runs`: passes per width so far, kept across
+    batches as a worker keeps them), the prior of 2 before; with `below_measured`, a width below a
+    measured one takes its share of that one's extra cost (worker/engines/speculation/pass_cost.py)."""
+    def cost_of(runs):
+        def cost(slot_count, width):
+            measured = sorted(w for w, n in runs.items() if n >= 3 and w >= width)
+            if width in measured:
+                return COST[width]
+            if not below_measured or not measured:
+                return 2.0
+            return min(2.0, 1 + (COST[measured[0]] - 1) * (width - 1) / (measured[0] - 1))
+        return cost
+    return cost_of
+
+
+def replay(answers, make, slots=8, costs=known, runs=None):
     speculator = make()
-    speculator.costs.cost = lambda slot_count, width: COST[width]
+    runs = {} if runs is None else runs
+    speculator.costs.cost = costs(runs)
     rows = [Row(f"r{i}", a) for i, a in enumerate(answers)]
     cost, live = 0.0, [r for r in rows if len(r.generated) < len(r.out)]
     while live:
@@ -55,6 +80,8 @@ def replay(answers, make, slots=8):
         plan = speculator.plan(live, slots) if speculator.wants(live, slots) else None
         drafts = {id(p.seq): p.draft for p in plan.rows} if plan else {}
         cost += COST[plan.width] if plan else 1
+        if plan:
+            runs[plan.width] = runs.get(plan.width, 0) + 1
         for r in live:
             g, draft = len(r.generated), drafts.get(id(r), [])
             kept = next((i for i, (a, b) in enumerate(zip(draft, r.out[g:])) if a != b), min(len(draft), len(r.out) - g))
@@ -67,10 +94,11 @@ def replay(answers, make, slots=8):
     return max(len(a["output"]) for a in answers) - 1, cost
 
 
-def ratio(answers, make, size):
+def ratio(answers, make, size, costs=known):
     steps = cost = 0
+    runs = {}
     for start in range(0, len(answers), size):
-        s, c = replay(answers[start:start + size], make)
+        s, c = replay(answers[start:start + size], make, costs=costs, runs=runs)
         steps, cost = steps + s, cost + c
     return steps / cost
 
@@ -91,3 +119,5 @@ if __name__ == "__main__":
             plain = ratio(answers[kind], policies["graded"], size)
             graded.BATCH_MARGIN = 2.0
             print(f"{kind:8s} {size} row(s) {'graded, margin 1':24s} {plain:.3f}")
+            for label, costs in (("widths learnt, prior", learnt(False)), ("widths learnt, shares", learnt(True))):
+                print(f"{kind:8s} {size} row(s) {'graded, ' + label:24s} {ratio(answers[kind], policies['graded'], size, costs):.3f}")
