@@ -47,7 +47,7 @@ FORGET_AFTER = 256  # decode steps
 class Call(enum.Enum):
     """What one engine call did, for the timing of passes against steps."""
 
-    STEP = "step"  # a decode step launched and the one before it read back, nothing admitted
+    STEP = "step"  # a decode step launched and one read back (with overlap, the one before), nothing admitted
     RESTART = "restart"  # a decode step launched, nothing read back or admitted: the overlap starts again
     PASS = "pass"  # a verification pass of a shape traced before, nothing admitted
     DECLINED = "declined"  # the step in flight read back for a pass the fresh proposals did not pay for
@@ -63,6 +63,8 @@ class _Window:
 
 
 class PassCosts:
+    """One engine's timings of its calls, and from them what a pass of each shape costs (above)."""
+
     def __init__(self, prior: float, measure: bool = True) -> None:
         self.prior = prior
         self.measure = measure
