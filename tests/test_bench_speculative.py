@@ -132,6 +132,10 @@ def test_the_speculative_scenario_reports_each_drafter_against_off(tiny_model_di
     # the model as its own draft: every proposal is the model's own greedy token
     self_draft = [c for c in spec["comparisons"] if c["drafter"] == "draft-self"]
     assert all(c["proposed"] > 0 and c["accepted"] == c["proposed"] for c in self_draft), self_draft
+    if in_process:  # the engines' own counters of the run: its passes and the proposals its results report
+        for c in self_draft:
+            engine = by[("draft-self", c["workload"])]["engine"]
+            assert engine["engine_speculative_steps"] > 0 and engine["engine_speculative_proposed"] == c["proposed"]
     assert spec["text_identity"]["all_equal_off"] is True, spec["text_identity"]
     assert (out / "speculative.png").stat().st_size > 0
     table = (out / "table.md").read_text()

@@ -57,8 +57,10 @@ class EngineArm:
         return sorted(drive_scheduler(self.scheduler, workload, make_payload), key=lambda r: r.index)
 
     def time_counters(self) -> dict[str, float]:
-        """The engine's counters (its time and its speculation's), named as a worker publishes them (`engine_*`)."""
-        return {f"engine_{name}": float(value) for name, value in self.scheduler.engine.stats().counters.items()}
+        """The engine's time and speculation counters, named as a worker publishes them (`engine_*`)."""
+        engine = self.scheduler.engine
+        speculation = {k: v for k, v in engine.stats().counters.items() if k.startswith("speculative_")}
+        return {f"engine_{name}": float(value) for name, value in {**engine.time_stats(), **speculation}.items()}
 
     def cpu_s(self) -> float:
         """This process's CPU seconds: one arm runs at a time, so a run's difference is its own."""
