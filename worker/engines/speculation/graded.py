@@ -126,10 +126,14 @@ class GradedSpeculator(Speculator):
                 self._guesses[row.spec.uid] = made[-1]
         return made
 
+    def _latest(self, rows: Sequence[Row]) -> list[tuple[Row, Guess]]:
+        """Each row that has a guess no pass verified, with it."""
+        return [(row, guess) for row in rows if (guess := self._guesses.get(row.spec.uid)) is not None]
+
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth, as they were made."""
-        guesses = [self._guesses[row.spec.uid] for row in rows if row.spec.uid in self._guesses]
-        return self._width_for([(len(guess.draft), guess.grade) for guess in guesses], len(rows), slot_count)
+        return self._width_for([(len(guess.draft), guess.grade) for _, guess in self._latest(rows)], len(rows),
+                               slot_count)
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
@@ -138,9 +142,8 @@ class GradedSpeculator(Speculator):
         early_read = self.costs.early_read_cost(slot_count) if in_flight else None
         if early_read is None or early_read < CHEAP_EARLY_READ:
             return self.width(rows, slot_count) > 1
-        latest = [(guess.left(row.generated), guess.grade) for row in rows
-                  if (guess := self._guesses.get(row.spec.uid)) is not None]
-        return self._width_for(latest, len(rows), slot_count, lead=1) > 1
+        left = [(guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)]
+        return self._width_for(left, len(rows), slot_count, lead=1) > 1
 
     def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those

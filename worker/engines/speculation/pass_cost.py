@@ -115,18 +115,22 @@ class PassCosts:
         for shape in [shape for shape, latest in self._latest.items() if self._clock - latest > FORGET_AFTER]:
             del self._passes[shape], self._latest[shape]
         step = self._median_step(slots)
-        measured = {w: max(1.0, statistics.median(passes) / step) for (s, w), passes in self._passes.items()
-                    if step is not None and s == slots and w >= width and len(passes) >= MIN_PASSES}
-        if width in measured:
+        if step is None:
+            return self.prior
+        # The width itself if measured, else the nearest measured wider one: one median at most.
+        for measured in sorted(w for s, w in self._passes if s == slots and w >= width):
+            passes = self._passes[(slots, measured)]
+            if len(passes) < MIN_PASSES:
+                continue
+            cost = max(1.0, statistics.median(passes) / step)
+            if measured > width:
+                return min(self.prior, 1 + (cost - 1) * (width - 1) / (measured - 1))
             if (slots, width) not in self._reported:
                 self._reported.add((slots, width))
                 log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)",
-                          width, slots, measured[width])
-            return measured[width]
-        if not measured:
-            return self.prior
-        wider = min(measured)
-        return min(self.prior, 1 + (measured[wider] - 1) * (width - 1) / (wider - 1))
+                          width, slots, cost)
+            return cost
+        return self.prior
 
     def early_read_cost(self, slots: int) -> Optional[float]:
         """What reading the step in flight back early for a pass that then did not run costs at
