@@ -171,3 +171,17 @@ def test_a_declined_look_costs_its_interval_less_a_step():
     steady(costs, now + 0.017, 1)
     assert costs.early_read_cost(8) == pytest.approx(0.7) and costs.early_read_cost(4) is None
     assert costs.cost(8, 2) == 2.0  # looks are not passes
+
+
+def test_what_was_learnt_lists_each_measured_shape_and_early_read():
+    """The bench reports this: shapes with too few passes, and slot counts with too few looks, are left out."""
+    costs = PassCosts(prior=2.0)
+    now = steady(costs, 0.0, 4)
+    for i in range(4):
+        costs.call(now, Call.PASS, 8, width=5 if i < 3 else 3)  # three passes of width 5, one of width 3
+        costs.call(now + 0.025, Call.RESTART, 8)
+        now = steady(costs, now + 0.035, 1)
+    for _ in range(3):
+        costs.call(now, Call.DECLINED, 8)
+        now = steady(costs, now + 0.012, 1)
+    assert costs.learnt() == {"pass 8x5": pytest.approx(2.5), "early read 8": pytest.approx(0.2)}

@@ -217,6 +217,8 @@ class SpeculativeRun:
                  **metrics(records), "decode_tokens_per_s": decode_rate(engine),
                  "worker_cpu_s": cpu_after - cpu_before,
                  "speculation": speculation_of(records), "engine": engine}
+        if in_process:
+            entry["pass_costs"] = cluster.pass_costs()
         first = min(records, key=lambda r: r.index)
         if repeat == 0 and first.extra.get("token_ids") is not None:  # what the model wrote, for the reader
             entry["first_text"] = self.tokenizer.decode(first.extra["token_ids"])[:400]
@@ -226,7 +228,8 @@ class SpeculativeRun:
         acceptance = entry["speculation"]["acceptance"]
         print(f"   {workload.label:<18} {arm:<13} {entry['tokens_per_s'] or 0:8.1f} tok/s  {entry['tokens']:5d} tokens "
               f"in {entry['wall_s']:6.1f} s  failed {entry['failed']}/{n}"
-              + (f"  accepted {100 * acceptance:.0f}%" if acceptance is not None else ""), flush=True)
+              + (f"  accepted {100 * acceptance:.0f}%" if acceptance is not None else "")
+              + "".join(f"  {name} {cost:.2f}" for name, cost in entry.get("pass_costs", {}).items()), flush=True)
 
     def section(self, envs: dict[str, dict[str, str]], random_path: Optional[str]) -> dict[str, Any]:
         cfg = self.cfg

@@ -62,6 +62,12 @@ class EngineArm:
         speculation = {k: v for k, v in engine.stats().counters.items() if k.startswith("speculative_")}
         return {f"engine_{name}": float(value) for name, value in {**engine.time_stats(), **speculation}.items()}
 
+    def pass_costs(self) -> dict[str, float]:
+        """What the arm's speculator has measured of its passes and early read-backs, in decode steps
+        (pass_cost.PassCosts.learnt; empty without speculation)."""
+        speculator = getattr(self.scheduler.engine, "speculator", None)  # the compiled engine's
+        return {} if speculator is None else speculator.costs.learnt()
+
     def cpu_s(self) -> float:
         """This process's CPU seconds: one arm runs at a time, so a run's difference is its own."""
         return time.process_time()

@@ -152,6 +152,10 @@ class CompiledEngine:
         return len(self._by_uid)
 
     @property
+    def speculator(self) -> Optional[Speculator]:
+        return self._spec
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """The served model's keys and values per row and token, and a draft model's (its own slot
         buffers, sized as the engine's are)."""

@@ -140,6 +140,20 @@ class PassCosts:
             return None
         return max(0.0, statistics.median(looks) / step)
 
+    def learnt(self) -> dict[str, float]:
+        """What has been measured so far, in decode steps: "pass <slots>x<width>" for each shape with
+        enough passes, and "early read <slots>" for each slot count with enough declined looks."""
+        found: dict[str, float] = {}
+        for (slots, width), passes in sorted(self._passes.items()):
+            step = self._median_step(slots)
+            if step is not None and len(passes) >= MIN_PASSES:
+                found[f"pass {slots}x{width}"] = round(statistics.median(passes) / step, 3)
+        for slots in sorted(self._declined):
+            early = self.early_read_cost(slots)
+            if early is not None:
+                found[f"early read {slots}"] = round(early, 3)
+        return found
+
     def _median_step(self, slots: int) -> Optional[float]:
         steps = self._steps.get(slots, ())
         return statistics.median(steps) if len(steps) >= MIN_STEPS else None

@@ -17,6 +17,7 @@ ROWS=${ROWS:-1,8,32}
 NEW_TOKENS=${NEW_TOKENS:-128}
 DRAFTERS=${DRAFTERS:-ngram,draft-self}
 SAMPLING=${SAMPLING:-greedy,sampled}
+WORKLOADS=${WORKLOADS:-grounded,chat}
 IGNORE_EOS=${IGNORE_EOS:-}  # non-empty: every request makes NEW_TOKENS tokens (--spec-ignore-eos)
 IN_PROCESS=${IN_PROCESS:-}  # non-empty: the arms as engines in the bench's process (--spec-in-process)
 CPUS=${CPUS:-}  # e.g. 0-3: the bench and its workers on these cores alone (taskset), the same for every arm
@@ -31,7 +32,7 @@ mkdir -p "$OUT"
 speculative() {
   rm -rf $RUN
   (cd /tmp && timeout ${SPEC_TIMEOUT:-300} ${CPUS:+taskset -c $CPUS} $PYTHON -m mlxq bench --model "$MODEL" \
-    --scenario speculative --spec-drafters "$DRAFTERS" --spec-workloads grounded,chat --spec-sampling "$SAMPLING" \
+    --scenario speculative --spec-drafters "$DRAFTERS" --spec-workloads "$WORKLOADS" --spec-sampling "$SAMPLING" \
     --spec-rows "$ROWS" --spec-new-tokens "$NEW_TOKENS" ${IGNORE_EOS:+--spec-ignore-eos} ${IN_PROCESS:+--spec-in-process} --repeats "$REPEATS" \
     --warmup-tokens 32 --max-num-seqs 32 --out $RUN > "$OUT/speculative.log" 2>&1)
   echo "exit $?" >> "$OUT/speculative.log"
