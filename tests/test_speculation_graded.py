@@ -185,3 +185,17 @@ def test_a_dear_early_read_judges_a_guess_by_what_is_left_after_the_step_in_flig
     assert speculator.costs.early_read_cost(1) == pytest.approx(look_s / 0.010 - 1)
     assert speculator.wants([row], 1, in_flight=True) == judged_as_made
     assert speculator.wants([row], 1, in_flight=False)
+
+
+@pytest.mark.parametrize("lead", [0, 1, 2])
+def test_the_gain_at_each_width_sums_each_proposals_expected_tokens(lead: int) -> None:
+    """What `_width_for` weighs at width w: each proposal's expected tokens up to w - 1 of them, past
+    its `lead` (GradeAcceptance.expected), summed; computed in one sweep a proposal."""
+    speculator = taught(GradedSpeculator(NgramDrafter(), pass_cost=2.0))
+    proposals = [(4, GREEDY_MATCH_OF_3), (2, GREEDY_MATCH_OF_1), (1, (2, False)), (3, GREEDY_MATCH_OF_3)]
+    gains = speculator._gains(proposals, lead)
+    assert len(gains) == max(0, 4 - lead)
+    for width in range(2, 2 + len(gains)):
+        assert gains[width - 2] == pytest.approx(sum(
+            speculator.grades.expected(grade, max(0, min(length - lead, width - 1)), lead) for length, grade in proposals))
+    assert gains == sorted(gains) and (not gains or gains[0] > 0)

@@ -96,11 +96,22 @@ class GradedSpeculator(Speculator):
                    ) -> int:
         """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none), where
         the first `lead` tokens of each must be borne out first."""
-        widest = 1 + max((length - lead for length, _ in proposals), default=0)
-        return self._best_width(lambda width: sum(self.grades.expected(grade, max(0, min(length - lead, width - 1)),
-                                                                       lead)
-                                                  for length, grade in proposals),
-                                rows, slot_count, widest, margin=self._margin(rows))
+        gains = self._gains(proposals, lead)
+        return self._best_width(lambda width: gains[width - 2], rows, slot_count, 1 + len(gains),
+                                margin=self._margin(rows))
+
+    def _gains(self, proposals: Sequence[tuple[int, Hashable]], lead: int) -> list[float]:
+        """The tokens the proposals are expected to add at each width from 2 up to the longest's
+        (`GradeAcceptance.expected` of each, summed), in one sweep a proposal: this runs every step."""
+        longest = max((length - lead for length, _ in proposals), default=0)
+        gains = [0.0] * max(0, longest)
+        for length, grade in proposals:
+            chance, total = self.grades.chance(grade), 0.0
+            for j in range(longest):
+                if j < length - lead:
+                    total += chance ** (lead + j + 1)
+                gains[j] += total
+        return gains
 
     def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
         """Guesses whose tokens are made are settled; every row without one guesses anew."""

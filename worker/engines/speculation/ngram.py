@@ -34,9 +34,12 @@ class _RowIndex:
         self.matched = 0  # the length of the suffix the latest proposal continues (0: none matched)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Take the row's tokens now (the ones seen before are, as a rule, a prefix of them)."""
-        tokens = list(tokens)
-        if tokens[: self.indexed] != self.tokens[: self.indexed]:
+        """Take the row's tokens now (the ones seen before are, as a rule, a prefix of them: a row's
+        tokens only grow, so the ends of what was indexed are checked rather than all of it, which
+        would cost a copy a row and step; a stale index would only cost proposals, never tokens)."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        seen = self.indexed
+        if seen and (len(tokens) < seen or tokens[0] != self.tokens[0] or tokens[seen - 1] != self.tokens[seen - 1]):
             self.clear()  # not an extension of what was indexed: start over
         self.tokens = tokens
         # Record the n-grams ending right before p, for every p whose token (the continuation) exists,

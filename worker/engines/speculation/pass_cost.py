@@ -44,6 +44,12 @@ MIN_PASSES = 3
 FORGET_AFTER = 256  # decode steps
 
 
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 class Call(enum.Enum):
     """What one engine call did, for the timing of passes against steps."""
 
@@ -68,8 +74,12 @@ class PassCosts:
     def __init__(self, prior: float, measure: bool = True) -> None:
         self.prior = prior
         self.measure = measure
+        # Recent timings and their medians, kept as each timing comes: a policy asks for costs several
+        # times a step, and on a GPU the host's time per step is the batch's.
         self._steps: dict[int, deque[float]] = {}
+        self._step_median: dict[int, float] = {}  # slots -> seconds, once MIN_STEPS were timed
         self._passes: dict[tuple[int, int], deque[float]] = {}
+        self._pass_median: dict[tuple[int, int], float] = {}  # (slots, width) -> seconds, once MIN_PASSES ran
         self._latest: dict[tuple[int, int], int] = {}  # the step count at each shape's latest pass
         self._clock = 0  # decode steps timed
         self._reported: set[tuple[int, int]] = set()
@@ -87,14 +97,14 @@ class PassCosts:
             last_kind, last_slots, last_started = last
             if last_kind is Call.STEP:
                 self.step_took(last_slots, started - last_started)
-            elif last_kind is Call.DECLINED and (step := self._median_step(last_slots)) is not None:
+            elif last_kind is Call.DECLINED and (step := self._step_median.get(last_slots)) is not None:
                 self._declined.setdefault(last_slots, deque(maxlen=SAMPLES)).append(started - last_started - step)
         window, self._window = self._window, None
         if window is not None and kind is Call.RESTART:
             window.restarts += 1
             self._window = window
         elif window is not None and kind is not Call.OTHER:  # an admission would hide the restart's launch
-            step = self._median_step(window.slots)
+            step = self._step_median.get(window.slots)
             if step is not None:
                 self.pass_took(window.slots, window.width, started - window.started - window.restarts * step)
         if kind is Call.PASS:
@@ -103,39 +113,48 @@ class PassCosts:
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
             self._clock += 1
-            self._steps.setdefault(slots, deque(maxlen=SAMPLES)).append(seconds)
+            steps = self._steps.setdefault(slots, deque(maxlen=SAMPLES))
+            steps.append(seconds)
+            if len(steps) >= MIN_STEPS:
+                self._step_median[slots] = _median(steps)
+            self._forget_stale()
 
     def pass_took(self, slots: int, width: int, seconds: float) -> None:
         if self.measure:
-            self._passes.setdefault((slots, width), deque(maxlen=SAMPLES)).append(seconds)
+            passes = self._passes.setdefault((slots, width), deque(maxlen=SAMPLES))
+            passes.append(seconds)
+            if len(passes) >= MIN_PASSES:
+                self._pass_median[(slots, width)] = _median(passes)
             self._latest[(slots, width)] = self._clock
+
+    def _forget_stale(self) -> None:
+        """Passes of a shape none has run for FORGET_AFTER steps: its cost is tried afresh."""
+        for shape in [shape for shape, latest in self._latest.items() if self._clock - latest > FORGET_AFTER]:
+            del self._passes[shape], self._latest[shape]
+            self._pass_median.pop(shape, None)
 
     def cost(self, slots: int, width: int) -> float:
         """A pass of `width` positions a slot at `slots` slots, in decode steps at `slots` (at least 1)."""
-        for shape in [shape for shape, latest in self._latest.items() if self._clock - latest > FORGET_AFTER]:
-            del self._passes[shape], self._latest[shape]
-        step = self._median_step(slots)
+        step = self._step_median.get(slots)
         if step is None:
             return self.prior
-        # The width itself if measured, else the nearest measured wider one: one median at most.
-        for measured in sorted(w for s, w in self._passes if s == slots and w >= width):
-            passes = self._passes[(slots, measured)]
-            if len(passes) < MIN_PASSES:
-                continue
-            cost = max(1.0, statistics.median(passes) / step)
-            if measured > width:
-                return min(self.prior, 1 + (cost - 1) * (width - 1) / (measured - 1))
-            if (slots, width) not in self._reported:
-                self._reported.add((slots, width))
-                log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)",
-                          width, slots, cost)
-            return cost
-        return self.prior
+        # The width itself if measured, else the nearest measured wider one.
+        wider = [w for s, w in self._pass_median if s == slots and w >= width]
+        if not wider:
+            return self.prior
+        measured = min(wider)
+        cost = max(1.0, self._pass_median[(slots, measured)] / step)
+        if measured > width:
+            return min(self.prior, 1 + (cost - 1) * (width - 1) / (measured - 1))
+        if (slots, width) not in self._reported:
+            self._reported.add((slots, width))
+            log.debug("speculation: a pass of width %d at %d slots costs %.2f decode steps (measured)", width, slots, cost)
+        return cost
 
     def early_read_cost(self, slots: int) -> Optional[float]:
         """What reading the step in flight back early for a pass that then did not run costs at
         `slots` slots, in decode steps (at least 0); None until measured."""
-        step, looks = self._median_step(slots), self._declined.get(slots, ())
+        step, looks = self._step_median.get(slots), self._declined.get(slots, ())
         if step is None or len(looks) < MIN_PASSES:
             return None
         return max(0.0, statistics.median(looks) / step)
@@ -144,16 +163,12 @@ class PassCosts:
         """What has been measured so far, in decode steps: "pass <slots>x<width>" for each shape with
         enough passes, and "early read <slots>" for each slot count with enough declined looks."""
         found: dict[str, float] = {}
-        for (slots, width), passes in sorted(self._passes.items()):
-            step = self._median_step(slots)
-            if step is not None and len(passes) >= MIN_PASSES:
-                found[f"pass {slots}x{width}"] = round(statistics.median(passes) / step, 3)
+        for (slots, width), seconds in sorted(self._pass_median.items()):
+            step = self._step_median.get(slots)
+            if step is not None:
+                found[f"pass {slots}x{width}"] = round(seconds / step, 3)
         for slots in sorted(self._declined):
             early = self.early_read_cost(slots)
             if early is not None:
                 found[f"early read {slots}"] = round(early, 3)
         return found
-
-    def _median_step(self, slots: int) -> Optional[float]:
-        steps = self._steps.get(slots, ())
-        return statistics.median(steps) if len(steps) >= MIN_STEPS else None
