@@ -5,6 +5,8 @@ tests/test_speculative.py's (its prompt-lookup rows run this policy)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 import worker  # noqa: F401  (OpenBLAS before MLX)
@@ -13,6 +15,7 @@ from worker.engines.speculation import GradedSpeculator, speculator_for
 from worker.engines.speculation.graded import GradeAcceptance
 from worker.engines.speculation.ngram import NgramDrafter
 from worker.engines.speculation.pass_cost import Call
+from worker.engines.speculation.speculator import StepPlan
 
 GREEDY_MATCH_OF_3, GREEDY_MATCH_OF_1 = (3, True), (1, True)
 
@@ -115,6 +118,29 @@ def test_a_pass_must_be_expected_to_add_twice_its_extra_cost_to_the_batch():
     assert {r.seq.spec.uid for r in plan.rows} == {"a", "b", "short"}  # every guess rides along
 
 
+def moved_ahead(row: Row, by: int = 6) -> Row:
+    """The same tokens, `by` more of them generated (fewer in the prompt): the same guess, further ahead."""
+    row.prompt, row.generated = row.prompt[:-by], row.prompt[-by:] + row.generated
+    return row
+
+
+def test_with_nothing_waiting_a_pass_that_only_rows_well_ahead_gain_from_is_not_run():
+    """A batch waits for its slowest row: where no request waits for a slot, a token added to a row
+    more than a pass's reach (k) ahead of the row with the most left counts a quarter. The two
+    well-graded rows that pay for a pass at 8 rows above no longer do from 6 tokens ahead; they
+    still do where requests wait, or 4 tokens ahead."""
+    others = [short_match("short")] + [Row(f"n{i}", [10 + i, 20 + i]) for i in range(5)]
+
+    def plan(ahead_by: int, backlog: bool) -> Optional[StepPlan]:
+        speculator = taught(lookup(pass_cost=1.25))
+        rows = [moved_ahead(long_match("a"), ahead_by), moved_ahead(long_match("b"), ahead_by)] + others
+        speculator.step_began(rows, slot_count=8, backlog=backlog)
+        return speculator.plan(rows, slot_count=8)
+
+    assert plan(ahead_by=6, backlog=False) is None
+    assert plan(ahead_by=6, backlog=True) is not None and plan(ahead_by=4, backlog=False) is not None
+
+
 def test_a_verified_proposal_teaches_its_grade_once():
     speculator = lookup(pass_cost=1.25)  # 0.94 tokens expected at the prior pay for a pass
     row = long_match("long")
@@ -190,12 +216,13 @@ def test_a_dear_early_read_judges_a_guess_by_what_is_left_after_the_step_in_flig
 @pytest.mark.parametrize("lead", [0, 1, 2])
 def test_the_gain_at_each_width_sums_each_proposals_expected_tokens(lead: int) -> None:
     """What `_width_for` weighs at width w: each proposal's expected tokens up to w - 1 of them, past
-    its `lead` (GradeAcceptance.expected), summed; computed in one sweep a proposal."""
+    its `lead` (GradeAcceptance.expected), times its row's weight, summed; in one sweep a proposal."""
     speculator = taught(GradedSpeculator(NgramDrafter(), pass_cost=2.0))
-    proposals = [(4, GREEDY_MATCH_OF_3), (2, GREEDY_MATCH_OF_1), (1, (2, False)), (3, GREEDY_MATCH_OF_3)]
+    proposals = [(1.0, 4, GREEDY_MATCH_OF_3), (0.25, 2, GREEDY_MATCH_OF_1), (1.0, 1, (2, False)), (0.5, 3, GREEDY_MATCH_OF_3)]
     gains = speculator._gains(proposals, lead)
     assert len(gains) == max(0, 4 - lead)
     for width in range(2, 2 + len(gains)):
         assert gains[width - 2] == pytest.approx(sum(
-            speculator.grades.expected(grade, max(0, min(length - lead, width - 1)), lead) for length, grade in proposals))
+            weight * speculator.grades.expected(grade, max(0, min(length - lead, width - 1)), lead)
+            for weight, length, grade in proposals))
     assert gains == sorted(gains) and (not gains or gains[0] > 0)

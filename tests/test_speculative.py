@@ -26,7 +26,7 @@ from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_l
 from worker.engines.compiled import CompiledEngine
 from worker.engines.kernel_prebuild import KernelPrebuild, prebuild
 from worker.engines.slot_cache import KVLayout, SlotBuffers
-from worker.engines.speculation import DraftRow, speculator_for
+from worker.engines.speculation import DraftRow, GradedSpeculator, speculator_for
 from worker.engines.speculation.adaptive import FIRST_BACKOFF, MAX_BACKOFF, RowAdaptivity
 from worker.engines.speculation.pass_cost import FORGET_AFTER
 from worker.engines.speculation.draft_model import DraftModelDrafter, VocabularyMismatch, check_same_vocabulary
@@ -890,3 +890,24 @@ def test_the_pass_cost_starts_at_the_platforms_and_a_setting_fixes_it(target, mo
     settings = WorkerSettings.from_env({"MLXQ_SPECULATIVE": "ngram", "MLXQ_SPECULATIVE_PASS_COST": "3"}, model="unused")
     given = build_speculator(settings, *target)
     assert given.pass_cost == 3.0 and not given.costs.measure
+
+
+@pytest.mark.parametrize("rows, backlog", [(2, False), (4, True)])
+def test_the_engine_tells_the_policy_whether_requests_wait_for_a_slot(target, rows: int, backlog: bool) -> None:
+    """With every slot taken a row that ends sooner frees its slot for waiting work; with a slot free
+    nothing waits (graded.py weighs the rows of such a batch by how far ahead they are)."""
+    model, tokenizer = target
+    seen: list[tuple[int, bool]] = []
+
+    class Recording(GradedSpeculator):
+        def step_began(self, rows_: Sequence[Any], slot_count: int, backlog: bool = False) -> None:
+            seen.append((len(rows_), backlog))
+            super().step_began(rows_, slot_count, backlog)
+
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=Recording(NgramDrafter(), max_k=4))
+    requests = {f"r{i}": {"prompt_token_ids": looping_prompt(i, 24), "max_tokens": 12, "temperature": 0,
+                          "ignore_eos": True} for i in range(rows)}
+    results = run_all(BatchScheduler(engine, max_num_seqs=4), requests)
+    assert all(r.status == "finished" for r in results.values())
+    full = [told for count, told in seen if count == rows]
+    assert full and all(told is backlog for told in full), seen

@@ -331,7 +331,8 @@ class CompiledEngine:
         read_early = False  # the step in flight read back early for a pass (a declined look if none then runs)
         if self._spec is not None:
             occupied = self._table.occupied()
-            self._spec.step_began(occupied, len(self._table.slots))
+            self._spec.step_began(occupied, len(self._table.slots),
+                                  backlog=bool(waiting) or len(occupied) >= self._max_slots)
             # Until the verification pass's kernels are built a pass would stall the batch for seconds.
             verify_ready = self._prebuild is None or self._prebuild.verify_ready
             if verify_ready and self._spec.wants(occupied, len(self._table.slots), in_flight=previous is not None):

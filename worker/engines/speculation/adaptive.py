@@ -173,7 +173,7 @@ class AdaptiveSpeculator(Speculator):
         return self._best_width(lambda width: sum(state.expected(min(state.k, width - 1, room)) for state, room in on),
                                 len(rows), slot_count, self.max_k + 1)
 
-    def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
+    def step_began(self, rows: Sequence[Row], slot_count: int, backlog: bool = False) -> None:
         """Rows with speculation off count down to their next probe; probes whose tokens are made are
         settled, and rows whose wait is over make theirs."""
         self._quiet += 1

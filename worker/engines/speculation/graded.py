@@ -37,6 +37,10 @@ from worker.engines.speculation.drafter import DraftRow
 from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
 
 BATCH_MARGIN = 2.0
+# With no request waiting for a slot, what a token a pass adds to a row more than a pass's reach
+# ahead of the row with the most left to make counts for: the batch's wait for that row is not
+# shortened by it (only that row's own answer comes sooner). Replayed, docs/speculative.md.
+AHEAD_WEIGHT = 0.25
 # Decode steps: an early read-back that costs less than this is worth risking on guesses as they were made.
 CHEAP_EARLY_READ = 0.25
 # The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
@@ -75,6 +79,7 @@ class GradedSpeculator(Speculator):
         self.grades = GradeAcceptance()
         self._guesses: dict[str, Guess] = {}  # each row's guess that no pass verifies
         self._verifying: dict[str, Hashable] = {}  # the grade of each proposal in the running pass
+        self._backlog = False  # whether requests wait for a slot this step (step_began)
 
     def _asking(self, rows: Sequence[Row], slot_count: int) -> list[tuple[Row, int]]:
         """The rows that may propose, and how many tokens each may."""
@@ -92,29 +97,41 @@ class GradedSpeculator(Speculator):
         return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
                                 margin=self._margin(rows)) > 1
 
-    def _width_for(self, proposals: Sequence[tuple[int, Hashable]], rows: int, slot_count: int, lead: int = 0
-                   ) -> int:
-        """The width that proposals of (length, grade) are worth in a batch of `rows` (1: none), where
-        the first `lead` tokens of each must be borne out first."""
-        gains = self._gains(proposals, lead)
-        return self._best_width(lambda width: gains[width - 2], rows, slot_count, 1 + len(gains),
-                                margin=self._margin(rows))
+    def _weights(self, rows: Sequence[Row]) -> dict[str, float]:
+        """What a token added to each row counts for: all alike while requests wait for a slot (a row
+        that ends sooner frees its slot for one), else AHEAD_WEIGHT for the rows well ahead of the one
+        with the most left to make."""
+        if self._backlog or len(rows) < 2:
+            return {row.spec.uid: 1.0 for row in rows}
+        left = {row.spec.uid: row.spec.max_tokens - len(row.generated) for row in rows}
+        most = max(left.values())
+        return {uid: 1.0 if tokens >= most - self.max_k else AHEAD_WEIGHT for uid, tokens in left.items()}
 
-    def _gains(self, proposals: Sequence[tuple[int, Hashable]], lead: int) -> list[float]:
+    def _width_for(self, proposals: Sequence[tuple[float, int, Hashable]], weights: dict[str, float], slot_count: int,
+                   lead: int = 0) -> int:
+        """The width that proposals of (weight, length, grade) are worth in a batch whose rows' tokens
+        count for `weights` (1: none), where the first `lead` tokens of each must be borne out first."""
+        gains = self._gains(proposals, lead)
+        return self._best_width(lambda width: gains[width - 2], sum(weights.values()), slot_count, 1 + len(gains),
+                                margin=self._margin(len(weights)))
+
+    def _gains(self, proposals: Sequence[tuple[float, int, Hashable]], lead: int) -> list[float]:
         """The tokens the proposals are expected to add at each width from 2 up to the longest's
-        (`GradeAcceptance.expected` of each, summed), in one sweep a proposal: this runs every step."""
-        longest = max((length - lead for length, _ in proposals), default=0)
+        (`GradeAcceptance.expected` of each, weighted and summed), in one sweep a proposal: this runs
+        every step."""
+        longest = max((length - lead for _, length, _ in proposals), default=0)
         gains = [0.0] * max(0, longest)
-        for length, grade in proposals:
+        for weight, length, grade in proposals:
             chance, total = self.grades.chance(grade), 0.0
             for j in range(longest):
                 if j < length - lead:
                     total += chance ** (lead + j + 1)
-                gains[j] += total
+                gains[j] += weight * total
         return gains
 
-    def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
+    def step_began(self, rows: Sequence[Row], slot_count: int, backlog: bool = False) -> None:
         """Guesses whose tokens are made are settled; every row without one guesses anew."""
+        self._backlog = backlog
         for row in rows:
             settled = self._settled(self._guesses, row)
             if settled is not None:
@@ -143,8 +160,9 @@ class GradedSpeculator(Speculator):
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth, as they were made."""
-        return self._width_for([(len(guess.draft), guess.grade) for _, guess in self._latest(rows)], len(rows),
-                               slot_count)
+        weights = self._weights(rows)
+        return self._width_for([(weights[row.spec.uid], len(guess.draft), guess.grade)
+                                for row, guess in self._latest(rows)], weights, slot_count)
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
@@ -153,8 +171,9 @@ class GradedSpeculator(Speculator):
         early_read = self.costs.early_read_cost(slot_count) if in_flight else None
         if early_read is None or early_read < CHEAP_EARLY_READ:
             return self.width(rows, slot_count) > 1
-        left = [(guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)]
-        return self._width_for(left, len(rows), slot_count, lead=1) > 1
+        weights = self._weights(rows)
+        left = [(weights[row.spec.uid], guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)]
+        return self._width_for(left, weights, slot_count, lead=1) > 1
 
     def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
@@ -163,8 +182,9 @@ class GradedSpeculator(Speculator):
         for row, _ in asking:
             self._guesses.pop(row.spec.uid, None)
         made = self._guess(asking)
-        width = self._width_for([(len(guess.draft), guess.grade) for guess in made if guess.draft], len(rows),
-                                slot_count)
+        weights = self._weights(rows)
+        width = self._width_for([(weights[row.spec.uid], len(guess.draft), guess.grade)
+                                 for (row, _), guess in zip(asking, made) if guess.draft], weights, slot_count)
         if width < 2:
             return None
         plan = StepPlan(width=width)

@@ -153,7 +153,7 @@ class Speculator:
             return 0
         return row.spec.max_tokens - len(row.generated) - 1
 
-    def _best_width(self, expected: Callable[[int], float], rows: int, slot_count: int, widest: int,
+    def _best_width(self, expected: Callable[[int], float], rows: float, slot_count: int, widest: int,
                     margin: float = 1.0) -> int:
         """The width worth running (1: none) when a pass of width w is expected to add `expected(w)`
         tokens to a batch of `rows` decoding rows, up to `widest`: a pass of cost c makes rows + E(w)
@@ -178,8 +178,9 @@ class Speculator:
         before the rows' latest tokens are read back."""
         raise NotImplementedError
 
-    def step_began(self, rows: Sequence[Row], slot_count: int) -> None:
-        """Every engine step, with each row's tokens as read back so far."""
+    def step_began(self, rows: Sequence[Row], slot_count: int, backlog: bool = False) -> None:
+        """Every engine step, with each row's tokens as read back so far; `backlog`: whether
+        requests wait for a slot (every slot is taken, or prompts wait for admission)."""
         raise NotImplementedError
 
     def plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:

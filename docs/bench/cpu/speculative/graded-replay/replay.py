@@ -9,10 +9,15 @@
    also as a worker sees the costs: each width's known once it has run 3 passes, before that the
    prior of 2 ("widths learnt, prior") or, below a measured width, its share of that one's extra cost
    ("widths learnt, shares", as the engine does since it was added).
+3. A closed batch (no request waits for a slot): the graded policy with the rows more than a pass's
+   reach ahead of the row with the most left counted whole (as before AHEAD_WEIGHT) and at a
+   quarter, for batches of 8 over the recorded answers in 24 orders (the first as recorded, the
+   others shuffled), at the CPU's costs and at the costs an H100 learnt for these widths at 8 slots
+   (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
-import json, sys
+import json, random, sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +29,7 @@ from worker.engines.speculation.ngram import NgramDrafter, _RowIndex
 
 HERE = Path(__file__).parent
 COST = {1: 1.0, 2: 1.23, 3: 1.61, 4: 1.86, 5: 2.38}
+H100_COST = {1: 1.0, 2: 1.1, 3: 1.15, 4: 1.2, 5: 1.2}
 
 
 def by_match_length(answers, k=4):
@@ -103,6 +109,32 @@ def ratio(answers, make, size, costs=known):
     return steps / cost
 
 
+def in_orders(answers, make, orders=24, size=8):
+    """`ratio` over the answers in `orders` orders: the recorded one, then shuffled."""
+    steps = cost = 0
+    for order in range(orders):
+        shuffled = answers[:]
+        if order:
+            random.Random(order).shuffle(shuffled)
+        runs = {}
+        for start in range(0, len(shuffled), size):
+            s, c = replay(shuffled[start:start + size], make, runs=runs)
+            steps, cost = steps + s, cost + c
+    return steps / cost
+
+
+def closed_batches(answers, make):
+    saved, weight = dict(COST), graded.AHEAD_WEIGHT
+    for label, costs in (("CPU", saved), ("H100", H100_COST)):
+        COST.clear(), COST.update(costs)
+        for ahead in (1.0, weight):
+            graded.AHEAD_WEIGHT = ahead
+            print(f"{label:4s} costs, rows ahead counted {ahead:4.2f}: "
+                  + "  ".join(f"{kind} 8 rows {in_orders(answers[kind], make):.3f}" for kind in ("grounded", "chat")))
+    COST.clear(), COST.update(saved)
+    graded.AHEAD_WEIGHT = weight
+
+
 if __name__ == "__main__":
     answers = {kind: json.loads((HERE / f"{kind}.json").read_text()) for kind in ("grounded", "chat")}
     print("prompt lookup's proposals of 4 tokens on the grounded answers, by the match they continue:")
@@ -121,3 +153,5 @@ if __name__ == "__main__":
             print(f"{kind:8s} {size} row(s) {'graded, margin 1':24s} {plain:.3f}")
             for label, costs in (("widths learnt, prior", learnt(False)), ("widths learnt, shares", learnt(True))):
                 print(f"{kind:8s} {size} row(s) {'graded, ' + label:24s} {ratio(answers[kind], policies['graded'], size, costs):.3f}")
+    print("closed batches of 8, the recorded answers in 24 orders:")
+    closed_batches(answers, policies["graded"])
