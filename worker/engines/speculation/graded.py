@@ -17,6 +17,9 @@ step's proposals are expected to add:
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
+- Where no request waits for a slot, the tokens a pass adds to rows more than a pass's reach ahead of
+  the row with the most left to make count `AHEAD_WEIGHT` (and so do those rows in the batch's
+  count): the batch waits for the rows behind.
 - `wants` decides before the step in flight is read back whether to read it back for a pass: the
   fresh proposals may then not pay after all, and the early read-back was for nothing. Where that
   costs little (under `CHEAP_EARLY_READ` of a step, measured: pass_cost.py), it judges each row by its

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import enum
 import logging
-import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 log = logging.getLogger("mlxq.engine")
 
@@ -44,7 +43,7 @@ MIN_PASSES = 3
 FORGET_AFTER = 256  # decode steps
 
 
-def _median(values: deque[float]) -> float:
+def _median(values: Iterable[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
@@ -157,7 +156,7 @@ class PassCosts:
         step, looks = self._step_median.get(slots), self._declined.get(slots, ())
         if step is None or len(looks) < MIN_PASSES:
             return None
-        return max(0.0, statistics.median(looks) / step)
+        return max(0.0, _median(looks) / step)
 
     def learnt(self) -> dict[str, float]:
         """What has been measured so far, in decode steps: "pass <slots>x<width>" for each shape with
