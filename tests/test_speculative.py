@@ -437,6 +437,10 @@ def test_the_ngram_drafter_proposes_what_followed_the_latest_match():
     assert drafter.propose([DraftRow("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 9, 2, 3], 2)]) == [[4, 9]]  # latest
     assert drafter.propose([DraftRow("b", [8, 9, 10], 4)]) == [[]]
     assert drafter.propose([DraftRow("c", [5, 1, 7, 5], 4)]) == [[1, 7, 5]]  # n = 1 and runs to the end
+    # a row whose tokens are not an extension of those indexed (another first token, or fewer) is indexed
+    # afresh: the old index would propose [5, 5], then nothing
+    assert drafter.propose([DraftRow("a", [5] * 11 + [1, 2], 2)]) == [[]]
+    assert drafter.propose([DraftRow("a", [1, 2, 9, 1, 2], 2)]) == [[9, 1]]
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path, target, tiny_model_dir):
