@@ -70,8 +70,16 @@ class GradeAcceptance:
     def expected(self, grade: Hashable, length: int, lead: int = 0) -> float:
         """Tokens a proposal of `length` tokens of this grade is expected to add, where `lead` tokens
         before them must be borne out first (without adding any)."""
-        chance = self.chance(grade)
-        return sum(chance ** j for j in range(lead + 1, lead + length + 1))
+        sums = self.expected_by_depth(grade, length, lead)
+        return sums[-1] if sums else 0.0
+
+    def expected_by_depth(self, grade: Hashable, length: int, lead: int = 0) -> list[float]:
+        """`expected` for the proposal's first 1, 2, ... `length` tokens, in one sweep."""
+        chance, total, sums = self.chance(grade), 0.0, []
+        for j in range(lead + 1, lead + length + 1):
+            total += chance ** j
+            sums.append(total)
+        return sums
 
 
 class GradedSpeculator(Speculator):
@@ -125,11 +133,9 @@ class GradedSpeculator(Speculator):
         longest = max((length - lead for _, length, _ in proposals), default=0)
         gains = [0.0] * max(0, longest)
         for weight, length, grade in proposals:
-            chance, total = self.grades.chance(grade), 0.0
-            for j in range(longest):
-                if j < length - lead:
-                    total += chance ** (lead + j + 1)
-                gains[j] += weight * total
+            sums = self.grades.expected_by_depth(grade, max(0, length - lead), lead)
+            for j in range(len(gains)):
+                gains[j] += weight * (sums[min(j, len(sums) - 1)] if sums else 0.0)
         return gains
 
     def step_began(self, rows: Sequence[Row], slot_count: int, backlog: bool = False) -> None:

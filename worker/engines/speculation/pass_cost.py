@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 log = logging.getLogger("mlxq.engine")
 
@@ -41,12 +42,6 @@ SAMPLES = 9  # recent timings kept per shape: a median over them shrugs off a pa
 MIN_STEPS = 3
 MIN_PASSES = 3
 FORGET_AFTER = 256  # decode steps
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class Call(enum.Enum):
@@ -115,7 +110,7 @@ class PassCosts:
             steps = self._steps.setdefault(slots, deque(maxlen=SAMPLES))
             steps.append(seconds)
             if len(steps) >= MIN_STEPS:
-                self._step_median[slots] = _median(steps)
+                self._step_median[slots] = statistics.median(steps)
             self._forget_stale()
 
     def pass_took(self, slots: int, width: int, seconds: float) -> None:
@@ -123,7 +118,7 @@ class PassCosts:
             passes = self._passes.setdefault((slots, width), deque(maxlen=SAMPLES))
             passes.append(seconds)
             if len(passes) >= MIN_PASSES:
-                self._pass_median[(slots, width)] = _median(passes)
+                self._pass_median[(slots, width)] = statistics.median(passes)
             self._latest[(slots, width)] = self._clock
 
     def _forget_stale(self) -> None:
@@ -156,7 +151,7 @@ class PassCosts:
         step, looks = self._step_median.get(slots), self._declined.get(slots, ())
         if step is None or len(looks) < MIN_PASSES:
             return None
-        return max(0.0, _median(looks) / step)
+        return max(0.0, statistics.median(looks) / step)
 
     def learnt(self) -> dict[str, float]:
         """What has been measured so far, in decode steps: "pass <slots>x<width>" for each shape with
