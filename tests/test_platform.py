@@ -186,3 +186,10 @@ def test_importing_the_worker_sets_direct_cuda_launches_before_mlx():
     env = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ("0" if sys.platform == "linux" else "None")
+
+
+@pytest.mark.parametrize("platform_name, cpu, expected", [("linux", True, True), ("linux", False, False),
+                                                          ("darwin", True, False), ("darwin", False, False),
+                                                          ("win32", True, False)])
+def test_exp_goes_through_power_only_on_a_linux_cpu(platform_name, cpu, expected):
+    assert plat.exp_through_power(cpu, platform_name) is expected

@@ -13,11 +13,13 @@ import pytest
 
 import worker  # noqa: F401  (OpenBLAS before MLX)
 from mlx_lm import load
+from mlx_lm.sample_utils import make_sampler
 
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
 from worker.engines.base import SamplingParams
 from worker.engines.compiled import CompiledEngine
 from worker.engines.text import TextEngine
+from worker.engines import sampling
 from worker.engines.sampling import SeededSampler, mix_seed, truncate
 from worker.scheduler import BatchScheduler
 
@@ -275,6 +277,50 @@ def test_seeded_sampler_draws_what_mlx_categorical_draws_for_each_row_alone(dtyp
                                        key=mx.random.key(mix_seed(p.seed, i, step))).item()
                  for i, p in enumerate(settings)]
         assert batched == alone
+
+
+@pytest.mark.parametrize("through_power", [False, True])
+def test_exp_is_e_to_the_x_either_way(monkeypatch, through_power):
+    monkeypatch.setattr(sampling, "exp_through_power", lambda cpu: through_power)
+    x = mx.concatenate([mx.linspace(-87, 10, 2001), mx.array([-mx.inf, 0.0])])
+    got = np.array(sampling.exp(x))
+    assert got[-2:].tolist() == [0.0, 1.0]
+    np.testing.assert_allclose(got[:-2], np.exp(np.array(x[:-2], dtype=np.float64)), rtol=4e-6)
+
+
+def test_seeded_draws_are_the_same_from_logits_as_from_logprobs():
+    """The step sampler gives seeded rows their logits, sparing the log-softmax: a draw must not
+    depend on a row's constant, and rows with top-p are normalised by the sampler itself. (In
+    bfloat16 the log-softmax rounds each row anew, so there the logits are the truer input.)"""
+    dtype = mx.float32
+    vocab, settings = 300, []
+    for i in range(24):
+        settings.append(SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], seed=7 + i,
+                                       **[{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.1}][i % 4]))
+    logits = (mx.random.normal((len(settings), vocab), key=mx.random.key(5)) * 3 + 90).astype(dtype)  # e**x overflows
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for step in range(4):
+        keys = [mix_seed(p.seed, i, step) for i, p in enumerate(settings)]
+        assert (sampling.draw_with_keys(logits, settings, keys).tolist()
+                == sampling.draw_with_keys(logprobs, settings, keys).tolist())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=5),
+                                    SamplingParams(temperature=1.0, min_p=0.2),
+                                    SamplingParams(temperature=1.0, top_p=0.95)],
+                         ids=["temperature", "top_k", "min_p", "top_p"])
+def test_only_samplers_that_read_probabilities_are_given_them(params):
+    """mlx-lm's sampler for `params` draws the same from logits as from log-probabilities unless
+    `reads_probabilities` says it must have the latter (top-p's sums overflow from logits near 100)."""
+    logits = mx.random.normal((64, 40), key=mx.random.key(2)) * 2 + 90
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1.0 else 0.0,
+                           min_p=params.min_p, top_k=params.top_k)
+    drawn = []
+    for scores in (logits, logprobs):
+        mx.random.seed(11)
+        drawn.append(sampler(scores).tolist())
+    assert (drawn[0] == drawn[1]) is not sampling.reads_probabilities(params)
 
 
 def test_unseeded_requests_are_random(scheduler):

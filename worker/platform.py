@@ -1,5 +1,5 @@
-"""The only platform-specific code in the worker: a fast BLAS for Linux CPU, direct kernel launches
-for CUDA, float32 matrix products in float32 (CUDA, M5-class Macs), Metal memory limits for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
+"""The only platform-specific code in the worker: a fast BLAS and a faster e**x for Linux CPU, direct
+kernel launches for CUDA, float32 matrix products in float32 (CUDA, M5-class Macs), Metal memory limits for macOS. Each branch is guarded and unit-tested; nothing Linux-only runs on macOS."""
 
 from __future__ import annotations
 
@@ -93,6 +93,14 @@ def keep_float32_matmuls_in_float32(environ: MutableMapping[str, str] = os.envir
         return False
     environ["MLX_ENABLE_TF32"] = "0"
     return True
+
+
+def exp_through_power(device_is_cpu: bool, platform: str = sys.platform) -> bool:
+    """Whether to compute e**x as `power(e, x)` rather than `exp(x)`. On Linux, MLX's CPU backend
+    computes `exp` one value at a time with its own polynomial, while `power` calls the C library,
+    which took a third of the time on these hosts (docs/performance.md#sampled-rows-on-a-linux-cpu).
+    Macs (Accelerate's vector `exp`), Metal and CUDA keep `exp`."""
+    return platform == "linux" and device_is_cpu
 
 
 def float32_matmuls_round(environ: Mapping[str, str] = os.environ) -> bool:

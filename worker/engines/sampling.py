@@ -15,6 +15,7 @@ Distributions (what `logprobs_mode` selects):
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from worker.engines.base import SamplingParams, SequenceSpec, TokenEvent
+from worker.platform import exp_through_power
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
@@ -40,6 +42,22 @@ def repair_random_state() -> None:
 
 def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
+
+
+def exp(x: mx.array) -> mx.array:
+    """e**x by the faster of MLX's two ways here (worker/platform.py `exp_through_power`): the
+    inverse CDF of a sampled row computes one per vocabulary entry."""
+    if exp_through_power(mx.default_device() == mx.cpu):
+        return mx.power(math.e, x)
+    return mx.exp(x)
+
+
+def reads_probabilities(params: SamplingParams) -> bool:
+    """Whether a row's sampler must be given log-probabilities rather than its logits. The argmax,
+    the draws, min-p and top-k do not change when a row's scores move by a constant, so for most
+    rows the log-softmax, one `exp` per vocabulary entry, can be spared; mlx-lm's top-p sums
+    probabilities (the seeded sampler normalises such rows itself)."""
+    return not params.is_greedy and params.seed is None and 0.0 < params.top_p < 1.0
 
 
 def mix_seed(seed: int, choice: int, step: int) -> int:
@@ -195,26 +213,34 @@ def draw_seeded(logprobs: mx.array, rows: list[SeededRow]) -> mx.array:
     return draw_with_keys(logprobs, [row.params for row in rows], [row.next_key() for row in rows])
 
 
-def draw_with_keys(logprobs: mx.array, params: list[SamplingParams], keys: list[int]) -> mx.array:
+def draw_with_keys(scores: mx.array, params: list[SamplingParams], keys: list[int]) -> mx.array:
     """Row i's token under `params[i]` from the uniform of key `keys[i]` (a `mix_seed` value): the
     seeded sampler's draw, for a caller that picks the keys itself (speculative verification draws a
-    seeded row's token k with the key it would have had without speculation)."""
-    scores = _truncated_and_scaled(logprobs, params)
+    seeded row's token k with the key it would have had without speculation). `scores` are each
+    row's log-probabilities or its logits (see `reads_probabilities`)."""
+    scores = _truncated_and_scaled(scores, params)
     pairs = mx.array([[key >> 32, key & 0xFFFFFFFF] for key in keys], dtype=mx.uint32)
     uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(pairs)
     return _inverse_cdf(scores, uniform)
 
 
-def _truncated_and_scaled(logprobs: mx.array, params: list[SamplingParams]) -> mx.array:
-    """Each row truncated by its own top-p / min-p / top-k, then divided by its temperature."""
+def _truncated_and_scaled(scores: mx.array, params: list[SamplingParams]) -> mx.array:
+    """Each row truncated by its own top-p / min-p / top-k, then divided by its temperature. Rows
+    with top-p are normalised first: the other filters and the draw do not mind a row's constant."""
     groups: dict[tuple[float, float, int], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.top_p, p.min_p, p.top_k), []).append(i)
+
+    def truncated_group(rows: mx.array, p: SamplingParams) -> mx.array:
+        if 0.0 < p.top_p < 1.0:
+            rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return truncate(rows, p)
+
     if len(groups) == 1:
-        truncated = truncate(logprobs, params[0])
+        truncated = truncated_group(scores, params[0])
     else:
         order = [i for rows in groups.values() for i in rows]
-        parts = [truncate(logprobs[mx.array(rows)], params[rows[0]]) for rows in groups.values()]
+        parts = [truncated_group(scores[mx.array(rows)], params[rows[0]]) for rows in groups.values()]
         truncated = mx.concatenate(parts)[mx.argsort(mx.array(order))]
     inv_temps = mx.array([1.0 / p.temperature for p in params], dtype=truncated.dtype)
     return truncated * inv_temps[:, None]
@@ -225,7 +251,7 @@ def _inverse_cdf(scores: mx.array, uniform: mx.array) -> mx.array:
     `random.categorical` computes for one distribution (a row of -inf is uniform over its entries)."""
     x = scores.astype(mx.float32)  # as MLX promotes bfloat16 and float16 logits
     peak = x.max(axis=-1, keepdims=True)
-    weights = mx.where(mx.isinf(peak), (x == peak).astype(x.dtype), mx.exp(x - peak))
+    weights = mx.where(mx.isinf(peak), (x == peak).astype(x.dtype), exp(x - peak))
     cdf = mx.cumsum(weights, axis=-1, inclusive=False)
     target = uniform * weights.sum(axis=-1, keepdims=True)
     return ((cdf <= target).sum(axis=-1) - 1).astype(mx.uint32)

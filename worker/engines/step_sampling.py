@@ -16,7 +16,7 @@ import mlx.core as mx
 from worker.engines.base import SequenceSpec
 from worker.engines.constraints import CompiledConstraint, MaskBatch, RowConstraint, fenced
 from worker.engines.sampling import (LogprobGather, RowGuard, SamplerPool, SeededRow, logits_processors,
-                                     needs_raw_capture, requested_distribution)
+                                     needs_raw_capture, reads_probabilities, requested_distribution)
 
 if TYPE_CHECKING:
     from worker.engines.compiled_rows import DecodingSequence
@@ -149,21 +149,22 @@ class StepSampler:
               slot_count: int) -> mx.array:
         """One token per slot: each group of rows that shares a sampler object is sampled in one
         call. One shared, unseeded group samples every slot at once (free slots' tokens are never
-        read); the others sample their own rows, in slot order. Greedy rows take the argmax of
-        their processed logits: the log-softmax, a row's constant away, is left for the rows that read it."""
+        read); the others sample their own rows, in slot order. Only samplers that read
+        probabilities are given the log-softmax; the others take the processed logits, a row's
+        constant away (sampling.py `reads_probabilities`)."""
         groups: dict[int, _SamplerGroup] = {}
         for seq, slot in zip(occupied, rows):
             group = groups.setdefault(id(seq.sampler), _SamplerGroup(seq.sampler, [], seq.seeded,
-                                                                     seq.spec.sampling.is_greedy))
+                                                                     reads_probabilities(seq.spec.sampling)))
             group.slots.append(slot)
         base = next((g for g in groups.values() if getattr(g.sampler, "shared", False) and not g.seeded), None)
-        tokens = (base.sampler(processed if base.greedy else logprobs) if base is not None
+        tokens = (base.sampler(logprobs if base.reads_probabilities else processed) if base is not None
                   else mx.zeros((slot_count,))).astype(mx.uint32)
         for group in groups.values():
             if group is base:
                 continue
             index = mx.array(group.slots, dtype=mx.int32)
-            drawn = group.sampler((processed if group.greedy else logprobs)[index]).astype(mx.uint32)
+            drawn = group.sampler((logprobs if group.reads_probabilities else processed)[index]).astype(mx.uint32)
             tokens = mx.put_along_axis(tokens, index, drawn, axis=0)
         return tokens
 
@@ -174,7 +175,7 @@ class _SamplerGroup(NamedTuple):
     sampler: Any
     slots: list[int]
     seeded: bool
-    greedy: bool
+    reads_probabilities: bool
 
 
 def _put_rows(logits: mx.array, slots: list[int], rows: mx.array) -> mx.array:

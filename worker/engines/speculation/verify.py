@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from worker.engines.base import SamplingParams
 from worker.engines.sampling import (LogprobGather, Namer, draw_with_keys, greedy, mix_seed, needs_raw_capture,
-                                     requested_distribution)
+                                     reads_probabilities, requested_distribution)
 
 Sampler = Any
 
@@ -95,8 +95,8 @@ class ExtraPositions:
         return ExtraSample(tokens, gather, wanting)
 
     def _draw(self, processed: mx.array, logprobs: mx.array, rows: Sequence[ExtraRow]) -> mx.array:
-        """Greedy rows' argmax (of the processed logits, as the step's), seeded rows' keyed draws and
-        each unseeded setting's sampler, each group in one call."""
+        """Greedy rows' argmax, seeded rows' keyed draws and each unseeded setting's sampler, each
+        group in one call, given what the step's would be given (step_sampling.py `_draw`)."""
         groups: dict[Any, list[int]] = {}
         for i, r in enumerate(rows):
             params = r.seq.spec.sampling
@@ -105,14 +105,16 @@ class ExtraPositions:
         tokens = mx.zeros((len(rows),), dtype=mx.uint32)
         for kind, members in groups.items():
             index = mx.array(members, dtype=mx.int32)
+            params = rows[members[0]].seq.spec.sampling
+            scores = (logprobs if reads_probabilities(params) else processed)[index]
             if kind == "greedy":
-                drawn = greedy(processed[index])
+                drawn = greedy(scores)
             elif kind == "seeded":
                 specs = [rows[i].seq.spec for i in members]
                 keys = [mix_seed(s.sampling.seed, s.choice_index, rows[i].key_index) for s, i in zip(specs, members)]
-                drawn = draw_with_keys(logprobs[index], [s.sampling for s in specs], keys)
+                drawn = draw_with_keys(scores, [s.sampling for s in specs], keys)
             else:
-                drawn = self._sampler(rows[members[0]].seq.spec.sampling)(logprobs[index])
+                drawn = self._sampler(params)(scores)
             tokens = mx.put_along_axis(tokens, index, drawn.astype(mx.uint32), axis=0)
         return tokens
 
