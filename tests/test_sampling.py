@@ -16,10 +16,10 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from tests.reference import greedy_alone, log_softmax, run_all, teacher_forced_logits, teacher_forced_logprobs
+from worker.engines import sampling
 from worker.engines.base import SamplingParams
 from worker.engines.compiled import CompiledEngine
 from worker.engines.text import TextEngine
-from worker.engines import sampling
 from worker.engines.sampling import SeededSampler, mix_seed, truncate
 from worker.scheduler import BatchScheduler
 
@@ -253,13 +253,15 @@ def test_a_batch_of_seeded_rows_is_sampled_in_one_call_and_each_row_as_alone(mod
     assert max(rows_per_call) == 12, "the decode steps of 12 seeded rows should sample them in one call"
 
 
+# 24 seeded rows, each temperature with each filter
+MIXED_SEEDED = [SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], seed=7 + i,
+                               **[{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.1}][i % 4]) for i in range(24)]
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_seeded_sampler_draws_what_mlx_categorical_draws_for_each_row_alone(dtype):
     """The batched draw against MLX's own per-row sampler (what mlxq called before batching)."""
-    vocab, settings = 300, []
-    for i in range(24):
-        settings.append(SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], seed=7 + i,
-                                       **[{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.1}][i % 4]))
+    vocab, settings = 300, MIXED_SEEDED
     logits = mx.random.normal((len(settings), vocab), key=mx.random.key(3)) * 3
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     nothing_left = (mx.arange(len(settings)) == 5)[:, None]  # a row of -inf: uniform over all
@@ -292,12 +294,8 @@ def test_seeded_draws_are_the_same_from_logits_as_from_logprobs():
     """The step sampler gives seeded rows their logits, sparing the log-softmax: a draw must not
     depend on a row's constant, and rows with top-p are normalised by the sampler itself. (In
     bfloat16 the log-softmax rounds each row anew, so there the logits are the truer input.)"""
-    dtype = mx.float32
-    vocab, settings = 300, []
-    for i in range(24):
-        settings.append(SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], seed=7 + i,
-                                       **[{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.1}][i % 4]))
-    logits = (mx.random.normal((len(settings), vocab), key=mx.random.key(5)) * 3 + 90).astype(dtype)  # e**x overflows
+    vocab, settings = 300, MIXED_SEEDED
+    logits = mx.random.normal((len(settings), vocab), key=mx.random.key(5)) * 3 + 90  # e**x overflows
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     for step in range(4):
         keys = [mix_seed(p.seed, i, step) for i, p in enumerate(settings)]
