@@ -124,21 +124,50 @@ def moved_ahead(row: Row, by: int = 6) -> Row:
     return row
 
 
+def plan_with_rows_ahead(speculator: GradedSpeculator, ahead: int, by: int, backlog: bool = False) -> Optional[StepPlan]:
+    """A batch of 8 at a pass cost of 1.25: `ahead` well-graded rows `by` tokens ahead of the rest, of
+    which one matches a single token and the others nothing."""
+    others = [short_match("short")] + [Row(f"n{i}", [10 + i, 20 + i]) for i in range(7 - ahead)]
+    rows = [moved_ahead(long_match(f"a{i}"), by) for i in range(ahead)] + others
+    speculator.step_began(rows, slot_count=8, backlog=backlog)
+    return speculator.plan(rows, slot_count=8)
+
+
 def test_with_nothing_waiting_a_pass_that_only_rows_well_ahead_gain_from_is_not_run():
     """A batch waits for its slowest row: where no request waits for a slot, a token added to a row
-    more than a pass's reach (k) ahead of the row with the most left counts a quarter. The two
-    well-graded rows that pay for a pass at 8 rows above no longer do from 6 tokens ahead; they
-    still do where requests wait, or 4 tokens ahead."""
-    others = [short_match("short")] + [Row(f"n{i}", [10 + i, 20 + i]) for i in range(5)]
-
+    more than a pass's reach (k) ahead of the row with the most left counts for the share of rows
+    that end early, a quarter before any ended. The two well-graded rows that pay for a pass at 8
+    rows above no longer do from 6 tokens ahead; they still do where requests wait, or 4 tokens ahead."""
     def plan(ahead_by: int, backlog: bool) -> Optional[StepPlan]:
-        speculator = taught(lookup(pass_cost=1.25))
-        rows = [moved_ahead(long_match("a"), ahead_by), moved_ahead(long_match("b"), ahead_by)] + others
-        speculator.step_began(rows, slot_count=8, backlog=backlog)
-        return speculator.plan(rows, slot_count=8)
+        return plan_with_rows_ahead(taught(lookup(pass_cost=1.25)), ahead=2, by=ahead_by, backlog=backlog)
 
+    assert lookup(pass_cost=1.25).endings.share() == 0.25
     assert plan(ahead_by=6, backlog=False) is None
     assert plan(ahead_by=6, backlog=True) is not None and plan(ahead_by=4, backlog=False) is not None
+
+
+def end_rows(speculator: GradedSpeculator, count: int, early: bool) -> None:
+    for i in range(count):
+        row = Row(f"ended{i}", [1, 2, 3])
+        if not early:
+            row.generated = [0] * row.spec.max_tokens
+        speculator.ended(row)
+
+
+def test_rows_well_ahead_count_for_the_share_of_rows_that_ended_before_their_length():
+    """Where rows run to their max_tokens, the row a batch waits for is the one with the most left, and
+    tokens added to rows well ahead are worth nothing to the batch; where rows end early, any row may
+    be the last. Two rows 6 ahead are worth a pass once most rows ended early; four rows, worth one at
+    the prior's quarter, are not once most rows ran to their length."""
+    speculator = taught(lookup(pass_cost=1.25))
+    assert plan_with_rows_ahead(speculator, ahead=4, by=6) is not None
+    end_rows(speculator, 30, early=True)
+    assert speculator.endings.share() > 0.9
+    assert plan_with_rows_ahead(speculator, ahead=2, by=6) is not None
+    end_rows(speculator, 60, early=False)
+    assert speculator.endings.share() < 0.1
+    assert plan_with_rows_ahead(speculator, ahead=4, by=6) is None
+    assert plan_with_rows_ahead(speculator, ahead=4, by=6, backlog=True) is not None
 
 
 def test_a_verified_proposal_teaches_its_grade_once():

@@ -896,6 +896,28 @@ def test_the_pass_cost_starts_at_the_platforms_and_a_setting_fixes_it(target, mo
     assert given.pass_cost == 3.0 and not given.costs.measure
 
 
+def test_the_engine_tells_the_policy_how_each_row_ended(target) -> None:
+    """Rows that run to max_tokens end at their length, inside verification passes too; the policy
+    counts them (graded.py weighs rows well ahead by the share that end early)."""
+    model, tokenizer = target
+    ended: list[tuple[str, int]] = []
+
+    class Recording(GradedSpeculator):
+        def ended(self, row: Any) -> None:
+            ended.append((row.spec.uid, len(row.generated)))
+            super().ended(row)
+
+    speculator = Recording(NgramDrafter(), max_k=4)
+    engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=speculator)
+    requests = {f"r{i}": {"prompt_token_ids": looping_prompt(i, 24), "max_tokens": 12, "temperature": 0,
+                          "ignore_eos": True} for i in range(3)}
+    results = run_all(BatchScheduler(engine, max_num_seqs=4), requests)
+    assert all(r.status == "finished" for r in results.values())
+    assert speculator.stats()["speculative_accepted"] > 0
+    assert sorted(ended) == [(f"{uid}#0", 12) for uid in sorted(requests)]  # (engine uids: request#choice)
+    assert speculator.endings.share() < 0.25 and speculator.tracked_rows == 0
+
+
 @pytest.mark.parametrize("rows, backlog", [(2, False), (4, True)])
 def test_the_engine_tells_the_policy_whether_requests_wait_for_a_slot(target, rows: int, backlog: bool) -> None:
     """With every slot taken a row that ends sooner frees its slot for waiting work; with a slot free

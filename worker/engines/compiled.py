@@ -506,7 +506,7 @@ class CompiledEngine:
             self._lora.unpin(seq.adapter)
         seq.done = True
         if self._spec is not None:
-            self._spec.forget(seq.spec.uid)
+            self._spec.ended(seq)
         if seq.constraint is not None:
             seq.constraint.release()
         self._by_uid.pop(seq.spec.uid, None)

@@ -18,8 +18,9 @@ step's proposals are expected to add:
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
 - Where no request waits for a slot, the tokens a pass adds to rows more than a pass's reach ahead of
-  the row with the most left to make count `AHEAD_WEIGHT` (and so do those rows in the batch's
-  count): the batch waits for the rows behind.
+  the row with the most left to make count for the share of recent rows that ended before their
+  `max_tokens` (`EarlyEndings`; so do those rows in the batch's count): the batch waits for the rows
+  behind, and a row ahead can only be the one it waits for if rows end early.
 - `wants` decides before the step in flight is read back whether to read it back for a pass: the
   fresh proposals may then not pay after all, and the early read-back was for nothing. Where that
   costs little (under `CHEAP_EARLY_READ` of a step, measured: pass_cost.py), it judges each row by its
@@ -40,10 +41,11 @@ from worker.engines.speculation.drafter import DraftRow
 from worker.engines.speculation.speculator import Guess, Row, RowPlan, Speculator, StepPlan
 
 BATCH_MARGIN = 2.0
-# With no request waiting for a slot, what a token a pass adds to a row more than a pass's reach
-# ahead of the row with the most left to make counts for: the batch's wait for that row is not
-# shortened by it (only that row's own answer comes sooner). Replayed, docs/speculative.md.
-AHEAD_WEIGHT = 0.25
+# The share of rows ending early that the policy assumes before any row ended: what a token added to
+# a row well ahead counts for then. Replayed, docs/speculative.md.
+AHEAD_PRIOR = 0.25
+# The weight the ending counts keep at each row's end: about the last twenty rows decide.
+ENDINGS_DISCOUNT = 0.95
 # Decode steps: an early read-back that costs less than this is worth risking on guesses as they were made.
 CHEAP_EARLY_READ = 0.25
 # The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
@@ -82,12 +84,30 @@ class GradeAcceptance:
         return sums
 
 
+class EarlyEndings:
+    """The share of recent rows that ended before their `max_tokens` (at a stop token or string, or
+    removed), as discounted counts from a prior of `AHEAD_PRIOR` worth two rows. Where rows run to
+    their length (open chat under a short limit), which row the batch waits for is known from what
+    each has left; where they end early, any row may be the last."""
+
+    def __init__(self) -> None:
+        self._early, self._ended = 2 * AHEAD_PRIOR, 2.0
+
+    def share(self) -> float:
+        return self._early / self._ended
+
+    def record(self, early: bool) -> None:
+        self._early = ENDINGS_DISCOUNT * self._early + early
+        self._ended = ENDINGS_DISCOUNT * self._ended + 1
+
+
 class GradedSpeculator(Speculator):
     """The policy above; its drafter has `grade(uid)`, the grade of that row's latest proposal."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.grades = GradeAcceptance()
+        self.endings = EarlyEndings()
         self._guesses: dict[str, Guess] = {}  # each row's guess that no pass verifies
         self._verifying: dict[str, Hashable] = {}  # the grade of each proposal in the running pass
         self._backlog = False  # whether requests wait for a slot this step (step_began)
@@ -110,13 +130,13 @@ class GradedSpeculator(Speculator):
 
     def _weights(self, rows: Sequence[Row]) -> dict[str, float]:
         """What a token added to each row counts for: all alike while requests wait for a slot (a row
-        that ends sooner frees its slot for one), else AHEAD_WEIGHT for the rows well ahead of the one
-        with the most left to make."""
+        that ends sooner frees its slot for one), else the share of rows that end early for the rows
+        well ahead of the one with the most left to make."""
         if self._backlog or len(rows) < 2:
             return {row.spec.uid: 1.0 for row in rows}
         left = {row.spec.uid: row.spec.max_tokens - len(row.generated) for row in rows}
-        most = max(left.values())
-        return {uid: 1.0 if tokens >= most - self.max_k else AHEAD_WEIGHT for uid, tokens in left.items()}
+        most, ahead = max(left.values()), self.endings.share()
+        return {uid: 1.0 if tokens >= most - self.max_k else ahead for uid, tokens in left.items()}
 
     def _width_for(self, proposals: Sequence[tuple[float, int, Hashable]], weights: dict[str, float], slot_count: int,
                    lead: int = 0) -> int:
@@ -209,6 +229,10 @@ class GradedSpeculator(Speculator):
         if grade is not None:
             self.grades.record(grade, proposed, accepted)
         super().outcome(row, proposed, accepted)
+
+    def ended(self, row: Row) -> None:
+        self.endings.record(early=len(row.generated) < row.spec.max_tokens)
+        super().ended(row)
 
     def _per_row(self) -> list[dict[str, Any]]:
         return [*super()._per_row(), self._guesses, self._verifying]

@@ -213,6 +213,10 @@ class Speculator:
         """Every map it keeps by row uid: `forget`, `reset` and `tracked_rows` go through them."""
         return [self._refusals]
 
+    def ended(self, row: Row) -> None:
+        """`row` ended, at its length, a stop or removed: nothing of it is kept."""
+        self.forget(row.spec.uid)
+
     def forget(self, uid: str) -> None:
         for state in self._per_row():
             state.pop(uid, None)

@@ -10,10 +10,11 @@
    prior of 2 ("widths learnt, prior") or, below a measured width, its share of that one's extra cost
    ("widths learnt, shares", as the engine does since it was added).
 3. A closed batch (no request waits for a slot): the graded policy with the rows more than a pass's
-   reach ahead of the row with the most left counted whole (as before AHEAD_WEIGHT) and at a
-   quarter, for batches of 8 over the recorded answers in 24 orders (the first as recorded, the
-   others shuffled), at the CPU's costs and at the costs an H100 learnt for these widths at 8 slots
-   (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
+   reach ahead of the row with the most left counted whole (as before commit 0c28f10), at a quarter
+   (0c28f10) and at the share of rows that ended before their max_tokens, learnt over the batches as
+   a worker learns it (graded.py's EarlyEndings), for batches of 8 over the recorded answers in 24
+   orders (the first as recorded, the others shuffled), at the CPU's costs and at the costs an H100
+   learnt for these widths at 8 slots (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
@@ -75,9 +76,11 @@ def learnt(below_measured):
     return cost_of
 
 
-def replay(answers, make, slots=8, costs=known, runs=None):
+def replay(answers, make, slots=8, costs=known, runs=None, endings=None):
     speculator = make()
     runs = {} if runs is None else runs
+    if endings is not None:  # what the worker learnt of the batches before
+        speculator.endings = endings
     speculator.costs.cost = costs(runs)
     rows = [Row(f"r{i}", a) for i, a in enumerate(answers)]
     cost, live = 0.0, [r for r in rows if len(r.generated) < len(r.out)]
@@ -95,16 +98,16 @@ def replay(answers, make, slots=8, costs=known, runs=None):
                 speculator.outcome(r, len(draft), kept)
             r.generated = r.out[: g + kept + 1]
             if len(r.generated) >= len(r.out):
-                speculator.forget(r.spec.uid)
+                speculator.ended(r)
         live = [r for r in live if len(r.generated) < len(r.out)]
     return max(len(a["output"]) for a in answers) - 1, cost
 
 
 def ratio(answers, make, size, costs=known):
     steps = cost = 0
-    runs = {}
+    runs, endings = {}, graded.EarlyEndings()
     for start in range(0, len(answers), size):
-        s, c = replay(answers[start:start + size], make, costs=costs, runs=runs)
+        s, c = replay(answers[start:start + size], make, costs=costs, runs=runs, endings=endings)
         steps, cost = steps + s, cost + c
     return steps / cost
 
@@ -116,23 +119,23 @@ def in_orders(answers, make, orders=24, size=8):
         shuffled = answers[:]
         if order:
             random.Random(order).shuffle(shuffled)
-        runs = {}
+        runs, endings = {}, graded.EarlyEndings()
         for start in range(0, len(shuffled), size):
-            s, c = replay(shuffled[start:start + size], make, runs=runs)
+            s, c = replay(shuffled[start:start + size], make, runs=runs, endings=endings)
             steps, cost = steps + s, cost + c
     return steps / cost
 
 
 def closed_batches(answers, make):
-    saved, weight = dict(COST), graded.AHEAD_WEIGHT
+    saved, learnt_share = dict(COST), graded.EarlyEndings.share
     for label, costs in (("CPU", saved), ("H100", H100_COST)):
         COST.clear(), COST.update(costs)
-        for ahead in (1.0, weight):
-            graded.AHEAD_WEIGHT = ahead
-            print(f"{label:4s} costs, rows ahead counted {ahead:4.2f}: "
+        for ahead in ("1.00", "0.25", "the share ending early"):
+            graded.EarlyEndings.share = learnt_share if ahead[0] == "t" else lambda self, fixed=float(ahead): fixed
+            print(f"{label:4s} costs, rows ahead counted {ahead}: "
                   + "  ".join(f"{kind} 8 rows {in_orders(answers[kind], make):.3f}" for kind in ("grounded", "chat")))
     COST.clear(), COST.update(saved)
-    graded.AHEAD_WEIGHT = weight
+    graded.EarlyEndings.share = learnt_share
 
 
 if __name__ == "__main__":
