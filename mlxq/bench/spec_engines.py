@@ -64,9 +64,13 @@ class EngineArm:
 
     def pass_costs(self) -> dict[str, float]:
         """What the arm's speculator has measured of its passes and early read-backs, in decode steps
-        (pass_cost.PassCosts.learnt; empty without speculation)."""
+        (pass_cost.PassCosts.learnt; empty without speculation), and the graded policy's share of
+        rows ending early (graded.EarlyEndings)."""
         speculator = getattr(self.scheduler.engine, "speculator", None)  # the compiled engine's
-        return {} if speculator is None else speculator.costs.learnt()
+        if speculator is None:
+            return {}
+        endings = getattr(speculator, "endings", None)
+        return {**speculator.costs.learnt(), **({"ending early": endings.share()} if endings is not None else {})}
 
     def cpu_s(self) -> float:
         """This process's CPU seconds: one arm runs at a time, so a run's difference is its own."""
