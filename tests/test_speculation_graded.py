@@ -170,6 +170,24 @@ def test_rows_well_ahead_count_for_the_share_of_rows_that_ended_before_their_len
     assert plan_with_rows_ahead(speculator, ahead=4, by=6, backlog=True) is not None
 
 
+def test_where_rows_run_to_their_length_a_pass_must_shorten_the_batchs_wait():
+    """Once rows run to their max_tokens, a closed batch waits for the row with the most left: a pass
+    takes a step off that wait only if every row within reach of it gains. Two well-graded rows of 8,
+    worth a pass were any row to end early (the test above), are not; eight are, and so are seven
+    beside a row 6 tokens ahead that proposes nothing."""
+    def plan(rows: list[Row]) -> Optional[StepPlan]:
+        speculator = taught(lookup(pass_cost=1.25))
+        end_rows(speculator, 20, early=False)
+        speculator.step_began(rows, slot_count=8)
+        return speculator.plan(rows, slot_count=8)
+
+    nothing = [Row(f"n{i}", [10 + i, 20 + i]) for i in range(6)]
+    assert plan([long_match("a"), long_match("b")] + nothing) is None
+    every = plan([long_match(f"a{i}") for i in range(8)])
+    assert every is not None and every.width == 5
+    assert plan([moved_ahead(Row("x", [30, 31, 32, 33, 34, 35, 36, 37]))] + [long_match(f"a{i}") for i in range(7)]) is not None
+
+
 def test_a_verified_proposal_teaches_its_grade_once():
     speculator = lookup(pass_cost=1.25)  # 0.94 tokens expected at the prior pay for a pass
     row = long_match("long")

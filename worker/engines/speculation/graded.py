@@ -17,10 +17,12 @@ step's proposals are expected to add:
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
-- Where no request waits for a slot, the tokens a pass adds to rows more than a pass's reach ahead of
-  the row with the most left to make count for the share of recent rows that ended before their
-  `max_tokens` (`EarlyEndings`; so do those rows in the batch's count): the batch waits for the rows
-  behind, and a row ahead can only be the one it waits for if rows end early.
+- Where no request waits for a slot, the batch waits for the row that ends last. Where rows run to
+  their `max_tokens` (under `RUN_TO_LENGTH` of recent rows ended early, `EarlyEndings`), that is the
+  row with the most left to make, and a pass is judged by the steps it is expected to take off that
+  wait (`_shortening`). Elsewhere the tokens a pass adds to rows more than a pass's reach ahead of
+  that row count for the share of rows ending early (so do those rows in the batch's count): a row
+  ahead can only be the one the batch waits for if rows end early.
 - `wants` decides before the step in flight is read back whether to read it back for a pass: the
   fresh proposals may then not pay after all, and the early read-back was for nothing. Where that
   costs little (under `CHEAP_EARLY_READ` of a step, measured: pass_cost.py), it judges each row by its
@@ -46,6 +48,8 @@ BATCH_MARGIN = 2.0
 AHEAD_PRIOR = 0.25
 # The weight the ending counts keep at each row's end: about the last twenty rows decide.
 ENDINGS_DISCOUNT = 0.95
+# Under this share of rows ending early, rows are taken to run to their max_tokens.
+RUN_TO_LENGTH = 0.2
 # Decode steps: an early read-back that costs less than this is worth risking on guesses as they were made.
 CHEAP_EARLY_READ = 0.25
 # The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
@@ -128,23 +132,50 @@ class GradedSpeculator(Speculator):
         return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
                                 margin=self._margin(rows)) > 1
 
-    def _weights(self, rows: Sequence[Row]) -> dict[str, float]:
-        """What a token added to each row counts for: all alike while requests wait for a slot (a row
-        that ends sooner frees its slot for one), else the share of rows that end early for the rows
-        well ahead of the one with the most left to make."""
+    def _ahead(self, rows: Sequence[Row]) -> dict[str, int]:
+        """How many tokens each row is ahead of the row with the most left to make; all 0 while
+        requests wait for a slot (a row that ends sooner frees its slot for one) or a row decodes alone."""
         if self._backlog or len(rows) < 2:
-            return {row.spec.uid: 1.0 for row in rows}
+            return {row.spec.uid: 0 for row in rows}
         left = {row.spec.uid: row.spec.max_tokens - len(row.generated) for row in rows}
-        most, ahead = max(left.values()), self.endings.share()
-        return {uid: 1.0 if tokens >= most - self.max_k else ahead for uid, tokens in left.items()}
+        most = max(left.values())
+        return {uid: most - tokens for uid, tokens in left.items()}
 
-    def _width_for(self, proposals: Sequence[tuple[float, int, Hashable]], weights: dict[str, float], slot_count: int,
+    def _width_for(self, ahead: dict[str, int], drafts: dict[str, tuple[int, Hashable]], slot_count: int,
                    lead: int = 0) -> int:
-        """The width that proposals of (weight, length, grade) are worth in a batch whose rows' tokens
-        count for `weights` (1: none), where the first `lead` tokens of each must be borne out first."""
-        gains = self._gains(proposals, lead)
+        """The width that the rows' drafts ({uid: (length, grade)}) are worth, the rows `ahead` tokens
+        ahead of the one with the most left to make, where the first `lead` tokens of each draft must be
+        borne out first."""
+        share = self.endings.share()
+        if not self._backlog and len(ahead) > 1 and share < RUN_TO_LENGTH:
+            steps = self._shortening(ahead, drafts, lead)
+            return self._best_width(lambda width: steps[width - 2], len(ahead), slot_count, 1 + len(steps))
+        weights = {uid: 1.0 if by <= self.max_k else share for uid, by in ahead.items()}
+        gains = self._gains([(weights[uid], length, grade) for uid, (length, grade) in drafts.items()], lead)
         return self._best_width(lambda width: gains[width - 2], sum(weights.values()), slot_count, 1 + len(gains),
-                                margin=self._margin(len(weights)))
+                                margin=self._margin(len(ahead)))
+
+    def _shortening(self, ahead: dict[str, int], drafts: dict[str, tuple[int, Hashable]], lead: int) -> list[float]:
+        """For rows that run to their length: at each width from 2 up, the steps a pass is expected to take
+        off the batch's wait, times the batch's rows (tokens, as `_gains`). The wait is the most any row
+        has left, so the m-th step comes off only if every row less than m tokens ahead gains at least m
+        less how far ahead it is: a row without a draft long enough stops it."""
+        longest = max((length - lead for length, _ in drafts.values()), default=0)
+        steps, total = [], 0.0
+        for m in range(1, longest + 1):
+            chance = 1.0
+            for uid, by in ahead.items():
+                need = m - by
+                if need <= 0:
+                    continue
+                length, grade = drafts.get(uid, (0, None))
+                if length - lead < need:
+                    chance = 0.0
+                    break
+                chance *= self.grades.chance(grade) ** (lead + need)
+            total += chance
+            steps.append(len(ahead) * total)
+        return steps
 
     def _gains(self, proposals: Sequence[tuple[float, int, Hashable]], lead: int) -> list[float]:
         """The tokens the proposals are expected to add at each width from 2 up to the longest's
@@ -189,9 +220,8 @@ class GradedSpeculator(Speculator):
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth, as they were made."""
-        weights = self._weights(rows)
-        return self._width_for([(weights[row.spec.uid], len(guess.draft), guess.grade)
-                                for row, guess in self._latest(rows)], weights, slot_count)
+        drafts = {row.spec.uid: (len(guess.draft), guess.grade) for row, guess in self._latest(rows)}
+        return self._width_for(self._ahead(rows), drafts, slot_count)
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
@@ -200,9 +230,8 @@ class GradedSpeculator(Speculator):
         early_read = self.costs.early_read_cost(slot_count) if in_flight else None
         if early_read is None or early_read < CHEAP_EARLY_READ:
             return self.width(rows, slot_count) > 1
-        weights = self._weights(rows)
-        left = [(weights[row.spec.uid], guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)]
-        return self._width_for(left, weights, slot_count, lead=1) > 1
+        left = {row.spec.uid: (guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)}
+        return self._width_for(self._ahead(rows), left, slot_count, lead=1) > 1
 
     def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
@@ -211,9 +240,8 @@ class GradedSpeculator(Speculator):
         for row, _ in asking:
             self._guesses.pop(row.spec.uid, None)
         made = self._guess(asking)
-        weights = self._weights(rows)
-        width = self._width_for([(weights[row.spec.uid], len(guess.draft), guess.grade)
-                                 for (row, _), guess in zip(asking, made) if guess.draft], weights, slot_count)
+        drafts = {row.spec.uid: (len(guess.draft), guess.grade) for (row, _), guess in zip(asking, made) if guess.draft}
+        width = self._width_for(self._ahead(rows), drafts, slot_count)
         if width < 2:
             return None
         plan = StepPlan(width=width)

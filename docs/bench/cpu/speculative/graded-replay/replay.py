@@ -11,8 +11,9 @@
    ("widths learnt, shares", as the engine does since it was added).
 3. A closed batch (no request waits for a slot): the graded policy with the rows more than a pass's
    reach ahead of the row with the most left counted whole (as before commit 0c28f10), at a quarter
-   (0c28f10) and at the share of rows that ended before their max_tokens, learnt over the batches as
-   a worker learns it (graded.py's EarlyEndings), for batches of 8 over the recorded answers in 24
+   (0c28f10), at the share of rows that ended before their max_tokens, learnt over the batches as a
+   worker learns it (graded.py's EarlyEndings), and with that share and, where under RUN_TO_LENGTH of
+   rows end early, passes judged by the steps they take off the batch's wait (the code's), for batches of 8 over the recorded answers in 24
    orders (the first as recorded, the others shuffled), at the CPU's costs and at the costs an H100
    learnt for these widths at 8 slots (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
 
@@ -113,8 +114,9 @@ def ratio(answers, make, size, costs=known):
 
 
 def in_orders(answers, make, orders=24, size=8):
-    """`ratio` over the answers in `orders` orders: the recorded one, then shuffled."""
-    steps = cost = 0
+    """`ratio` over the answers in `orders` orders (the recorded one, then shuffled), and the passes
+    run per batch."""
+    steps = cost = passes = batches = 0
     for order in range(orders):
         shuffled = answers[:]
         if order:
@@ -122,20 +124,28 @@ def in_orders(answers, make, orders=24, size=8):
         runs, endings = {}, graded.EarlyEndings()
         for start in range(0, len(shuffled), size):
             s, c = replay(shuffled[start:start + size], make, runs=runs, endings=endings)
-            steps, cost = steps + s, cost + c
-    return steps / cost
+            steps, cost, batches = steps + s, cost + c, batches + 1
+        passes += sum(runs.values())
+    return steps / cost, passes / batches
 
 
 def closed_batches(answers, make):
-    saved, learnt_share = dict(COST), graded.EarlyEndings.share
+    """Each rule for rows ahead in turn: a fixed weight, or the learnt share with the rule for rows that
+    run to their length off (RUN_TO_LENGTH 0) and on (the code's)."""
+    saved, learnt_share, run_to_length = dict(COST), graded.EarlyEndings.share, graded.RUN_TO_LENGTH
+    rules = {"whole": (1.0, 0.0), "a quarter": (0.25, 0.0), "the share ending early": (None, 0.0),
+             "the share, and the wait shortened where rows run to their length": (None, run_to_length)}
     for label, costs in (("CPU", saved), ("H100", H100_COST)):
         COST.clear(), COST.update(costs)
-        for ahead in ("1.00", "0.25", "the share ending early"):
-            graded.EarlyEndings.share = learnt_share if ahead[0] == "t" else lambda self, fixed=float(ahead): fixed
-            print(f"{label:4s} costs, rows ahead counted {ahead}: "
-                  + "  ".join(f"{kind} 8 rows {in_orders(answers[kind], make):.3f}" for kind in ("grounded", "chat")))
+        for rule, (fixed, graded.RUN_TO_LENGTH) in rules.items():
+            graded.EarlyEndings.share = learnt_share if fixed is None else lambda self, fixed=fixed: fixed
+            results = []
+            for kind in ("grounded", "chat"):
+                ratio_, passes = in_orders(answers[kind], make)
+                results.append(f"{kind} 8 rows {ratio_:.3f} ({passes:.1f} passes a batch)")
+            print(f"{label:4s} costs, rows ahead counted {rule}: " + "  ".join(results))
     COST.clear(), COST.update(saved)
-    graded.EarlyEndings.share = learnt_share
+    graded.EarlyEndings.share, graded.RUN_TO_LENGTH = learnt_share, run_to_length
 
 
 if __name__ == "__main__":
