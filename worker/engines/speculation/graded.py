@@ -132,10 +132,15 @@ class GradedSpeculator(Speculator):
         return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
                                 margin=self._margin(rows)) > 1
 
+    def _waits_for_last(self, rows: int) -> bool:
+        """Whether the batch waits for its last row: no request waits for a slot, and more than one
+        row decodes."""
+        return not self._backlog and rows > 1
+
     def _ahead(self, rows: Sequence[Row]) -> dict[str, int]:
         """How many tokens each row is ahead of the row with the most left to make; all 0 while
         requests wait for a slot (a row that ends sooner frees its slot for one) or a row decodes alone."""
-        if self._backlog or len(rows) < 2:
+        if not self._waits_for_last(len(rows)):
             return {row.spec.uid: 0 for row in rows}
         left = {row.spec.uid: row.spec.max_tokens - len(row.generated) for row in rows}
         most = max(left.values())
@@ -147,7 +152,7 @@ class GradedSpeculator(Speculator):
         ahead of the one with the most left to make, where the first `lead` tokens of each draft must be
         borne out first."""
         share = self.endings.share()
-        if not self._backlog and len(ahead) > 1 and share < RUN_TO_LENGTH:
+        if self._waits_for_last(len(ahead)) and share < RUN_TO_LENGTH:
             steps = self._shortening(ahead, drafts, lead)
             return self._best_width(lambda width: steps[width - 2], len(ahead), slot_count, 1 + len(steps))
         weights = {uid: 1.0 if by <= self.max_k else share for uid, by in ahead.items()}

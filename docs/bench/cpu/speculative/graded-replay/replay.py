@@ -13,9 +13,10 @@
    reach ahead of the row with the most left counted whole (as before commit 0c28f10), at a quarter
    (0c28f10), at the share of rows that ended before their max_tokens, learnt over the batches as a
    worker learns it (graded.py's EarlyEndings), and with that share and, where under RUN_TO_LENGTH of
-   rows end early, passes judged by the steps they take off the batch's wait (the code's), for batches of 8 over the recorded answers in 24
-   orders (the first as recorded, the others shuffled), at the CPU's costs and at the costs an H100
-   learnt for these widths at 8 slots (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
+   rows end early, passes judged by the steps they take off the batch's wait (the code's), for
+   batches of 8 over the recorded answers in 24 orders (the first as recorded, the others shuffled),
+   at the CPU's costs and at the costs an H100 learnt for these widths at 8 slots
+   (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
