@@ -195,12 +195,13 @@ class GradedSpeculator(Speculator):
         weights = {uid: 1.0 if by <= self.max_k else share for uid, by in ahead.items()}
         rows = sum(weights.values())
         gains = self._gains([(weights[uid], length, chance) for uid, (length, chance) in drafts.items()], lead)
-        if self._waits_for_last(len(ahead)):
-            steps = self._shortening(ahead, drafts, lead, share)
-            worth = [min(gain / BATCH_MARGIN, rows * step) for gain, step in zip(gains, steps)]
-            return self._best_width(lambda width: worth[width - 2], rows, slot_count, 1 + len(worth))
-        return self._best_width(lambda width: gains[width - 2], rows, slot_count, 1 + len(gains),
-                                margin=self._margin(len(ahead)))
+        width = self._best_width(lambda width: gains[width - 2], rows, slot_count, 1 + len(gains),
+                                 margin=self._margin(len(ahead)))
+        if width < 2 or not self._waits_for_last(len(ahead)):
+            return width
+        steps = self._shortening(ahead, drafts, lead, share)
+        worth = [min(gain / BATCH_MARGIN, rows * step) for gain, step in zip(gains, steps)]
+        return self._best_width(lambda width: worth[width - 2], rows, slot_count, 1 + len(worth))
 
     def _shortening(self, ahead: dict[str, int], drafts: dict[str, tuple[int, float]], lead: int,
                     early: float) -> list[float]:
