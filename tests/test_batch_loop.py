@@ -41,7 +41,7 @@ class FakeSource:
         taken, self.waiting = self.waiting[:room], self.waiting[room:]
         found = set(self.cancel) if check_cancels else set()
         return Poll([TakenJob(0, job_id.encode(), {b"request": json.dumps(r).encode()}) for job_id, r in taken],
-                    found, [])
+                    found, [], len(self.waiting))
 
     def wait(self, timeout_s: int) -> Optional[TakenJob]:
         return self.poll(1, False).taken[0] if self.waiting else None
@@ -233,6 +233,25 @@ def test_a_full_worker_looks_for_cancel_keys_on_a_cadence_not_every_turn():
     assert all(room == 0 for room, _ in source.polls)
     assert len(checks) == round(0.5 / CANCEL_CHECK_INTERVAL_S)
     assert len(source.polls) == len(checks)  # a poll without room is only ever a cancel check
+
+
+def test_a_full_worker_tells_its_engine_whether_jobs_wait_in_its_queues_as_each_poll_finds():
+    """A full engine's speculation judges a batch by whether a row that ends sooner frees its slot for
+    a waiting job (worker/engines/speculation/graded.py): the loop passes on what each poll found."""
+    heard: list[bool] = []
+
+    class Watching(FakeEngine):
+        def queue_seen(self, jobs_waiting: bool) -> None:
+            heard.append(jobs_waiting)
+
+    loop, source, _, _, clock = make_loop(max_num_seqs=2)
+    loop.scheduler.engine = Watching()
+    source.waiting = [("a", request(1000)), ("b", request(1000)), ("c", request(1000))]
+    turns(loop, clock, 3)
+    assert heard[0] is True and len(loop.scheduler) == 2  # "c" waits
+    source.waiting.clear()  # another worker took it
+    turns(loop, clock, round(2 * CANCEL_CHECK_INTERVAL_S / 0.01))  # full: only the cancel checks poll
+    assert heard[-1] is False and len(heard) == len(source.polls)
 
 
 def test_a_worker_with_room_looks_for_cancel_keys_at_every_poll():

@@ -24,8 +24,10 @@ def test_it_takes_jobs_in_queue_order_up_to_room_and_parks_them_in_the_intermedi
     assert [(t.queue_index, t.job_id) for t in poll.taken] == [(0, "h1"), (0, "h2"), (1, "l1")]
     assert poll.taken[0].fields == {b"origin": b"high"}
     assert redis_conn.lrange(high[1], 0, -1) == [b"h1", b"h2"] and redis_conn.lrange(low[1], 0, -1) == [b"l1"]
-    assert redis_conn.lrange(low[0], 0, -1) == [b"l2"]
-    assert Poller(redis_conn, "w").poll([high, low], 0, "rq:job:", check_cancels=False).taken == []
+    assert redis_conn.lrange(low[0], 0, -1) == [b"l2"] and poll.left == 1
+    looked = Poller(redis_conn, "w").poll([high, low], 0, "rq:job:", check_cancels=False)
+    assert looked.taken == [] and looked.left == 1  # a full worker still learns that a job waits
+    assert Poller(redis_conn, "w").poll([high, low], 5, "rq:job:", check_cancels=False).left == 0
 
 
 def test_it_finds_exactly_the_running_jobs_that_have_a_cancel_key_among_many(redis_conn):

@@ -918,10 +918,12 @@ def test_the_engine_tells_the_policy_how_each_row_ended(target) -> None:
     assert speculator.endings.share() < 0.25 and speculator.tracked_rows == 0
 
 
-@pytest.mark.parametrize("rows, backlog", [(2, False), (4, True)])
-def test_the_engine_tells_the_policy_whether_requests_wait_for_a_slot(target, rows: int, backlog: bool) -> None:
-    """With every slot taken a row that ends sooner frees its slot for waiting work; with a slot free
-    nothing waits (graded.py weighs the rows of such a batch by how far ahead they are)."""
+@pytest.mark.parametrize("rows, queued, backlog", [(2, True, False), (4, True, True), (4, False, False)])
+def test_the_engine_tells_the_policy_whether_requests_wait_for_a_slot(target, rows: int, queued: bool,
+                                                                     backlog: bool) -> None:
+    """With every slot taken a row that ends sooner frees its slot for waiting work, unless the worker's
+    latest poll found its queues empty; with a slot free nothing waits (graded.py weighs the rows of a
+    batch nothing waits on by how far ahead they are)."""
     model, tokenizer = target
     seen: list[tuple[int, bool]] = []
 
@@ -933,7 +935,9 @@ def test_the_engine_tells_the_policy_whether_requests_wait_for_a_slot(target, ro
     engine = CompiledEngine(model, tokenizer, max_num_seqs=4, speculator=Recording(NgramDrafter(), max_k=4))
     requests = {f"r{i}": {"prompt_token_ids": looping_prompt(i, 24), "max_tokens": 12, "temperature": 0,
                           "ignore_eos": True} for i in range(rows)}
-    results = run_all(BatchScheduler(engine, max_num_seqs=4), requests)
+    scheduler = BatchScheduler(engine, max_num_seqs=4)
+    scheduler.queue_seen(queued)
+    results = run_all(scheduler, requests)
     assert all(r.status == "finished" for r in results.values())
     full = [told for count, told in seen if count == rows]
     assert full and all(told is backlog for told in full), seen

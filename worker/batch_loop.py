@@ -207,6 +207,7 @@ class BatchLoop:
         if check:
             self._next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
         poll = self._source.poll(room, check)
+        self.scheduler.queue_seen(poll.left > 0)
         self._jobs_taken += len(poll.taken)
         self._start(poll.taken)
         if check:

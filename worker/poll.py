@@ -15,7 +15,9 @@ queues the worker listens on and however many sequences run:
   that is not a hash, or a hash too big to ship (MLXQ_MAX_JOB_BYTES), comes back as a note of why,
   which worker/intake.py turns into a failed job; so does a job that has ended already (its result
   key exists, or its status is final), which never runs again. A queue key that is not a list is
-  skipped.
+  skipped;
+- the jobs left in the queues after the take are counted: whether requests wait for a full worker
+  decides how its engine's speculation weighs a batch (worker/engines/speculation/graded.py).
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ for q = 2, #KEYS, 2 do
     end
   end
 end
-return {cancelled, taken, broken_queues}
+local left = 0
+for q = 2, #KEYS, 2 do
+  local length = redis.pcall('LLEN', KEYS[q])
+  if type(length) == 'number' then left = left + length end
+end
+return {cancelled, taken, broken_queues, left}
 """
 
 
@@ -135,6 +142,7 @@ class Poll(NamedTuple):
     taken: list[TakenJob]
     cancelled: set[str]
     broken_queues: list[int]  # queues (indexes into the pairs given) that are not lists
+    left: int = 0  # jobs left in the queues polled, after the take
 
 
 class Poller:
@@ -186,13 +194,13 @@ class Poller:
         script_keys = [self.running_key] + [key for pair in queue_pairs for key in pair]
         cancel_prefix = keys.cancel_key("") if check_cancels else ""
         ended = list(self._ended)
-        cancelled, flat, broken = self._script(
+        cancelled, flat, broken, left = self._script(
             keys=script_keys, args=[max(0, room), job_key_prefix, cancel_prefix, self._group_key, self._member_ttl_s,
                                     keys.running_key(""), self._name, self._max_job_bytes, *ended])
         self._ended.difference_update(ended)
         taken = [TakenJob(int(index), raw_id, as_job_fields(fields))
                  for index, raw_id, fields in zip(flat[::3], flat[1::3], flat[2::3])]
-        return Poll(taken, {job_id.decode() for job_id in cancelled}, [int(i) for i in broken])
+        return Poll(taken, {job_id.decode() for job_id in cancelled}, [int(i) for i in broken], int(left))
 
     def wait(self, queue_pairs: list[tuple[str, str]], job_key_prefix: str, timeout_s: float) -> Optional[TakenJob]:
         """Block up to `timeout_s` for one job (an idle worker). With one queue the id moves to its

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from schemas import ErrorInfo, GenerationRequest, GenerationResult
 from schemas.request import InvalidRequestError, RequestLimits, check_result_entries
 from schemas.result import no_output_result
-from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec
+from worker.engines.base import Engine, EngineStats, Prompt, ReadsImages, SamplingParams, SequenceSpec, WatchesQueue
 from worker.images import io_image_inputs
 from worker.input_prep import SlowInputs
 from worker.output import EndedJob, JobOutput, StreamDelta
@@ -330,6 +330,11 @@ class BatchScheduler:
             )
 
     # --- stepping -------------------------------------------------------------------------
+    def queue_seen(self, jobs_waiting: bool) -> None:
+        """The worker's latest poll found jobs left in its queues (`jobs_waiting`), or none."""
+        if isinstance(self.engine, WatchesQueue):
+            self.engine.queue_seen(jobs_waiting)
+
     def step(self) -> list[EndedJob]:
         """Run one engine step; return the jobs that ended in it. An exception from the engine
         means the step as a whole failed: see `reset`."""

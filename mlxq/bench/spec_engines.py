@@ -31,6 +31,7 @@ class EngineArm:
         from worker.settings import WorkerSettings
 
         self.scheduler = build_scheduler(WorkerSettings.from_env(self.env, model=self.model_path))
+        self.scheduler.queue_seen(False)  # a worker's queues would hold no more than the requests driven here
 
     def stop(self) -> None:
         if self.scheduler is None:

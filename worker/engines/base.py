@@ -204,6 +204,17 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class WatchesQueue(Protocol):
+    """An engine whose choices depend on whether requests wait for a slot where every slot is taken
+    (the compiled engine's speculation: a batch nothing waits on waits for its last row). Until
+    told, a full engine takes it that requests wait."""
+
+    def queue_seen(self, jobs_waiting: bool) -> None:
+        """The worker's latest poll found `jobs_waiting` in its queues (or none)."""
+        ...
+
+
+@runtime_checkable
 class ReadsImages(Protocol):
     """An engine whose requests may name images in files or at URLs (the vision engine): those
     (worker/images.py io_image_inputs) are read first, off the loop's thread and each within its

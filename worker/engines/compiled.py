@@ -137,6 +137,7 @@ class CompiledEngine:
         self._spec = speculator
         self._verification = (VerificationPass(model, self._layout.grouped_mask, self._lora, speculator)
                               if speculator is not None else None)
+        self._jobs_waiting = True  # in the worker's queues, as its latest poll found (queue_seen)
 
     # --- the Engine protocol --------------------------------------------------------------
     @property
@@ -332,7 +333,7 @@ class CompiledEngine:
         if self._spec is not None:
             occupied = self._table.occupied()
             self._spec.step_began(occupied, len(self._table.slots),
-                                  backlog=bool(waiting) or len(occupied) >= self._max_slots)
+                                  backlog=bool(waiting) or (self._jobs_waiting and len(occupied) >= self._max_slots))
             # Until the verification pass's kernels are built a pass would stall the batch for seconds.
             verify_ready = self._prebuild is None or self._prebuild.verify_ready
             if verify_ready and self._spec.wants(occupied, len(self._table.slots), in_flight=previous is not None):
@@ -379,6 +380,11 @@ class CompiledEngine:
         self._counters.decode_s += time.perf_counter() - started - prefill_s
         if self._spec is not None:
             self._spec.costs.call(started, kind, slots, width)
+
+    def queue_seen(self, jobs_waiting: bool) -> None:
+        """Whether jobs wait in the worker's queues, as its latest poll found: with every slot taken, a
+        row that ends sooner frees its slot for one only if some wait."""
+        self._jobs_waiting = jobs_waiting
 
     def remove(self, uids: list[str]) -> None:
         gone = set()

@@ -36,8 +36,9 @@ step's proposals are expected to add:
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
 or not at all, and those do not pay for a pass. But rows of one grade differ (a row behind the others
 is often the one whose proposals failed, and a worker serving grounded and open requests learns one
-chance per grade from both), so each row's chance at a grade is its grade's scaled by how the row's
-own proposals fared against their grades' (`RowRecords`).
+chance per grade from both), so a greedy row's chance at a grade is its grade's scaled by how the
+row's own proposals fared against their grades' (`RowRecords`). A sampled row's record is mostly the
+luck of its draws, and its grades' chances stand.
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ class GradedSpeculator(Speculator):
 
     def _chance(self, uid: str, grade: Hashable) -> float:
         """The chance that a token of row `uid`'s proposal of `grade` is accepted once the ones before it were."""
-        return self.rows.chance(uid, self.grades.chance(grade))
+        chance = self.grades.chance(grade)
+        greedy = grade[1]
+        return self.rows.chance(uid, chance) if greedy else chance
 
     def _drafts(self, rows_and_guesses: Sequence[tuple[Row, Guess]], left: bool = False) -> dict[str, tuple[int, float]]:
         """{uid: (length, chance)} of each guess: its length, or with `left` what is left of it to verify."""
