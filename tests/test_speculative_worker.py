@@ -32,6 +32,9 @@ def test_a_worker_with_speculative_ngram_serves_exact_results_through_redis(redi
     requests = [{"prompt_token_ids": [(i * 37 + k * 11) % 500 + 3 for k in range(6)] * 4, "max_tokens": 20,
                  "temperature": 0, "logprobs": True, "ignore_eos": True} for i in range(3)]
     requests.append({**requests[0], "speculative": False})
+    # Four more wait in the queue while the first four fill the worker's slots: rows that end sooner then
+    # free their slots for waiting jobs, so a pass is judged by the tokens it adds (graded.py).
+    requests += [dict(request) for request in requests]
     try:
         # No row proposes before the verification pass's kernels are built (worker/engines/kernel_prebuild.py);
         # the worker publishes its stats with each round of results, so a one-token job asks.

@@ -17,14 +17,12 @@ step's proposals are expected to add:
   decoding rows, `BATCH_MARGIN` times that where more than one row decodes, at the width that makes
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
-- Where no request waits for a slot, the batch waits for the row that ends last, and the tokens a pass
-  adds to rows more than a pass's reach ahead of the row with the most left to make count for the
-  share of rows that end before their `max_tokens` (`EarlyEndings`; so do those rows in the batch's
-  count): a row ahead can only be the one the batch waits for if rows end early. There a pass must
-  also be expected to take its extra cost off that wait, in steps (`_shortening`): where rows run to
-  their length (open chat under a short limit), a pass that only adds tokens to rows that do not
-  decide the wait gains the batch nothing, and the margin alone let such passes run. Each rule gives
-  what the pass is worth; the lesser decides.
+- Where no request waits for a slot, the batch waits for the row that ends last. Where rows run to
+  their `max_tokens` (under `RUN_TO_LENGTH` of recent rows ended early, `EarlyEndings`), that is the
+  row with the most left to make, and a pass is judged by the steps it is expected to take off that
+  wait (`_shortening`). Elsewhere the tokens a pass adds to rows more than a pass's reach ahead of
+  that row count for the share of rows ending early (so do those rows in the batch's count): a row
+  ahead can only be the one the batch waits for if rows end early.
 - `wants` decides before the step in flight is read back whether to read it back for a pass: the
   fresh proposals may then not pay after all, and the early read-back was for nothing. Where that
   costs little (under `CHEAP_EARLY_READ` of a step, measured: pass_cost.py), it judges each row by its
@@ -34,11 +32,7 @@ step's proposals are expected to add:
   the step's token the one guessed (docs/performance.md, "Pass costs from call windows").
 
 There is no per-row on and off: a row whose text stops repeating its prompt guesses with low grades,
-or not at all, and those do not pay for a pass. But rows of one grade differ (a row behind the others
-is often the one whose proposals failed, and a worker serving grounded and open requests learns one
-chance per grade from both), so a greedy row's chance at a grade is its grade's scaled by how the
-row's own proposals fared against their grades' (`RowRecords`). A sampled row's record is mostly the
-luck of its draws, and its grades' chances stand.
+or not at all, and those do not pay for a pass.
 """
 
 from __future__ import annotations
@@ -54,27 +48,12 @@ BATCH_MARGIN = 2.0
 AHEAD_PRIOR = 0.25
 # The weight the ending counts keep at each row's end: about the last twenty rows decide.
 ENDINGS_DISCOUNT = 0.95
+# Under this share of rows ending early, rows are taken to run to their max_tokens.
+RUN_TO_LENGTH = 0.2
 # Decode steps: an early read-back that costs less than this is worth risking on guesses as they were made.
 CHEAP_EARLY_READ = 0.25
 # The weight the counts keep at each new outcome: about the last hundred outcomes of a grade decide.
 DISCOUNT = 0.99
-# Tokens: how much a row's own record must show before it moves the row's chance far from its grade's.
-ROW_PRIOR = 4.0
-# The weight a row's record keeps at each of its outcomes: about its last ten proposals decide.
-ROW_DISCOUNT = 0.9
-# A chance scaled by a row's record stays under this: no proposal is sure.
-MOST_LIKELY = 0.98
-
-
-def expected_by_depth(chance: float, length: int, lead: int = 0) -> list[float]:
-    """Tokens a proposal whose tokens are each accepted with `chance` (once the ones before it were) is
-    expected to add with its first 1, 2, ... `length` tokens, where `lead` tokens before them must be
-    borne out first (without adding any)."""
-    total, sums = 0.0, []
-    for j in range(lead + 1, lead + length + 1):
-        total += chance ** j
-        sums.append(total)
-    return sums
 
 
 class GradeAcceptance:
@@ -97,26 +76,16 @@ class GradeAcceptance:
     def expected(self, grade: Hashable, length: int, lead: int = 0) -> float:
         """Tokens a proposal of `length` tokens of this grade is expected to add, where `lead` tokens
         before them must be borne out first (without adding any)."""
-        sums = expected_by_depth(self.chance(grade), length, lead)
+        sums = self.expected_by_depth(grade, length, lead)
         return sums[-1] if sums else 0.0
 
-
-class RowRecords:
-    """Per row, the tokens its proposals added and the tokens their grades expected them to add, as
-    discounted counts; a row's chance at a grade is the grade's scaled by their ratio, each count
-    starting from `ROW_PRIOR` (`chance`)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, list[float]] = {}  # uid -> [tokens added, tokens expected]
-
-    def record(self, uid: str, expected: float, accepted: int) -> None:
-        counts = self.counts.setdefault(uid, [0.0, 0.0])
-        counts[0] = ROW_DISCOUNT * counts[0] + accepted
-        counts[1] = ROW_DISCOUNT * counts[1] + expected
-
-    def chance(self, uid: str, grade_chance: float) -> float:
-        added, expected = self.counts.get(uid, (0.0, 0.0))
-        return min(MOST_LIKELY, grade_chance * (added + ROW_PRIOR) / (expected + ROW_PRIOR))
+    def expected_by_depth(self, grade: Hashable, length: int, lead: int = 0) -> list[float]:
+        """`expected` for the proposal's first 1, 2, ... `length` tokens, in one sweep."""
+        chance, total, sums = self.chance(grade), 0.0, []
+        for j in range(lead + 1, lead + length + 1):
+            total += chance ** j
+            sums.append(total)
+        return sums
 
 
 class EarlyEndings:
@@ -142,7 +111,6 @@ class GradedSpeculator(Speculator):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.grades = GradeAcceptance()
-        self.rows = RowRecords()
         self.endings = EarlyEndings()
         self._guesses: dict[str, Guess] = {}  # each row's guess that no pass verifies
         self._verifying: dict[str, Hashable] = {}  # the grade of each proposal in the running pass
@@ -178,62 +146,50 @@ class GradedSpeculator(Speculator):
         most = max(left.values())
         return {uid: most - tokens for uid, tokens in left.items()}
 
-    def _chance(self, uid: str, grade: Hashable) -> float:
-        """The chance that a token of row `uid`'s proposal of `grade` is accepted once the ones before it were."""
-        chance = self.grades.chance(grade)
-        greedy = grade[1]
-        return self.rows.chance(uid, chance) if greedy else chance
-
-    def _drafts(self, rows_and_guesses: Sequence[tuple[Row, Guess]], left: bool = False) -> dict[str, tuple[int, float]]:
-        """{uid: (length, chance)} of each guess: its length, or with `left` what is left of it to verify."""
-        return {row.spec.uid: (guess.left(row.generated) if left else len(guess.draft), self._chance(row.spec.uid, guess.grade))
-                for row, guess in rows_and_guesses if guess.draft}
-
-    def _width_for(self, ahead: dict[str, int], drafts: dict[str, tuple[int, float]], slot_count: int,
+    def _width_for(self, ahead: dict[str, int], drafts: dict[str, tuple[int, Hashable]], slot_count: int,
                    lead: int = 0) -> int:
-        """The width that the rows' drafts ({uid: (length, chance)}) are worth, the rows `ahead` tokens
+        """The width that the rows' drafts ({uid: (length, grade)}) are worth, the rows `ahead` tokens
         ahead of the one with the most left to make, where the first `lead` tokens of each draft must be
         borne out first."""
         share = self.endings.share()
+        if self._waits_for_last(len(ahead)) and share < RUN_TO_LENGTH:
+            steps = self._shortening(ahead, drafts, lead)
+            return self._best_width(lambda width: steps[width - 2], len(ahead), slot_count, 1 + len(steps))
         weights = {uid: 1.0 if by <= self.max_k else share for uid, by in ahead.items()}
-        rows = sum(weights.values())
-        gains = self._gains([(weights[uid], length, chance) for uid, (length, chance) in drafts.items()], lead)
-        width = self._best_width(lambda width: gains[width - 2], rows, slot_count, 1 + len(gains),
-                                 margin=self._margin(len(ahead)))
-        if width < 2 or not self._waits_for_last(len(ahead)):
-            return width
-        steps = self._shortening(ahead, drafts, lead, share)
-        worth = [min(gain / BATCH_MARGIN, rows * step) for gain, step in zip(gains, steps)]
-        return self._best_width(lambda width: worth[width - 2], rows, slot_count, 1 + len(worth))
+        gains = self._gains([(weights[uid], length, grade) for uid, (length, grade) in drafts.items()], lead)
+        return self._best_width(lambda width: gains[width - 2], sum(weights.values()), slot_count, 1 + len(gains),
+                                margin=self._margin(len(ahead)))
 
-    def _shortening(self, ahead: dict[str, int], drafts: dict[str, tuple[int, float]], lead: int,
-                    early: float) -> list[float]:
-        """At each width from 2 up, the steps a pass is expected to take off the batch's wait, the most any
-        row has left to make, where each row ends before its length with chance `early` (its tokens then
-        do not decide the wait). The m-th step comes off only if every row less than m tokens ahead
-        gains at least m less how far ahead it is, or ends early: a row that runs to its length without
-        a draft long enough stops it."""
+    def _shortening(self, ahead: dict[str, int], drafts: dict[str, tuple[int, Hashable]], lead: int) -> list[float]:
+        """For rows that run to their length: at each width from 2 up, the steps a pass is expected to take
+        off the batch's wait, times the batch's rows (tokens, as `_gains`). The wait is the most any row
+        has left, so the m-th step comes off only if every row less than m tokens ahead gains at least m
+        less how far ahead it is: a row without a draft long enough stops it."""
         longest = max((length - lead for length, _ in drafts.values()), default=0)
         steps, total = [], 0.0
         for m in range(1, longest + 1):
             chance = 1.0
             for uid, by in ahead.items():
                 need = m - by
-                if need > 0:
-                    length, row_chance = drafts.get(uid, (0, 0.0))
-                    chance *= early + (1 - early) * (row_chance ** (lead + need) if length - lead >= need else 0.0)
+                if need <= 0:
+                    continue
+                length, grade = drafts.get(uid, (0, None))
+                if length - lead < need:
+                    chance = 0.0
+                    break
+                chance *= self.grades.chance(grade) ** (lead + need)
             total += chance
-            steps.append(total)
+            steps.append(len(ahead) * total)
         return steps
 
-    def _gains(self, proposals: Sequence[tuple[float, int, float]], lead: int) -> list[float]:
-        """The tokens the proposals ((weight, length, chance)) are expected to add at each width from 2 up
-        to the longest's (`expected_by_depth` of each, weighted and summed), in one sweep a proposal: this
-        runs every step."""
+    def _gains(self, proposals: Sequence[tuple[float, int, Hashable]], lead: int) -> list[float]:
+        """The tokens the proposals are expected to add at each width from 2 up to the longest's
+        (`GradeAcceptance.expected` of each, weighted and summed), in one sweep a proposal: this runs
+        every step."""
         longest = max((length - lead for _, length, _ in proposals), default=0)
         gains = [0.0] * max(0, longest)
-        for weight, length, chance in proposals:
-            sums = expected_by_depth(chance, max(0, length - lead), lead)
+        for weight, length, grade in proposals:
+            sums = self.grades.expected_by_depth(grade, max(0, length - lead), lead)
             for j in range(len(gains)):
                 gains[j] += weight * (sums[min(j, len(sums) - 1)] if sums else 0.0)
         return gains
@@ -245,7 +201,7 @@ class GradedSpeculator(Speculator):
             settled = self._settled(self._guesses, row)
             if settled is not None:
                 guess, kept = settled
-                self._record(row.spec.uid, guess.grade, len(guess.draft), kept)
+                self.grades.record(guess.grade, len(guess.draft), kept)
                 self.probed += len(guess.draft)
                 self.probes_accepted += kept
         if self._could_pay(len(rows), slot_count):
@@ -269,7 +225,8 @@ class GradedSpeculator(Speculator):
 
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth, as they were made."""
-        return self._width_for(self._ahead(rows), self._drafts(self._latest(rows)), slot_count)
+        drafts = {row.spec.uid: (len(guess.draft), guess.grade) for row, guess in self._latest(rows)}
+        return self._width_for(self._ahead(rows), drafts, slot_count)
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
@@ -278,7 +235,8 @@ class GradedSpeculator(Speculator):
         early_read = self.costs.early_read_cost(slot_count) if in_flight else None
         if early_read is None or early_read < CHEAP_EARLY_READ:
             return self.width(rows, slot_count) > 1
-        return self._width_for(self._ahead(rows), self._drafts(self._latest(rows), left=True), slot_count, lead=1) > 1
+        left = {row.spec.uid: (guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)}
+        return self._width_for(self._ahead(rows), left, slot_count, lead=1) > 1
 
     def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
@@ -287,7 +245,7 @@ class GradedSpeculator(Speculator):
         for row, _ in asking:
             self._guesses.pop(row.spec.uid, None)
         made = self._guess(asking)
-        drafts = self._drafts([(row, guess) for (row, _), guess in zip(asking, made)])
+        drafts = {row.spec.uid: (len(guess.draft), guess.grade) for (row, _), guess in zip(asking, made) if guess.draft}
         width = self._width_for(self._ahead(rows), drafts, slot_count)
         if width < 2:
             return None
@@ -302,20 +260,15 @@ class GradedSpeculator(Speculator):
     def outcome(self, row: Row, proposed: int, accepted: int) -> None:
         grade = self._verifying.pop(row.spec.uid, None)
         if grade is not None:
-            self._record(row.spec.uid, grade, proposed, accepted)
+            self.grades.record(grade, proposed, accepted)
         super().outcome(row, proposed, accepted)
-
-    def _record(self, uid: str, grade: Hashable, proposed: int, accepted: int) -> None:
-        """Row `uid`'s proposal of `grade` had `accepted` of its `proposed` tokens borne out."""
-        self.rows.record(uid, self.grades.expected(grade, proposed), accepted)
-        self.grades.record(grade, proposed, accepted)
 
     def ended(self, row: Row) -> None:
         self.endings.record(early=len(row.generated) < row.spec.max_tokens)
         super().ended(row)
 
     def _per_row(self) -> list[dict[str, Any]]:
-        return [*super()._per_row(), self._guesses, self._verifying, self.rows.counts]
+        return [*super()._per_row(), self._guesses, self._verifying]
 
     def reset(self) -> None:
         """What was learnt of the grades held for the old weights too."""

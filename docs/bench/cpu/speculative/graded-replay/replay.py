@@ -9,14 +9,15 @@
    also as a worker sees the costs: each width's known once it has run 3 passes, before that the
    prior of 2 ("widths learnt, prior") or, below a measured width, its share of that one's extra cost
    ("widths learnt, shares", as the engine does since it was added).
-3. A closed batch (no request waits for a slot): the graded policy with the rows more than a pass's
-   reach ahead of the row with the most left counted whole (as before commit 0c28f10), at a quarter
-   (0c28f10), at the share of rows that ended before their max_tokens, learnt over the batches as a
-   worker learns it (graded.py's EarlyEndings), and with that share and, where under RUN_TO_LENGTH of
-   rows end early, passes judged by the steps they take off the batch's wait (the code's), for
-   batches of 8 over the recorded answers in 24 orders (the first as recorded, the others shuffled),
-   at the CPU's costs and at the costs an H100 learnt for these widths at 8 slots
-   (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up).
+3. Closed batches (no request waits for a slot) of 8, the answers in 24 orders (the first as
+   recorded, the others shuffled), the share of rows ending early learnt over an order's batches as a
+   worker learns it (graded.py's EarlyEndings): grounded batches alone, chat batches alone, and the
+   two alternating on one worker (as the bench's runs of both workloads do). Over the answers recorded
+   here (float32 on the CPU) and on an H200 (chat-h200-bf16.json and grounded-h200-bf16.json: record.py's
+   answers from the bf16 copy through mlx-lm on the H200), at the CPU's costs, at the costs an H100
+   learnt (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up), and deciding at the costs an
+   H200 learnt from its call windows while paying 1.3 steps a pass (what its greedy chat passes cost
+   by wall time, docs/performance.md).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
@@ -114,39 +115,46 @@ def ratio(answers, make, size, costs=known):
     return steps / cost
 
 
-def in_orders(answers, make, orders=24, size=8):
-    """`ratio` over the answers in `orders` orders (the recorded one, then shuffled), and the passes
-    run per batch."""
-    steps = cost = passes = batches = 0
+def closed_batches(answers, make, paid=None, orders=24, size=8):
+    """Each kind's batches (alternating: grounded and chat batches in turn on one worker) in `orders`
+    orders; per kind, decode steps over cost and the passes a batch. A pass costs COST[width], or
+    `paid` where given."""
+    steps, cost, passes, batches = defaultdict(float), defaultdict(float), defaultdict(int), defaultdict(int)
     for order in range(orders):
-        shuffled = answers[:]
+        shuffled = {kind: rows[:] for kind, rows in answers.items()}
         if order:
-            random.Random(order).shuffle(shuffled)
-        runs, endings = {}, graded.EarlyEndings()
-        for start in range(0, len(shuffled), size):
-            s, c = replay(shuffled[start:start + size], make, runs=runs, endings=endings)
-            steps, cost, batches = steps + s, cost + c, batches + 1
-        passes += sum(runs.values())
-    return steps / cost, passes / batches
+            for n, rows in enumerate(shuffled.values()):
+                random.Random(order + 100 * n).shuffle(rows)
+        for kinds in (["grounded"], ["chat"], ["grounded", "chat"]):
+            label = "alternating: " if len(kinds) > 1 else ""
+            speculator, endings = make(), graded.EarlyEndings()
+            speculator.costs.cost = known({})
+            for start in range(0, min(len(rows) for rows in shuffled.values()), size):
+                for kind in kinds:
+                    runs = {}
+                    s, c = replay(shuffled[kind][start:start + size], lambda: speculator, runs=runs, endings=endings)
+                    if paid is not None:
+                        c += sum(n * (paid - COST[width]) for width, n in runs.items())
+                    steps[label + kind] += s
+                    cost[label + kind] += c
+                    passes[label + kind] += sum(runs.values())
+                    batches[label + kind] += 1
+    return {kind: (steps[kind] / cost[kind], passes[kind] / batches[kind]) for kind in steps}
 
 
-def closed_batches(answers, make):
-    """Each rule for rows ahead in turn: a fixed weight, or the learnt share with the rule for rows that
-    run to their length off (RUN_TO_LENGTH 0) and on (the code's)."""
-    saved, learnt_share, run_to_length = dict(COST), graded.EarlyEndings.share, graded.RUN_TO_LENGTH
-    rules = {"whole": (1.0, 0.0), "a quarter": (0.25, 0.0), "the share ending early": (None, 0.0),
-             "the share, and the wait shortened where rows run to their length": (None, run_to_length)}
-    for label, costs in (("CPU", saved), ("H100", H100_COST)):
-        COST.clear(), COST.update(costs)
-        for rule, (fixed, graded.RUN_TO_LENGTH) in rules.items():
-            graded.EarlyEndings.share = learnt_share if fixed is None else lambda self, fixed=fixed: fixed
-            results = []
-            for kind in ("grounded", "chat"):
-                ratio_, passes = in_orders(answers[kind], make)
-                results.append(f"{kind} 8 rows {ratio_:.3f} ({passes:.1f} passes a batch)")
-            print(f"{label:4s} costs, rows ahead counted {rule}: " + "  ".join(results))
+def print_closed_batches(make):
+    saved = dict(COST)
+    recorded = {"CPU": {kind: json.loads((HERE / f"{kind}.json").read_text()) for kind in ("grounded", "chat")},
+                "H200": {kind: json.loads((HERE / f"{kind}-h200-bf16.json").read_text()) for kind in ("grounded", "chat")}}
+    costs = {"CPU costs": (saved, None), "H100 costs": (H100_COST, None),
+             "H200 learnt, 1.3 paid": ({1: 1.0, 2: 1.1, 3: 1.1, 4: 1.12, 5: 1.1}, 1.3)}
+    for source, answers in recorded.items():
+        for label, (table, paid) in costs.items():
+            COST.clear(), COST.update(table)
+            found = closed_batches(answers, make, paid)
+            print(f"{source} answers, {label}: " + "  ".join(
+                f"{kind} {ratio_:.3f} ({passes:.1f})" for kind, (ratio_, passes) in found.items()), flush=True)
     COST.clear(), COST.update(saved)
-    graded.EarlyEndings.share, graded.RUN_TO_LENGTH = learnt_share, run_to_length
 
 
 if __name__ == "__main__":
@@ -167,5 +175,5 @@ if __name__ == "__main__":
             print(f"{kind:8s} {size} row(s) {'graded, margin 1':24s} {plain:.3f}")
             for label, costs in (("widths learnt, prior", learnt(False)), ("widths learnt, shares", learnt(True))):
                 print(f"{kind:8s} {size} row(s) {'graded, ' + label:24s} {ratio(answers[kind], policies['graded'], size, costs):.3f}")
-    print("closed batches of 8, the recorded answers in 24 orders:")
-    closed_batches(answers, policies["graded"])
+    print("closed batches of 8 in 24 orders (decode steps over cost, passes a batch in brackets):")
+    print_closed_batches(policies["graded"])
