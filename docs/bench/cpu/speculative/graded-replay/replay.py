@@ -11,13 +11,15 @@
    ("widths learnt, shares", as the engine does since it was added).
 3. Closed batches (no request waits for a slot) of 8, the answers in 24 orders (the first as
    recorded, the others shuffled), the share of rows ending early learnt over an order's batches as a
-   worker learns it (graded.py's EarlyEndings): grounded batches alone, chat batches alone, and the
-   two alternating on one worker (as the bench's runs of both workloads do). Over the answers recorded
-   here (float32 on the CPU) and on an H200 (chat-h200-bf16.json and grounded-h200-bf16.json: record.py's
-   answers from the bf16 copy through mlx-lm on the H200), at the CPU's costs, at the costs an H100
-   learnt (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up), and deciding at the costs an
-   H200 learnt from its call windows while paying 1.3 steps a pass (what its greedy chat passes cost
-   by wall time, docs/performance.md).
+   worker learns it (graded.py's EarlyEndings), on a new worker and on one that served the order's
+   batches once before and so knows how they end (the bench's workers learn it from their warm-up
+   and the repeats before): grounded batches alone, chat batches alone, and the two alternating on
+   one worker (as the bench's runs of both workloads do). Over the answers recorded here (float32 on
+   the CPU) and on an H200 (chat-h200-bf16.json and grounded-h200-bf16.json: record.py's answers from
+   the bf16 copy through mlx-lm on the H200), at the CPU's costs, at the costs an H100 learnt
+   (docs/bench/h100/speculative/dec05-f-learnt-costs, rounded up), and deciding at the costs an H200
+   learnt from its call windows while paying 1.3 steps a pass (what its greedy chat passes cost by
+   wall time, docs/performance.md).
 
 Run from the repository: .venv/bin/python docs/bench/cpu/speculative/graded-replay/replay.py
 """
@@ -115,10 +117,10 @@ def ratio(answers, make, size, costs=known):
     return steps / cost
 
 
-def closed_batches(answers, make, paid=None, orders=24, size=8):
+def closed_batches(answers, make, paid=None, warm=False, orders=24, size=8):
     """Each kind's batches (alternating: grounded and chat batches in turn on one worker) in `orders`
     orders; per kind, decode steps over cost and the passes a batch. A pass costs COST[width], or
-    `paid` where given."""
+    `paid` where given. `warm`: the worker served the order's batches once before (not counted)."""
     steps, cost, passes, batches = defaultdict(float), defaultdict(float), defaultdict(int), defaultdict(int)
     for order in range(orders):
         shuffled = {kind: rows[:] for kind, rows in answers.items()}
@@ -129,12 +131,15 @@ def closed_batches(answers, make, paid=None, orders=24, size=8):
             label = "alternating: " if len(kinds) > 1 else ""
             speculator, endings = make(), graded.EarlyEndings()
             speculator.costs.cost = known({})
-            for start in range(0, min(len(rows) for rows in shuffled.values()), size):
+            starts = range(0, min(len(rows) for rows in shuffled.values()), size)
+            for counted, start in [(False, start) for start in starts if warm] + [(True, start) for start in starts]:
                 for kind in kinds:
                     runs = {}
                     s, c = replay(shuffled[kind][start:start + size], lambda: speculator, runs=runs, endings=endings)
                     if paid is not None:
                         c += sum(n * (paid - COST[width]) for width, n in runs.items())
+                    if not counted:
+                        continue
                     steps[label + kind] += s
                     cost[label + kind] += c
                     passes[label + kind] += sum(runs.values())
@@ -144,16 +149,18 @@ def closed_batches(answers, make, paid=None, orders=24, size=8):
 
 def print_closed_batches(make):
     saved = dict(COST)
-    recorded = {"CPU": {kind: json.loads((HERE / f"{kind}.json").read_text()) for kind in ("grounded", "chat")},
-                "H200": {kind: json.loads((HERE / f"{kind}-h200-bf16.json").read_text()) for kind in ("grounded", "chat")}}
+    recorded = {source: {kind: json.loads((HERE / f"{kind}{suffix}.json").read_text()) for kind in ("grounded", "chat")}
+                for source, suffix in (("CPU", ""), ("H200", "-h200-bf16"))}
     costs = {"CPU costs": (saved, None), "H100 costs": (H100_COST, None),
              "H200 learnt, 1.3 paid": ({1: 1.0, 2: 1.1, 3: 1.1, 4: 1.12, 5: 1.1}, 1.3)}
     for source, answers in recorded.items():
         for label, (table, paid) in costs.items():
             COST.clear(), COST.update(table)
-            found = closed_batches(answers, make, paid)
-            print(f"{source} answers, {label}: " + "  ".join(
-                f"{kind} {ratio_:.3f} ({passes:.1f})" for kind, (ratio_, passes) in found.items()), flush=True)
+            for warm in (False, True):
+                found = closed_batches(answers, make, paid, warm)
+                print(f"{source} answers, {label}, {'a worker that served them before' if warm else 'a new worker'}: "
+                      + "  ".join(f"{kind} {ratio_:.3f} ({passes:.1f})" for kind, (ratio_, passes) in found.items()),
+                      flush=True)
     COST.clear(), COST.update(saved)
 
 
