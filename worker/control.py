@@ -131,12 +131,14 @@ class Controller:
         self._draining: Optional[FetchedVersion] = None  # fetched, waiting for running sequences to end
         self._next_read = 0.0
         self._received: dict[str, float] = {}  # command id -> when it arrived here, until acknowledged
+        # The latest published weights and every published adapter are in place before the worker takes
+        # a job: a job sent after a publish must not meet the weights it replaced, nor miss an adapter.
+        self._catching_up: set[str] = set()
         latest = channel.latest_weights()
         if latest is not None and latest.version is not None and latest.version > version:
             log.info("catching up with version %d of the weights", latest.version)
+            self._catching_up.add(latest.id)
             self._fetch(latest)
-        # Published adapters are fetched before the worker takes a job: a job naming one must find it.
-        self._catching_up: set[str] = set()
         for adapter in channel.published_adapters():
             self._catching_up.add(adapter.id)
             self._loader.submit(adapter)
@@ -146,7 +148,8 @@ class Controller:
 
     @property
     def admitting(self) -> bool:
-        """Whether the loop may take new jobs: not while paused or draining for a swap."""
+        """Whether the loop may take new jobs: not while paused, draining for a swap, or catching up with
+        what was published before the worker started."""
         return self.paused is None and self._draining is None and not self._catching_up
 
     @property
@@ -209,6 +212,7 @@ class Controller:
         if command.op == "adapter":
             self._adapter_fetched(fetched, loop)
             return
+        self._catching_up.discard(command.id)  # swapped in below (nothing runs yet), or refused
         if self._fetching is not None and command.id == self._fetching.id:
             self._fetching = None
         if fetched.error is not None:
