@@ -181,17 +181,19 @@ def test_a_worker_that_was_down_catches_up_and_an_unknown_path_is_refused(redis_
     worker = start_fake_worker(redis_url, name="late", env=ENV, step_delay_s=0.01)
     try:
         workers_live(conn, 1)
-        assert client.wait(client.submit(long_request(95, 3)), timeout=30).weight_version == 4
+        caught_up = client.wait(client.submit(long_request(95, 3)), timeout=30).weight_version
         gone = tmp_path / "gone"
         gone.mkdir()
         (gone / "model.safetensors").write_bytes(b"x")
         command, chunks = weights_command(ALIAS, 6, str(gone), "inflight")
         (gone / "model.safetensors").unlink()  # vanished before the worker looked
         outcome = ControlCalls(conn).send(command, chunks, timeout=30)
-        assert not outcome.ok and "late" in outcome.errors and "no .safetensors" in outcome.errors["late"]
-        assert client.wait(client.submit(long_request(96, 3)), timeout=30).weight_version == 4  # still on 4
+        still = client.wait(client.submit(long_request(96, 3)), timeout=30).weight_version
     finally:
         out = stop(worker)
+    assert caught_up == 4, out  # its first job already on the version published while it was down
+    assert not outcome.ok and "late" in outcome.errors and "no .safetensors" in outcome.errors["late"], (outcome, out)
+    assert still == 4, out
     assert worker.returncode == 0, out
 
 
