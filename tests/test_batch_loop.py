@@ -204,10 +204,10 @@ class Clock:
         return self.now
 
 
-def make_loop(max_num_seqs: int = 8, health: Optional[UpHealth] = None, **settings: Any
-              ) -> tuple[BatchLoop, FakeSource, FakeRQ, FakeEnding, Clock]:
+def make_loop(max_num_seqs: int = 8, health: Optional[UpHealth] = None, engine: Optional[FakeEngine] = None,
+              **settings: Any) -> tuple[BatchLoop, FakeSource, FakeRQ, FakeEnding, Clock]:
     source, rq, ending, clock = FakeSource(), FakeRQ(), FakeEnding(), Clock()
-    scheduler = BatchScheduler(FakeEngine(), max_num_seqs=max_num_seqs, worker_name="w")
+    scheduler = BatchScheduler(engine if engine is not None else FakeEngine(), max_num_seqs=max_num_seqs, worker_name="w")
     loop = BatchLoop(scheduler, source, rq, FakeBookkeeper(), ending, health or UpHealth(),  # type: ignore[arg-type]
                      WorkerSettings(max_num_seqs=max_num_seqs, **settings), "mlxq:stats:w", clock=clock)
     return loop, source, rq, ending, clock
@@ -244,8 +244,7 @@ def test_a_full_worker_tells_its_engine_whether_jobs_wait_in_its_queues_as_each_
         def queue_seen(self, jobs_waiting: bool) -> None:
             heard.append(jobs_waiting)
 
-    loop, source, _, _, clock = make_loop(max_num_seqs=2)
-    loop.scheduler.engine = Watching()
+    loop, source, _, _, clock = make_loop(max_num_seqs=2, engine=Watching())
     source.waiting = [("a", request(1000)), ("b", request(1000)), ("c", request(1000))]
     turns(loop, clock, 3)
     assert heard[0] is True and len(loop.scheduler) == 2  # "c" waits

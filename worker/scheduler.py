@@ -72,6 +72,8 @@ class BatchScheduler:
         kv_budget_bytes: Optional[int] = None,
     ) -> None:
         self.engine = engine
+        # Asked once, not at every poll: a runtime protocol check costs microseconds on the loop's hot path.
+        self._queue_watcher = engine if isinstance(engine, WatchesQueue) else None
         self.max_num_seqs = max_num_seqs
         self.default_max_tokens = default_max_tokens
         self.limits = limits
@@ -332,8 +334,8 @@ class BatchScheduler:
     # --- stepping -------------------------------------------------------------------------
     def queue_seen(self, jobs_waiting: bool) -> None:
         """The worker's latest poll found jobs left in its queues (`jobs_waiting`), or none."""
-        if isinstance(self.engine, WatchesQueue):
-            self.engine.queue_seen(jobs_waiting)
+        if self._queue_watcher is not None:
+            self._queue_watcher.queue_seen(jobs_waiting)
 
     def step(self) -> list[EndedJob]:
         """Run one engine step; return the jobs that ended in it. An exception from the engine
