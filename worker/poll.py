@@ -41,6 +41,14 @@ for first = 9, #ARGV, 1000 do
 end
 local max_bytes = tonumber(ARGV[8])
 local room = tonumber(ARGV[1])
+local function queued()  -- the jobs waiting in the queues polled (a key that is not a list counts none)
+  local total = 0
+  for q = 2, #KEYS, 2 do
+    local length = redis.pcall('LLEN', KEYS[q])
+    if type(length) == 'number' then total = total + length end
+  end
+  return total
+end
 if ARGV[4] ~= '' then
   local now = tonumber(redis.call('TIME')[1])
   redis.call('HSET', ARGV[4], ARGV[7], now)
@@ -56,10 +64,7 @@ if ARGV[4] ~= '' then
         redis.call('HDEL', ARGV[4], members[i])
       end
     end
-    for q = 2, #KEYS, 2 do
-      local length = redis.pcall('LLEN', KEYS[q])
-      if type(length) == 'number' then load = load + length end
-    end
+    load = load + queued()
     local share = math.ceil(load / live) - redis.call('SCARD', KEYS[1])
     room = math.max(0, math.min(room, share))
   end
@@ -101,12 +106,7 @@ for q = 2, #KEYS, 2 do
     end
   end
 end
-local left = 0
-for q = 2, #KEYS, 2 do
-  local length = redis.pcall('LLEN', KEYS[q])
-  if type(length) == 'number' then left = left + length end
-end
-return {cancelled, taken, broken_queues, left}
+return {cancelled, taken, broken_queues, queued()}
 """
 
 
