@@ -130,7 +130,6 @@ def closed_batches(answers, make, paid=None, warm=False, orders=24, size=8):
         for kinds in (["grounded"], ["chat"], ["grounded", "chat"]):
             label = "alternating: " if len(kinds) > 1 else ""
             speculator, endings = make(), graded.EarlyEndings()
-            speculator.costs.cost = known({})
             starts = range(0, min(len(rows) for rows in shuffled.values()), size)
             for counted, start in [(False, start) for start in starts if warm] + [(True, start) for start in starts]:
                 for kind in kinds:
