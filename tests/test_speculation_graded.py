@@ -124,11 +124,16 @@ def moved_ahead(row: Row, by: int = 6) -> Row:
     return row
 
 
-def plan_with_rows_ahead(speculator: GradedSpeculator, ahead: int, by: int, backlog: bool = False) -> Optional[StepPlan]:
-    """A batch of 8 at a pass cost of 1.25: `ahead` well-graded rows `by` tokens ahead of the rest, of
-    which one matches a single token and the others nothing."""
+def batch_with_rows_ahead(ahead: int, by: int) -> list[Row]:
+    """A batch of 8: `ahead` well-graded rows `by` tokens ahead of the rest, of which one matches a
+    single token and the others nothing."""
     others = [short_match("short")] + [Row(f"n{i}", [10 + i, 20 + i]) for i in range(7 - ahead)]
-    rows = [moved_ahead(long_match(f"a{i}"), by) for i in range(ahead)] + others
+    return [moved_ahead(long_match(f"a{i}"), by) for i in range(ahead)] + others
+
+
+def plan_with_rows_ahead(speculator: GradedSpeculator, ahead: int, by: int, backlog: bool = False) -> Optional[StepPlan]:
+    """`batch_with_rows_ahead`'s plan at a pass cost of 1.25."""
+    rows = batch_with_rows_ahead(ahead, by)
     speculator.step_began(rows, slot_count=8, backlog=backlog)
     return speculator.plan(rows, slot_count=8)
 
@@ -141,17 +146,20 @@ def test_with_nothing_waiting_a_pass_that_only_rows_well_ahead_gain_from_is_not_
     def plan(ahead_by: int, backlog: bool) -> Optional[StepPlan]:
         return plan_with_rows_ahead(taught(lookup(pass_cost=1.25)), ahead=2, by=ahead_by, backlog=backlog)
 
-    assert lookup(pass_cost=1.25).endings.share() == 0.25
+    assert lookup(pass_cost=1.25).endings.batch_share(batch_with_rows_ahead(2, 6)) == 0.25
     assert plan(ahead_by=6, backlog=False) is None
     assert plan(ahead_by=6, backlog=True) is not None and plan(ahead_by=4, backlog=False) is not None
 
 
-def end_rows(speculator: GradedSpeculator, count: int, early: bool) -> None:
-    for i in range(count):
-        row = Row(f"ended{i}", [1, 2, 3])
-        if not early:
-            row.generated = [0] * row.spec.max_tokens
-        speculator.ended(row)
+def end_rows(speculator: GradedSpeculator, count: int, early: bool, like: list[Row]) -> None:
+    """Ends `count` rows like each of `like` (its prompt's length and max_tokens: its kind), early or at
+    their length."""
+    for template in like:
+        for i in range(count):
+            row = Row(f"ended{i}", [0] * (len(template.prompt) + 1))
+            if not early:
+                row.generated = [0] * row.spec.max_tokens
+            speculator.ended(row)
 
 
 def test_rows_well_ahead_count_for_the_share_of_rows_that_ended_before_their_length():
@@ -159,13 +167,13 @@ def test_rows_well_ahead_count_for_the_share_of_rows_that_ended_before_their_len
     tokens added to rows well ahead are worth nothing to the batch; where rows end early, any row may
     be the last. Two rows 6 ahead are worth a pass once most rows ended early; four rows, worth one at
     the prior's quarter, are not once most rows ran to their length."""
-    speculator = taught(lookup(pass_cost=1.25))
+    speculator, batch = taught(lookup(pass_cost=1.25)), batch_with_rows_ahead(4, 6) + batch_with_rows_ahead(2, 6)
     assert plan_with_rows_ahead(speculator, ahead=4, by=6) is not None
-    end_rows(speculator, 30, early=True)
-    assert speculator.endings.share() > 0.9
+    end_rows(speculator, 30, early=True, like=batch)
+    assert speculator.endings.batch_share(batch) > 0.9
     assert plan_with_rows_ahead(speculator, ahead=2, by=6) is not None
-    end_rows(speculator, 60, early=False)
-    assert speculator.endings.share() < 0.1
+    end_rows(speculator, 60, early=False, like=batch)
+    assert speculator.endings.batch_share(batch) < 0.1
     assert plan_with_rows_ahead(speculator, ahead=4, by=6) is None
     assert plan_with_rows_ahead(speculator, ahead=4, by=6, backlog=True) is not None
 
@@ -177,7 +185,7 @@ def test_where_rows_run_to_their_length_a_pass_must_shorten_the_batchs_wait():
     beside a row 6 tokens ahead that proposes nothing."""
     def plan(rows: list[Row]) -> Optional[StepPlan]:
         speculator = taught(lookup(pass_cost=1.25))
-        end_rows(speculator, 20, early=False)
+        end_rows(speculator, 20, early=False, like=rows)
         speculator.step_began(rows, slot_count=8)
         return speculator.plan(rows, slot_count=8)
 
@@ -186,6 +194,26 @@ def test_where_rows_run_to_their_length_a_pass_must_shorten_the_batchs_wait():
     every = plan([long_match(f"a{i}") for i in range(8)])
     assert every is not None and every.width == 5
     assert plan([moved_ahead(Row("x", [30, 31, 32, 33, 34, 35, 36, 37]))] + [long_match(f"a{i}") for i in range(7)]) is not None
+
+
+def test_a_worker_learns_how_each_kind_of_row_ends_apart():
+    """Rows of short prompts ran to their length and rows of long documents ended early: a batch of the
+    first kind is still judged by its wait (two well-graded rows of 8 are no pass), however many
+    documents ended early since. One share for all rows lay between the two, and the pass ran."""
+    def chat_batch() -> list[Row]:
+        nothing = [Row(f"n{i}", list(range(100 + 10 * i, 111 + 10 * i))) for i in range(6)]  # (prompts of 10)
+        return [long_match("a"), long_match("b")] + nothing
+
+    def plan(chat_early: bool) -> Optional[StepPlan]:
+        speculator, rows, documents = taught(lookup(pass_cost=1.25)), chat_batch(), [Row("doc", list(range(200, 300)))]
+        end_rows(speculator, 30, early=chat_early, like=rows[:1])
+        end_rows(speculator, 30, early=True, like=documents)
+        assert speculator.endings.batch_share(documents) > 0.9
+        speculator.step_began(rows, slot_count=8)
+        return speculator.plan(rows, slot_count=8)
+
+    assert plan(chat_early=False) is None
+    assert plan(chat_early=True) is not None
 
 
 def test_a_verified_proposal_teaches_its_grade_once():

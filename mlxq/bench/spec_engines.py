@@ -66,12 +66,13 @@ class EngineArm:
     def pass_costs(self) -> dict[str, float]:
         """What the arm's speculator has measured of its passes and early read-backs, in decode steps
         (pass_cost.PassCosts.learnt; empty without speculation), and the graded policy's share of
-        rows ending early (graded.EarlyEndings)."""
+        rows ending early for each kind of row (graded.EarlyEndings)."""
         speculator = getattr(self.scheduler.engine, "speculator", None)  # the compiled engine's
         if speculator is None:
             return {}
         endings = getattr(speculator, "endings", None)
-        return {**speculator.costs.learnt(), **({"ending early": endings.share()} if endings is not None else {})}
+        shares = endings.shares() if endings is not None else {}
+        return {**speculator.costs.learnt(), **{f"ending early, {kind}": share for kind, share in shares.items()}}
 
     def cpu_s(self) -> float:
         """This process's CPU seconds: one arm runs at a time, so a run's difference is its own."""

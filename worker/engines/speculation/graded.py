@@ -88,21 +88,39 @@ class GradeAcceptance:
         return sums
 
 
+def ending_kind(row: Row) -> tuple[int, int]:
+    """Rows alike in how they end: the octave of their prompt's length and of their `max_tokens` (a
+    document to summarize or edit against a chat turn; a short limit against a long one)."""
+    return len(row.prompt).bit_length(), row.spec.max_tokens.bit_length()
+
+
 class EarlyEndings:
     """The share of recent rows that ended before their `max_tokens` (at a stop token or string, or
-    removed), as discounted counts from a prior of `AHEAD_PRIOR` worth two rows. Where rows run to
-    their length (open chat under a short limit), which row the batch waits for is known from what
-    each has left; where they end early, any row may be the last."""
+    removed), for each kind of row (`ending_kind`) apart: discounted counts from a prior of
+    `AHEAD_PRIOR` worth two rows. Where rows run to their length (open chat under a short limit), which
+    row the batch waits for is known from what each has left; where they end early, any row may be the
+    last. A worker serving both kinds learns each (one share for all sat between them, docs/performance.md)."""
 
     def __init__(self) -> None:
-        self._early, self._ended = 2 * AHEAD_PRIOR, 2.0
+        self._counts: dict[tuple[int, int], tuple[float, float]] = {}  # kind: (ended early, ended)
 
-    def share(self) -> float:
-        return self._early / self._ended
+    def share(self, kind: tuple[int, int]) -> float:
+        early, ended = self._counts.get(kind, (0.0, 0.0))
+        return (early + 2 * AHEAD_PRIOR) / (ended + 2)
 
-    def record(self, early: bool) -> None:
-        self._early = ENDINGS_DISCOUNT * self._early + early
-        self._ended = ENDINGS_DISCOUNT * self._ended + 1
+    def batch_share(self, rows: Sequence[Row]) -> float:
+        """The rows' shares, averaged."""
+        return sum(self.share(ending_kind(row)) for row in rows) / len(rows) if rows else AHEAD_PRIOR
+
+    def record(self, kind: tuple[int, int], early: bool) -> None:
+        early_so_far, ended = self._counts.get(kind, (0.0, 0.0))
+        self._counts[kind] = (ENDINGS_DISCOUNT * early_so_far + early, ENDINGS_DISCOUNT * ended + 1)
+
+    def shares(self) -> dict[str, float]:
+        """Each kind's share, named by the prompt lengths and `max_tokens` it covers (for reports)."""
+        def octave(bits: int) -> str:
+            return f"{1 << (bits - 1) if bits else 0}-{(1 << bits) - 1}"
+        return {f"prompt {octave(p)} tokens, max_tokens {octave(m)}": self.share((p, m)) for p, m in sorted(self._counts)}
 
 
 class GradedSpeculator(Speculator):
@@ -146,12 +164,11 @@ class GradedSpeculator(Speculator):
         most = max(left.values())
         return {uid: most - tokens for uid, tokens in left.items()}
 
-    def _width_for(self, ahead: dict[str, int], drafts: dict[str, tuple[int, Hashable]], slot_count: int,
+    def _width_for(self, rows: Sequence[Row], drafts: dict[str, tuple[int, Hashable]], slot_count: int,
                    lead: int = 0) -> int:
-        """The width that the rows' drafts ({uid: (length, grade)}) are worth, the rows `ahead` tokens
-        ahead of the one with the most left to make, where the first `lead` tokens of each draft must be
-        borne out first."""
-        share = self.endings.share()
+        """The width that the rows' drafts ({uid: (length, grade)}) are worth, where the first `lead`
+        tokens of each draft must be borne out first."""
+        ahead, share = self._ahead(rows), self.endings.batch_share(rows)
         if self._waits_for_last(len(ahead)) and share < RUN_TO_LENGTH:
             steps = self._shortening(ahead, drafts, lead)
             return self._best_width(lambda width: steps[width - 2], len(ahead), slot_count, 1 + len(steps))
@@ -226,7 +243,7 @@ class GradedSpeculator(Speculator):
     def width(self, rows: Sequence[Row], slot_count: int) -> int:
         """What the rows' latest guesses are worth, as they were made."""
         drafts = {row.spec.uid: (len(guess.draft), guess.grade) for row, guess in self._latest(rows)}
-        return self._width_for(self._ahead(rows), drafts, slot_count)
+        return self._width_for(rows, drafts, slot_count)
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether the rows' latest guesses are worth reading the step `in_flight` back early for a pass:
@@ -236,7 +253,7 @@ class GradedSpeculator(Speculator):
         if early_read is None or early_read < CHEAP_EARLY_READ:
             return self.width(rows, slot_count) > 1
         left = {row.spec.uid: (guess.left(row.generated), guess.grade) for row, guess in self._latest(rows)}
-        return self._width_for(self._ahead(rows), left, slot_count, lead=1) > 1
+        return self._width_for(rows, left, slot_count, lead=1) > 1
 
     def _plan(self, rows: Sequence[Row], slot_count: int) -> Optional[StepPlan]:
         """Every row that may propose guesses from its tokens now; the pass runs at the width those
@@ -246,7 +263,7 @@ class GradedSpeculator(Speculator):
             self._guesses.pop(row.spec.uid, None)
         made = self._guess(asking)
         drafts = {row.spec.uid: (len(guess.draft), guess.grade) for (row, _), guess in zip(asking, made) if guess.draft}
-        width = self._width_for(self._ahead(rows), drafts, slot_count)
+        width = self._width_for(rows, drafts, slot_count)
         if width < 2:
             return None
         plan = StepPlan(width=width)
@@ -264,7 +281,7 @@ class GradedSpeculator(Speculator):
         super().outcome(row, proposed, accepted)
 
     def ended(self, row: Row) -> None:
-        self.endings.record(early=len(row.generated) < row.spec.max_tokens)
+        self.endings.record(ending_kind(row), early=len(row.generated) < row.spec.max_tokens)
         super().ended(row)
 
     def _per_row(self) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ def main() -> None:
         arm.drive(all_at_once([BenchRequest(i, p, 128) for i, p in enumerate(prompts)], f"chat-{repeat}"),
                   lambda r: payload(r, False))
         calls = arm.time_counters()["engine_decode_steps"] - before.get("engine_decode_steps", 0)
-        print(f"repeat {repeat}: {len(passes)} passes, {calls:.0f} calls, share ending early {speculator.endings.share():.2f}")
+        print(f"repeat {repeat}: {len(passes)} passes, {calls:.0f} calls, shares ending early {speculator.endings.shares()}")
         for width, ahead, rows in passes[:10]:
             print(f"  width {width}, rows ahead by {ahead}, proposals (length, ahead by) {rows}")
     arm.stop()
