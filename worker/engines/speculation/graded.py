@@ -168,8 +168,9 @@ class GradedSpeculator(Speculator):
                    lead: int = 0) -> int:
         """The width that the rows' drafts ({uid: (length, grade)}) are worth, where the first `lead`
         tokens of each draft must be borne out first."""
-        ahead, share = self._ahead(rows), self.endings.batch_share(rows)
-        if self._waits_for_last(len(ahead)) and share < RUN_TO_LENGTH:
+        ahead, waits_for_last = self._ahead(rows), self._waits_for_last(len(rows))
+        share = self.endings.batch_share(rows) if waits_for_last else 1.0  # (else every row is 0 ahead)
+        if waits_for_last and share < RUN_TO_LENGTH:
             steps = self._shortening(ahead, drafts, lead)
             return self._best_width(lambda width: steps[width - 2], len(ahead), slot_count, 1 + len(steps))
         weights = {uid: 1.0 if by <= self.max_k else share for uid, by in ahead.items()}
