@@ -60,9 +60,11 @@ class Following:
         self.error: Optional[BaseException] = None  # its own read failed: the hub dropped it
 
     def skip_to(self, entry_id: Any) -> None:
-        """The reader saw the entries up to `entry_id` by other means: never give them again."""
+        """The reader saw the entries up to `entry_id` by other means: never give them again. Those the
+        hub read past it meanwhile stay buffered (the reader's own read may have ended before them)."""
+        seen = _position(entry_id)
         self._advance(entry_id)
-        self.buffered = [e for e in self.buffered if _position(e[0]) > self.after]
+        self.buffered = [e for e in self.buffered if _position(e[0]) > seen]
 
     def _advance(self, entry_id: Any) -> None:
         position = _position(entry_id)
