@@ -147,24 +147,27 @@ def _choices(n: int) -> Tokens:
     return [[] for _ in range(n)]
 
 
-def run_good(stack: Stack, producer: Client, channel: str, label: str, ledger: Optional[Ledger] = None) -> Tokens:
-    """One good request through one channel; the token ids of each choice."""
+def run_good(stack: Stack, producer: Client, channel: str, label: str,
+             ledger: Optional[Ledger] = None) -> tuple[Tokens, str]:
+    """One good request through one channel; the token ids of each choice, and the job's id."""
     request = GOOD[label]
     n = request.get("n", 1)
     if channel == "chat-blocking":
         with stack.http("acme") as http:
             response = http.post("/chat/completions", json=_chat_body(request, False))
         assert response.status_code == 200, (response.status_code, response.text[:500])
+        job_id = response.headers["x-mlxq-job-id"]
         if ledger:
-            ledger.good_job(response.headers["x-mlxq-job-id"], label)
-        return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
+            ledger.good_job(job_id, label)
+        return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])], job_id
     if channel == "chat-stream":
         tokens, done, errors = _choices(n), False, []
         with stack.http("acme") as http, http.stream("POST", "/chat/completions",
                                                      json=_chat_body(request, True)) as response:
             assert response.status_code == 200, (response.status_code, response.read()[:500])
+            job_id = response.headers["x-mlxq-job-id"]
             if ledger:
-                ledger.good_job(response.headers["x-mlxq-job-id"], label)
+                ledger.good_job(job_id, label)
             for _, data in sse(response):
                 if data == "[DONE]":
                     done = True
@@ -175,7 +178,7 @@ def run_good(stack: Stack, producer: Client, channel: str, label: str, ledger: O
                 for choice in chunk.get("choices", []):
                     tokens[choice["index"]].extend(choice.get("token_ids") or [])
         assert done and not errors, (done, errors)
-        return tokens
+        return tokens, job_id
     if channel == "jobs-events":
         with stack.http("acme") as http:
             job = http.post("/jobs", json={**request, "stream": True})
@@ -197,14 +200,14 @@ def run_good(stack: Stack, producer: Client, channel: str, label: str, ledger: O
             polled = http.get(f"/jobs/{job_id}").json()
             assert polled["status"] == "finished", polled
             assert [c["token_ids"] for c in polled["result"]["choices"]] == tokens, (polled, tokens)
-        return tokens
+        return tokens, job_id
     if channel == "producer":
         job_id = producer.submit(request)
         if ledger:
             ledger.good_job(job_id, label)
         result = producer.wait(job_id, timeout=300)
         assert result.status == "finished", result
-        return [choice.token_ids for choice in result.choices]
+        return [choice.token_ids for choice in result.choices], job_id
     if channel == "producer-stream":
         job_id = producer.submit({**request, "stream": True})
         if ledger:
@@ -216,13 +219,13 @@ def run_good(stack: Stack, producer: Client, channel: str, label: str, ledger: O
                 tokens[event["index"]].extend(event["token_ids"])
             else:
                 assert event["status"] == "finished", event
-        return tokens
+        return tokens, job_id
     raise AssertionError(channel)
 
 
 def alone(stack: Stack, producer: Client) -> dict[tuple[str, str], Tokens]:
     """Every good request through every channel, one at a time with nothing else running."""
-    return {(channel, label): run_good(stack, producer, channel, label) for channel in CHANNELS for label in GOOD}
+    return {(channel, label): run_good(stack, producer, channel, label)[0] for channel in CHANNELS for label in GOOD}
 
 
 class GoodClient(Actor):
@@ -238,9 +241,9 @@ class GoodClient(Actor):
     def round(self) -> None:
         label = list(GOOD)[self._turn % len(GOOD)]
         self._turn += 1
-        tokens = run_good(self.stack, self.producer, self.channel, label, self.ledger)
+        tokens, job_id = run_good(self.stack, self.producer, self.channel, label, self.ledger)
         if self.check(tokens == self.reference[(self.channel, label)],
-                      f"{label}: {tokens} != alone {self.reference[(self.channel, label)]}"):
+                      f"{label} (job {job_id}): {tokens} != alone {self.reference[(self.channel, label)]}"):
             self.count(f"{label} same as alone")
 
 
