@@ -18,7 +18,7 @@ step's proposals are expected to add:
   the most tokens per step's cost. The margin is there because a batch waits for its slowest row:
   the tokens a pass adds to the rows that finish first do not shorten that wait.
 - Where no request waits for a slot, the batch waits for the row that ends last. Where rows run to
-  their `max_tokens` (under `RUN_TO_LENGTH` of recent rows ended early, `EarlyEndings`), that is the
+  their `max_tokens` (under `RUN_TO_LENGTH` of recent rows of their kind ended early, `EarlyEndings`), that is the
   row with the most left to make, and a pass is judged by the steps it is expected to take off that
   wait (`_shortening`). Elsewhere the tokens a pass adds to rows more than a pass's reach ahead of
   that row count for the share of rows ending early (so do those rows in the batch's count): a row
