@@ -125,9 +125,10 @@ def test_the_speculative_scenario_reports_each_drafter_against_off(tiny_model_di
         assert c["cpu_ratio"] == (pytest.approx(cpu_ratio) if cpu_ratio is not None else None)
         assert (c["proposed"], c["accepted"]) == (mine["speculation"]["proposed"], mine["speculation"]["accepted"])
         assert c["acceptance"] == (c["accepted"] / c["proposed"] if c["proposed"] else None)
-        # A draft model's worker says what it proposed; prompt lookup's rows propose only where a guess
-        # is graded worth a pass, which a random model's six tokens may never be.
-        assert c["reported_speculation"] or c["drafter"] == "ngram", c
+        # The model as its own draft (its pass cost fixed) says what it proposed from its first step;
+        # prompt lookup and the random draft measure their costs, and a pass waits for steps timed at
+        # its slot count, which six tokens may not give.
+        assert c["reported_speculation"] or c["drafter"] != "draft-self", c
     assert all(by[("off", kind)]["speculation"]["results_reporting"] == 0 for kind in ("grounded", "chat"))
     # the model as its own draft: every proposal is the model's own greedy token
     self_draft = [c for c in spec["comparisons"] if c["drafter"] == "draft-self"]

@@ -17,7 +17,7 @@ from tests.test_speculative import looping_prompt
 from worker.engines.compiled import CompiledEngine
 from worker.engines.speculation import DraftRow, speculator_for
 from worker.engines.speculation.ngram import NgramDrafter
-from worker.engines.speculation.pass_cost import Call, PassCosts
+from worker.engines.speculation.pass_cost import FORGET_AFTER, Call, PassCosts
 from worker.scheduler import BatchScheduler
 
 STEP = 0.010  # seconds between the starts of two plain steps
@@ -185,3 +185,23 @@ def test_what_was_learnt_lists_each_measured_shape_and_early_read():
         costs.call(now, Call.DECLINED, 8)
         now = steady(costs, now + 0.012, 1)
     assert costs.learnt() == {"pass 8x5": pytest.approx(2.5), "early read 8": pytest.approx(0.2)}
+
+
+def test_a_draft_models_time_is_taken_off_the_call_it_ran_in_and_priced_per_position():
+    """A draft model proposing for a pass takes its seconds off the pass's call: the pass costs its
+    verification, and each of its width - 1 proposed positions the draft's median time per position
+    over a step's, at a slot count not measured as at the nearest one measured. Unlike a width's
+    timings, the draft's are kept: they are the models' and the device's."""
+    costs = PassCosts(prior=2.0)
+    now = steady(costs, 0.0, 4)
+    for _ in range(3):
+        costs.drafted(8, 4, 0.020)  # 4 positions in 2 steps' time, before the pass's call reports
+        costs.call(now, Call.PASS, 8, width=5)
+        costs.call(now + 0.045, Call.RESTART, 8)  # the restart launched a step: the pass took 2.5 steps
+        now = steady(costs, now + 0.055, 2)
+    assert costs.draft_cost(8) == pytest.approx(0.5) and costs.draft_cost(4) == pytest.approx(0.5)  # (its nearest)
+    assert costs.cost(8, 5) == pytest.approx(2.5 + 4 * 0.5)
+    assert costs.learnt() == {"pass 8x5": pytest.approx(2.5), "draft position 8": pytest.approx(0.5)}
+    steady(costs, now, FORGET_AFTER + 1)
+    assert costs.draft_cost(8) == pytest.approx(0.5) and costs.cost(8, 5) == pytest.approx(2.0 + 4 * 0.5)
+

@@ -280,6 +280,8 @@ def test_a_dear_early_read_judges_a_guess_by_what_is_left_after_the_step_in_flig
     0.5, by what is left after the step in flight. With nothing in flight, always as made."""
     speculator = speculator_for(NgramDrafter(), max_k=4, pass_cost=1.5, measure_cost=True)
     row = long_match("sampled", temperature=0.8)
+    for _ in range(3):  # passes wait for a step timed at their slot count
+        speculator.costs.step_took(1, 0.010)
     speculator.step_began([row], slot_count=1)
     assert speculator.wants([row], 1, in_flight=True)  # the early read's cost not measured yet
     early_reads(speculator, look_s)

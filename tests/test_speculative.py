@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -578,8 +579,9 @@ def test_rows_start_off_while_their_drafter_keeps_missing():
 
 def test_the_pass_width_follows_the_costs_measured_while_serving():
     """Each width's cost is its passes' median time over the decode steps' at the same slot count,
-    once both are measured (the prior until then; a pause in one sample does not move it); the width
-    chosen makes the most tokens per step's cost. A cost given as a setting is never measured, and a
+    once both are measured (the prior until then; a pause in one sample does not move it; no pass before
+    a step at that slot count is timed, as its passes could not be); the width chosen makes the most
+    tokens per step's cost. A cost given as a setting is never measured, and a
     width not run for a while is measured afresh (a width measured too dear would never be run again)."""
     measured = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0, measure_cost=True)
     fixed = speculator_for(FixedDrafter([5, 6, 7, 8]), max_k=4, pass_cost=2.0)
@@ -588,9 +590,10 @@ def test_the_pass_width_follows_the_costs_measured_while_serving():
         for row in rows:
             speculator.outcome(row, 2, 2)
             speculator.outcome(row, 3, 3)  # k 4, running acceptance 0.755
-        assert speculator.width(rows, 8) == 5  # every width at the prior: the widest makes the most
+        assert speculator.width(rows, 8) == (1 if speculator is measured else 5)  # no step timed at 8 slots yet
         for seconds in (0.1, 0.1, 0.1, 2.0):
             speculator.costs.step_took(8, seconds)
+        assert speculator.width(rows, 8) == 5  # every width at the prior: the widest makes the most
         for width, seconds in ((5, 0.3), (3, 0.14)):
             for _ in range(3):
                 speculator.costs.pass_took(8, width, seconds)
@@ -601,6 +604,47 @@ def test_the_pass_width_follows_the_costs_measured_while_serving():
     for _ in range(FORGET_AFTER + 1):  # a width left unused that long is tried afresh
         measured.costs.step_took(8, 0.1)
     assert measured.costs.cost(8, 5) == 2.0 and measured.width(rows, 8) == 5
+
+
+@pytest.mark.parametrize("draft_steps", [1.0, 0.05], ids=["as-dear-as-the-model", "cheap"])
+def test_a_draft_is_priced_at_what_its_calls_cost(draft_steps):
+    """A draft model's calls are timed apart and priced per proposed position: a draft that costs what
+    the served model does (the model as its own draft) runs no pass and no probe however well its
+    proposals are accepted, where a cheap one with the same acceptance runs passes and probes."""
+    step = 0.01
+
+    class TimedDraft(FixedDrafter):
+        judged_as_a_whole = True
+        calls = 0
+
+        def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+            TimedDraft.calls += 1
+            time.sleep(max(row.k for row in rows) * draft_steps * step)
+            return super().propose(rows)
+
+    speculator = speculator_for(TimedDraft([5, 6, 7, 8]), max_k=4, pass_cost=1.2, measure_cost=True)
+    rows = [PolicyRow(f"r{i}") for i in range(3)]
+    for _ in range(3):
+        speculator.costs.step_took(4, step)
+    for _ in range(3):  # until three proposals are timed the draft costs nothing: rows are tried
+        plan = speculator.plan(rows, 4)
+        assert plan is not None
+        for row_plan in plan.rows:
+            speculator.outcome(row_plan.seq, len(row_plan.draft), len(row_plan.draft))  # accepted whole
+    dear = draft_steps >= 1
+    draft = speculator.costs.draft_cost(4)
+    assert draft >= 1 if dear else draft < 0.5, draft  # (a sleep may overrun, never fall short)
+    assert speculator.costs.cost(4, 5) == pytest.approx(1.2 + 4 * draft)
+    assert speculator.costs.learnt()["draft position 4"] == pytest.approx(draft, abs=1e-3)
+    assert (speculator.width(rows, 4) == 1) is dear
+    late = PolicyRow("late")  # a row of a draft that kept missing starts off, and probes once its wait is over
+    speculator.track = 0.0
+    state = speculator.adaptivity(late)
+    while not state.probe_due:
+        state.decoded()
+    before = TimedDraft.calls
+    speculator.step_began([*rows, late], 4)
+    assert (TimedDraft.calls == before) is dear  # no probe where no pass could pay
 
 
 def test_a_verification_pass_needs_enough_expected_tokens_for_the_whole_batch(target):

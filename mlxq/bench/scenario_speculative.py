@@ -5,7 +5,11 @@ runs: `off` (no speculation: the baseline) and one per drafter of --spec-drafter
 
 - ngram: prompt lookup (`--speculative ngram`);
 - draft-self: the served model as its own draft (`--speculative draft --draft-model <the model>`):
-  every proposal is accepted under greedy decoding, the most a draft model can give;
+  every proposal is accepted under greedy decoding, the most a draft model can give. Its pass cost
+  is fixed at the platform's default (MLXQ_SPECULATIVE_PASS_COST), so its draft calls are not priced
+  and every pass its rows' acceptance asks for runs: the path at full acceptance. A worker measures
+  what its draft calls cost and would run none (docs/speculative.md); `draft` with
+  --spec-draft-model <the model> serves it so;
 - draft-random: a tiny random-weight model with the served model's tokenizer and vocabulary
   (`mlxq make-tiny-model --tokenizer-from`), whose proposals are almost never accepted: what
   speculation costs when it cannot help;
@@ -72,6 +76,11 @@ def arm_env(cfg: BenchConfig, arm: str, model_path: str, random_path: Optional[s
     draft = {"draft-self": model_path, "draft-random": random_path, "draft": cfg.spec_draft_model}[arm]
     if draft is None:
         raise ValueError(f"--spec-drafters {arm}: no draft model")
+    if arm == "draft-self":  # unpriced: the path at full acceptance (module docstring)
+        from worker.engines.speculation.speculator import DEFAULT_PASS_COST
+        from worker.weight_prep import current_platform
+
+        env["MLXQ_SPECULATIVE_PASS_COST"] = str(DEFAULT_PASS_COST[current_platform()])
     return {**env, "MLXQ_SPECULATIVE": "draft", "MLXQ_DRAFT_MODEL": str(draft)}
 
 

@@ -23,6 +23,11 @@ proposing. Each row keeps its own k and an average of its acceptance:
   (a `Guess`, speculator.py); a miss turns it off again. The backoff starts at `FIRST_BACKOFF` steps and
   doubles each time a probe fails, up to `MAX_BACKOFF`; a proposal accepted whole resets it.
 
+A probe costs the draft's calls, so rows probe only where a pass could pay at the measured costs
+were every proposal accepted whole: a draft whose calls cost what the served model's do (the model
+as its own draft) never could, however well it is accepted (its cost per proposed position is
+measured apart, pass_cost.py).
+
 So open-ended text, where proposals rarely match, pays the verification passes of its first
 `MISSES_OFF` proposals and nothing more but the drafter's guesses; text that repeats its prompt
 keeps k at the maximum.
@@ -34,6 +39,7 @@ backoff; a ride of at least `START_K` tokens accepted whole turns the row back o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -182,7 +188,7 @@ class AdaptiveSpeculator(Speculator):
         for row in rows:
             self.adaptivity(row).decoded()
         self._settle_probes(rows)
-        if self._width_limit(slot_count) > 1:
+        if self._width_limit(slot_count) > 1 and self._could_pay(len(rows), slot_count):
             self._start_probes(rows)
 
     def _start_probes(self, rows: Sequence[Row]) -> None:
@@ -191,6 +197,7 @@ class AdaptiveSpeculator(Speculator):
         if not due:
             return
         drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in due])
+        self.costs.probed()
         for (row, k), draft in zip(due, drafts):
             draft = [int(t) for t in draft[:k]]
             if draft:
@@ -221,7 +228,9 @@ class AdaptiveSpeculator(Speculator):
             if state is not None:
                 (on if state.on else riding).append((row, min(width - 1, self._room(row))))
         asking = on + riding
+        drafting = time.perf_counter()
         drafts = self.drafter.propose([DraftRow(row.spec.uid, row.prompt + row.generated, k) for row, k in asking])
+        self.costs.drafted(slot_count, width - 1, time.perf_counter() - drafting)
         drafts = [[int(t) for t in draft[:k]] for draft, (_, k) in zip(drafts, asking)]
         longest = max(len(draft) for draft in drafts[: len(on)])
         for (row, _), draft in zip(on, drafts):

@@ -144,12 +144,6 @@ class GradedSpeculator(Speculator):
     def _margin(self, rows: int) -> float:
         return BATCH_MARGIN if rows > 1 else 1.0
 
-    def _could_pay(self, rows: int, slot_count: int) -> bool:
-        """Whether a pass could pay here were every row's proposal accepted whole (at 32 slots, passes of
-        two positions, it cannot where a pass costs 1.5 steps or more): if not, nobody guesses."""
-        return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
-                                margin=self._margin(rows)) > 1
-
     def _waits_for_last(self, rows: int) -> bool:
         """Whether the batch waits for its last row: no request waits for a slot, and more than one
         row decodes."""

@@ -25,6 +25,14 @@ that is costs no more than its share of that one's extra cost, (w - 1) / (m - 1)
 pass does less, and a narrow width left at a prior too dear would never be run, and so never be
 measured. A width measured as too dear to run would never be measured again either, so its passes
 are forgotten `FORGET_AFTER` decode steps after the latest: then it is tried afresh.
+
+A draft model's calls are timed apart (`drafted`): the seconds the policy spent proposing for a
+pass are taken off the call they ran in, and a pass of `width` costs its verification plus
+width - 1 of the draft's positions, each the median of the recent proposals' time per position
+over a step's (at a slot count not yet measured, the nearest measured one's). So a draft that costs as much as the served model (the model as its own draft, or
+any draft on a device where every call costs its launches) is priced as such before a width is
+run. Its timings are not forgotten: what a draft's position costs next to a step is the two models'
+and the device's, and measuring it again would cost each row the draft's catch-up on its prompt.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class _Window:
     slots: int
     width: int
     started: float
+    drafting: float  # seconds of the pass's call spent in the drafter
     restarts: int = 0  # decode steps launched after the pass, each in a call that read nothing back
 
 
@@ -79,20 +88,27 @@ class PassCosts:
         self._reported: set[tuple[int, int]] = set()
         self._window: Optional[_Window] = None  # a pass whose time is still being counted
         self._declined: dict[int, deque[float]] = {}  # what each declined look cost beyond a step, seconds
-        self._last: Optional[tuple[Call, int, float]] = None  # the latest call: its kind, slots and start
+        self._last: Optional[tuple[Call, int, float, float]] = None  # the latest call: kind, slots, start, drafting
+        self._drafting = 0.0  # seconds the call being made has spent in the drafter so far
+        self._probing = False  # whether the call being made ran a probe's draft calls
+        self._drafts: dict[int, deque[float]] = {}  # slots -> a draft's seconds per proposed position
 
     def call(self, started: float, kind: Call, slots: int, width: int = 0) -> None:
         """The engine made a call of `kind` that began at `started` (time.perf_counter()) with `slots`
         slots; a pass gives its width."""
         if not self.measure:
             return
-        last, self._last = self._last, (kind, slots, started)
+        drafting, self._drafting = self._drafting, 0.0
+        if self._probing:
+            kind, self._probing = Call.OTHER, False
+        last, self._last = self._last, (kind, slots, started, drafting)
         if last is not None:
-            last_kind, last_slots, last_started = last
+            last_kind, last_slots, last_started, last_drafting = last
+            took = started - last_started - last_drafting
             if last_kind is Call.STEP:
-                self.step_took(last_slots, started - last_started)
+                self.step_took(last_slots, took)
             elif last_kind is Call.DECLINED and (step := self._step_median.get(last_slots)) is not None:
-                self._declined.setdefault(last_slots, deque(maxlen=SAMPLES)).append(started - last_started - step)
+                self._declined.setdefault(last_slots, deque(maxlen=SAMPLES)).append(took - step)
         window, self._window = self._window, None
         if window is not None and kind is Call.RESTART:
             window.restarts += 1
@@ -100,9 +116,38 @@ class PassCosts:
         elif window is not None and kind is not Call.OTHER:  # an admission would hide the restart's launch
             step = self._step_median.get(window.slots)
             if step is not None:
-                self.pass_took(window.slots, window.width, started - window.started - window.restarts * step)
+                self.pass_took(window.slots, window.width,
+                               started - window.started - window.drafting - window.restarts * step)
         if kind is Call.PASS:
-            self._window = _Window(slots, width, started)
+            self._window = _Window(slots, width, started, drafting)
+
+    def drafted(self, slots: int, positions: int, seconds: float) -> None:
+        """A draft model proposed up to `positions` tokens a row at `slots` slots, in `seconds`, during
+        the call the engine is making (reported before that call's `call`)."""
+        if self.measure and positions > 0:
+            self._drafting += seconds
+            self._drafts.setdefault(slots, deque(maxlen=SAMPLES)).append(seconds / positions)
+
+    def probed(self) -> None:
+        """A probe's draft calls ran in the call the engine is making: that call is timed as nothing
+        (on a GPU the probe also waited for the step in flight, so its time is not the draft's)."""
+        self._probing = True
+
+    def step_known(self, slots: int) -> bool:
+        """Whether a decode step at `slots` slots has been timed, so that passes there can be (or
+        costs are a setting, never measured)."""
+        return not self.measure or slots in self._step_median
+
+    def draft_cost(self, slots: int) -> float:
+        """A proposed position's draft calls at `slots` slots, in decode steps: where not measured there,
+        as at the nearest slot count where it was (a batched draft call grows with the slots as a step
+        does, and a row's first proposal runs the draft over its whole prompt: pricing a dear draft
+        anew at each slot count would cost that each time); 0 until measured anywhere."""
+        measured = {count: statistics.median(drafts) / self._step_median[count] for count, drafts in self._drafts.items()
+                    if len(drafts) >= MIN_PASSES and count in self._step_median}
+        if not measured:
+            return 0.0
+        return measured[min(measured, key=lambda count: (abs(count - slots), count))]
 
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
@@ -128,7 +173,11 @@ class PassCosts:
             self._pass_median.pop(shape, None)
 
     def cost(self, slots: int, width: int) -> float:
-        """A pass of `width` positions a slot at `slots` slots, in decode steps at `slots` (at least 1)."""
+        """A pass of `width` positions a slot at `slots` slots, its draft calls included, in decode
+        steps at `slots` (at least 1)."""
+        return self._verification_cost(slots, width) + (width - 1) * self.draft_cost(slots)
+
+    def _verification_cost(self, slots: int, width: int) -> float:
         step = self._step_median.get(slots)
         if step is None:
             return self.prior
@@ -155,12 +204,16 @@ class PassCosts:
 
     def learnt(self) -> dict[str, float]:
         """What has been measured so far, in decode steps: "pass <slots>x<width>" for each shape with
-        enough passes, and "early read <slots>" for each slot count with enough declined looks."""
+        enough passes (its verification), "draft position <slots>" for each slot count with enough
+        timed proposals, and "early read <slots>" for each slot count with enough declined looks."""
         found: dict[str, float] = {}
         for (slots, width), seconds in sorted(self._pass_median.items()):
             step = self._step_median.get(slots)
             if step is not None:
                 found[f"pass {slots}x{width}"] = round(seconds / step, 3)
+        for slots in sorted(self._drafts):
+            if (draft := self.draft_cost(slots)) > 0:
+                found[f"draft position {slots}"] = round(draft, 3)
         for slots in sorted(self._declined):
             early = self.early_read_cost(slots)
             if early is not None:

@@ -159,6 +159,8 @@ class Speculator:
         tokens to a batch of `rows` decoding rows, up to `widest`: a pass of cost c makes rows + E(w)
         tokens where a decode step makes `rows`, so it pays when E(w) >= rows (c - 1), times `margin`;
         of the widths that pay, the one that makes the most tokens per step's cost."""
+        if not self.costs.step_known(slot_count):
+            return 1  # a pass is timed against a step at its slot count: a few steps there come first
         best, best_rate = 1, 0.0
         for width in range(2, min(widest, self._width_limit(slot_count)) + 1):
             gain, cost = expected(width), self.costs.cost(slot_count, width)
@@ -167,6 +169,17 @@ class Speculator:
                 if rate > best_rate:
                     best, best_rate = width, rate
         return best
+
+    def _margin(self, rows: int) -> float:
+        """How many times a pass's extra cost its expected tokens must make up (`_best_width`)."""
+        return 1.0
+
+    def _could_pay(self, rows: int, slot_count: int) -> bool:
+        """Whether a pass could pay here at the costs known were every row's proposal accepted whole:
+        where not (at 32 slots, passes of two positions, where a pass costs 1.5 steps or more; a draft
+        whose calls cost what the served model's do), guesses and probes buy nothing."""
+        return self._best_width(lambda width: rows * (width - 1), rows, slot_count, self.max_k + 1,
+                                margin=self._margin(rows)) > 1
 
     def wants(self, rows: Sequence[Row], slot_count: int, in_flight: bool = False) -> bool:
         """Whether some row would propose this step (then the engine reads the step `in_flight`, if one

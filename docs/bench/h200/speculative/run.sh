@@ -16,6 +16,7 @@ REPEATS=${REPEATS:-2}
 ROWS=${ROWS:-1,8,32}
 NEW_TOKENS=${NEW_TOKENS:-128}
 DRAFTERS=${DRAFTERS:-ngram,draft-self}
+DRAFT_MODEL=${DRAFT_MODEL:-}  # the `draft` drafter's model (--spec-draft-model), e.g. the model itself as a worker serves it
 SAMPLING=${SAMPLING:-greedy,sampled}
 WORKLOADS=${WORKLOADS:-grounded,chat}
 IGNORE_EOS=${IGNORE_EOS:-}  # non-empty: every request makes NEW_TOKENS tokens (--spec-ignore-eos)
@@ -33,7 +34,7 @@ speculative() {
   rm -rf $RUN
   (cd /tmp && timeout ${SPEC_TIMEOUT:-300} ${CPUS:+taskset -c $CPUS} $PYTHON -m mlxq bench --model "$MODEL" \
     --scenario speculative --spec-drafters "$DRAFTERS" --spec-workloads "$WORKLOADS" --spec-sampling "$SAMPLING" \
-    --spec-rows "$ROWS" --spec-new-tokens "$NEW_TOKENS" ${IGNORE_EOS:+--spec-ignore-eos} ${IN_PROCESS:+--spec-in-process} --repeats "$REPEATS" \
+    --spec-rows "$ROWS" --spec-new-tokens "$NEW_TOKENS" ${DRAFT_MODEL:+--spec-draft-model "$DRAFT_MODEL"} ${IGNORE_EOS:+--spec-ignore-eos} ${IN_PROCESS:+--spec-in-process} --repeats "$REPEATS" \
     --warmup-tokens 32 --max-num-seqs 32 --out $RUN > "$OUT/speculative.log" 2>&1)
   echo "exit $?" >> "$OUT/speculative.log"
   cp $RUN/table.md "$OUT/speculative-table.md" 2>/dev/null
