@@ -27,12 +27,13 @@ measured. A width measured as too dear to run would never be measured again eith
 are forgotten `FORGET_AFTER` decode steps after the latest: then it is tried afresh.
 
 A draft model's calls are timed apart (`drafted`): the seconds the policy spent proposing for a
-pass are taken off the call they ran in, and a pass of `width` costs its verification plus
-width - 1 of the draft's positions, each the median of the recent proposals' time per position
-over a step's (at a slot count not yet measured, the nearest measured one's). So a draft that costs as much as the served model (the model as its own draft, or
-any draft on a device where every call costs its launches) is priced as such before a width is
-run. Its timings are not forgotten: what a draft's position costs next to a step is the two models'
-and the device's, and measuring it again would cost each row the draft's catch-up on its prompt.
+pass are taken off the call they ran in, and a pass of `width` costs its verification plus width - 1
+of the draft's positions, each the median of the recent proposals' time per position over a step's
+(at a slot count not yet measured, the nearest measured one's). So a draft that costs as much as the
+served model (the model as its own draft, or any draft on a device where every call costs its
+launches) is priced as such before a width is run. Its timings are not forgotten: what a draft's
+position costs next to a step is the two models' and the device's, and measuring it again would cost
+each row the draft's catch-up on its prompt. A call that ran a probe's draft calls is timed as nothing.
 """
 
 from __future__ import annotations
@@ -143,11 +144,15 @@ class PassCosts:
         as at the nearest slot count where it was (a batched draft call grows with the slots as a step
         does, and a row's first proposal runs the draft over its whole prompt: pricing a dear draft
         anew at each slot count would cost that each time); 0 until measured anywhere."""
-        measured = {count: statistics.median(drafts) / self._step_median[count] for count, drafts in self._drafts.items()
-                    if len(drafts) >= MIN_PASSES and count in self._step_median}
+        measured = self._draft_costs()
         if not measured:
             return 0.0
         return measured[min(measured, key=lambda count: (abs(count - slots), count))]
+
+    def _draft_costs(self) -> dict[int, float]:
+        """Slot count -> a proposed position's draft calls there, in decode steps, where measured."""
+        return {count: statistics.median(drafts) / self._step_median[count] for count, drafts in self._drafts.items()
+                if len(drafts) >= MIN_PASSES and count in self._step_median}
 
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
@@ -211,9 +216,8 @@ class PassCosts:
             step = self._step_median.get(slots)
             if step is not None:
                 found[f"pass {slots}x{width}"] = round(seconds / step, 3)
-        for slots in sorted(self._drafts):
-            if (draft := self.draft_cost(slots)) > 0:
-                found[f"draft position {slots}"] = round(draft, 3)
+        for slots, draft in sorted(self._draft_costs().items()):
+            found[f"draft position {slots}"] = round(draft, 3)
         for slots in sorted(self._declined):
             early = self.early_read_cost(slots)
             if early is not None:
