@@ -93,6 +93,7 @@ class PassCosts:
         self._drafting = 0.0  # seconds the call being made has spent in the drafter so far
         self._probing = False  # whether the call being made ran a probe's draft calls
         self._drafts: dict[int, deque[float]] = {}  # slots -> a draft's seconds per proposed position
+        self._draft_median: dict[int, float] = {}  # slots -> seconds per proposed position, once MIN_PASSES were timed
 
     def call(self, started: float, kind: Call, slots: int, width: int = 0) -> None:
         """The engine made a call of `kind` that began at `started` (time.perf_counter()) with `slots`
@@ -127,7 +128,10 @@ class PassCosts:
         the call the engine is making (reported before that call's `call`)."""
         if self.measure and positions > 0:
             self._drafting += seconds
-            self._drafts.setdefault(slots, deque(maxlen=SAMPLES)).append(seconds / positions)
+            drafts = self._drafts.setdefault(slots, deque(maxlen=SAMPLES))
+            drafts.append(seconds / positions)
+            if len(drafts) >= MIN_PASSES:
+                self._draft_median[slots] = statistics.median(drafts)
 
     def probed(self) -> None:
         """A probe's draft calls ran in the call the engine is making: that call is timed as nothing
@@ -151,8 +155,8 @@ class PassCosts:
 
     def _draft_costs(self) -> dict[int, float]:
         """Slot count -> a proposed position's draft calls there, in decode steps, where measured."""
-        return {count: statistics.median(drafts) / self._step_median[count] for count, drafts in self._drafts.items()
-                if len(drafts) >= MIN_PASSES and count in self._step_median}
+        return {count: seconds / self._step_median[count] for count, seconds in self._draft_median.items()
+                if count in self._step_median}
 
     def step_took(self, slots: int, seconds: float) -> None:
         if self.measure:
